@@ -1,0 +1,106 @@
+"""aiolaunch: an asyncio-native process supervisor.
+
+Launch ``n`` copies of a worker (a Python function or a binary), carry their
+output into per-rank log files and a prefixed console, and ``await`` their
+exits the moment they happen. The async re-imagining of
+``torch.distributed.elastic.multiprocessing`` and ``torchrun``.
+
+``import aiolaunch`` is cheap (about a millisecond, and never imports torch):
+public names are loaded on first use. That keeps function workers, which
+import this package in every child, fast to start.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._version import __version__ as __version__
+
+# Not `from typing import TYPE_CHECKING`: importing typing costs milliseconds
+# in every function worker; type checkers treat this name specially.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ._api import free_port as free_port
+    from ._api import launch as launch
+    from ._api import start_processes as start_processes
+    from ._context import MultiprocessContext as MultiprocessContext
+    from ._context import PContext as PContext
+    from ._context import SubprocessContext as SubprocessContext
+    from ._error_file import record as record
+    from ._errors import ChildFailedError as ChildFailedError
+    from ._errors import MainProcessError as MainProcessError
+    from ._errors import SignalException as SignalException
+    from ._errors import WorkerError as WorkerError
+    from ._logs_specs import DefaultLogsSpecs as DefaultLogsSpecs
+    from ._logs_specs import LogsDest as LogsDest
+    from ._logs_specs import LogsSpecs as LogsSpecs
+    from ._results import ProcessFailure as ProcessFailure
+    from ._results import RunProcsResult as RunProcsResult
+    from ._types import Std as Std
+    from ._types import to_map as to_map
+
+# public name -> private module that defines it
+_EXPORTS: dict[str, str] = {
+    "ChildFailedError": "._errors",
+    "DefaultLogsSpecs": "._logs_specs",
+    "LogsDest": "._logs_specs",
+    "LogsSpecs": "._logs_specs",
+    "MainProcessError": "._errors",
+    "MultiprocessContext": "._context",
+    "PContext": "._context",
+    "ProcessFailure": "._results",
+    "RunProcsResult": "._results",
+    "SignalException": "._errors",
+    "Std": "._types",
+    "SubprocessContext": "._context",
+    "WorkerError": "._errors",
+    "free_port": "._api",
+    "launch": "._api",
+    "record": "._error_file",
+    "start_processes": "._api",
+    "to_map": "._types",
+}
+
+__all__ = [
+    "ChildFailedError",
+    "DefaultLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
+    "MainProcessError",
+    "MultiprocessContext",
+    "PContext",
+    "ProcessFailure",
+    "RunProcsResult",
+    "SignalException",
+    "Std",
+    "SubprocessContext",
+    "WorkerError",
+    "__version__",
+    "free_port",
+    "launch",
+    "record",
+    "start_processes",
+    "to_map",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'aiolaunch' has no attribute {name!r}")
+    obj = getattr(importlib.import_module(module_name, __name__), name)
+    # Public objects report ``aiolaunch`` as their module, so tracebacks and
+    # pickles name the public path and survive internal moves (as trio does).
+    if getattr(obj, "__module__", "").startswith("aiolaunch."):
+        try:
+            obj.__module__ = "aiolaunch"
+        except (AttributeError, TypeError):  # pragma: no cover - builtins
+            pass
+    globals()[name] = obj
+    return obj
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

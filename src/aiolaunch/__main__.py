@@ -1,0 +1,3 @@
+from aiolaunch._cli import main
+
+raise SystemExit(main())

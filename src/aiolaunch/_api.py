@@ -1,0 +1,206 @@
+"""The front door: :func:`start_processes`, :func:`launch`, :func:`free_port`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable, Generator, Mapping
+from types import TracebackType
+from typing import Any
+
+from ._context import MultiprocessContext, PContext, SubprocessContext
+from ._errors import MainProcessError, SignalException, WorkerError
+from ._logs_specs import LogsSpecs, plain_logs_dest
+from ._types import Std
+from ._validate import check_start_inputs, pickle_payloads
+
+__all__ = ["free_port", "launch", "start_processes"]
+
+
+class _Starting:
+    """What :func:`start_processes` returns: await it, or use it with ``async with``."""
+
+    def __init__(self, make: Callable[[], PContext]) -> None:
+        self._make = make
+        self._ctx: PContext | None = None
+
+    async def _start(self) -> PContext:
+        ctx = self._make()
+        await ctx._start()
+        return ctx
+
+    def __await__(self) -> Generator[Any, None, PContext]:
+        return self._start().__await__()
+
+    async def __aenter__(self) -> PContext:
+        self._ctx = await self._start()
+        return self._ctx
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._ctx is not None
+        await self._ctx.__aexit__(exc_type, exc, tb)
+
+
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, Mapping[str, str]],
+    log_dir: str | os.PathLike[str] | LogsSpecs | None = None,
+    start_method: str = "spawn",
+    redirects: Std | dict[int, Std] = Std.NONE,
+    tee: Std | dict[int, Std] = Std.NONE,
+    *,
+    logs_specs: Any = None,
+    log_line_prefixes: dict[int, str] | None = None,
+    shutdown_timeout: float = 30.0,
+) -> _Starting:
+    """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
+
+    ``ctx = await start_processes(...)`` returns a started :class:`PContext`;
+    ``async with start_processes(...) as ctx:`` also closes it on leaving.
+
+    :param name: prefixes console lines (``[{name}{rank}]:``).
+    :param entrypoint: a callable (``def`` or ``async def``; function workers in
+        multiprocessing children) or a str naming a binary (asyncio subprocesses,
+        ``args`` cast with ``str()``).
+    :param args: ``{local_rank: tuple}``, keys exactly ``0..n-1``.
+    :param envs: ``{local_rank: {str: str}}``, same keys; applied on top of the
+        parent's environment (functions: before the entrypoint is unpickled).
+    :param log_dir: folder for ``{rank}/stdout.log|stderr.log|error.json``;
+        must be empty or missing; ``None``: a fresh temporary folder. (torch's
+        positional ``logs_specs`` is accepted here too.)
+    :param start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (function
+        workers; checked for binaries too).
+    :param redirects: streams written to log files (``Std`` or ``{rank: Std}``).
+    :param tee: streams also shown on the console, prefixed; implies redirect.
+    :param logs_specs: a :class:`LogsSpecs` (or torch's) instead of
+        ``log_dir``/``redirects``/``tee``; torch's layout.
+    :param log_line_prefixes: ``{rank: prefix}`` replacing ``[{name}{rank}]:``.
+    :param shutdown_timeout: seconds between the death signal and SIGKILL when
+        ``wait()`` fails fast or forwards a signal.
+    :raises ValueError, TypeError, FileNotFoundError, NotADirectoryError: for
+        bad input, before any process starts (the message names the argument
+        and the fix).
+    """
+    if isinstance(log_dir, LogsSpecs) or (
+        log_dir is not None
+        and not isinstance(log_dir, str | os.PathLike)
+        and callable(getattr(log_dir, "reify", None))
+    ):
+        if logs_specs is not None:
+            raise ValueError("logs_specs was given twice (positionally and by keyword)")
+        logs_specs, log_dir = log_dir, None
+    check_start_inputs(
+        name=name,
+        entrypoint=entrypoint,
+        args=args,
+        envs=envs,
+        start_method=start_method,
+        log_dir=log_dir,
+        redirects=redirects,
+        tee=tee,
+        logs_specs=logs_specs,
+        log_line_prefixes=log_line_prefixes,
+        shutdown_timeout=shutdown_timeout,
+    )
+    nprocs = len(args)
+    args_ = {rank: tuple(args[rank]) for rank in range(nprocs)}
+    envs_ = {rank: dict(envs[rank]) for rank in range(nprocs)}
+    fn_bytes: bytes = b""
+    args_bytes: dict[int, bytes] = {}
+    if not isinstance(entrypoint, str):
+        fn_bytes, args_bytes = pickle_payloads(entrypoint, args_)
+    else:
+        args_ = {rank: tuple(str(a) for a in a_) for rank, a_ in args_.items()}
+
+    def make() -> PContext:
+        if logs_specs is not None:
+            dest = logs_specs.reify(envs_)
+        else:
+            if log_dir is None:
+                folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
+            else:
+                folder = os.fspath(log_dir)
+                os.makedirs(folder, exist_ok=True)
+            dest = plain_logs_dest(folder, envs_, redirects, tee)
+        common: dict[str, Any] = {
+            "name": name,
+            "entrypoint": entrypoint,
+            "args": args_,
+            "envs": envs_,
+            "logs_dest": dest,
+            "log_line_prefixes": log_line_prefixes,
+            "shutdown_timeout": float(shutdown_timeout),
+            "start_method": start_method,
+        }
+        if isinstance(entrypoint, str):
+            return SubprocessContext(**common)
+        return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
+
+    return _Starting(make)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def launch(
+    func: Callable[..., Any],
+    args: Any,
+    nprocs: int,
+    master_addr: str = "localhost",
+    master_port: int | None = None,
+) -> dict[int, Any]:
+    """Run ``func(args)`` in ``nprocs`` function workers; return ``{rank: value}``.
+
+    Each worker gets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``
+    and ``MASTER_PORT`` (``master_port=None`` picks a free one), ready for
+    ``torch.distributed.init_process_group()``.
+
+    :raises WorkerError: a worker failed (the first one); the others were stopped.
+    :raises MainProcessError: the supervisor got SIGINT/SIGTERM; workers were stopped.
+    """
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be an int >= 1 (the number of workers)")
+    port = master_port if master_port is not None else free_port()
+    envs = {
+        rank: {
+            "WORLD_SIZE": str(nprocs),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+        }
+        for rank in range(nprocs)
+    }
+    name = getattr(func, "__name__", "worker")
+    async with start_processes(
+        name=name,
+        entrypoint=func,
+        args={rank: (args,) for rank in range(nprocs)},
+        envs=envs,
+    ) as ctx:
+        try:
+            result = await ctx.wait()
+        except SignalException as exc:
+            raise MainProcessError(exc.sigval) from exc
+        assert result is not None
+        if result.is_failed():
+            rank = min(
+                result.failures, key=lambda r: (result.failures[r].timestamp, r)
+            )
+            failure = result.failures[rank]
+            raise WorkerError(failure.exitcode, rank)
+        return dict(result.return_values)

@@ -1,0 +1,344 @@
+"""The process context: a started group of workers, awaited as one.
+
+Exit flow: a worker exits -> its handle's exit callback (subprocess protocol or
+pidfd reader) runs on the loop -> ``_changed`` is set -> ``wait()`` wakes,
+decides (all succeeded / first failure) and finishes the group through the one
+shutdown path (:func:`aiolaunch._shutdown.terminate`), then drains every pipe
+into its sinks before returning. No step polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from ._errors import SignalException
+from ._logs import DEVNULL, INHERIT, StreamPump, plan_stream
+from ._logs_specs import LogsDest
+from ._results import ProcessFailure, RunProcsResult
+from ._shutdown import shielded, terminate
+from ._signals import watch_signals
+from ._workers._handle import WorkerHandle
+
+__all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
+
+# After a worker is gone, how long its pipes may take to reach EOF before we
+# read what the kernel buffers and close our end (a surviving descendant in
+# another session may hold them).
+_DRAIN_TIMEOUT = 0.25
+
+
+class PContext:
+    """A group of ``nprocs`` workers started by :func:`aiolaunch.start_processes`.
+
+    Attributes mirror torch's ``PContext``: ``name``, ``nprocs``,
+    ``entrypoint``, ``args``, ``envs``, ``stdouts``, ``stderrs``,
+    ``error_files`` (rank -> path; ``""`` for a stream that is not redirected).
+
+    Use it as an async context manager, or call :meth:`close` yourself:
+    leaving the block - normally, by exception or by cancellation - stops every
+    worker and its descendants.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        entrypoint: Callable[..., Any] | str,
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        logs_dest: LogsDest,
+        log_line_prefixes: dict[int, str] | None,
+        shutdown_timeout: float,
+        start_method: str,
+    ) -> None:
+        self.name = name
+        self.entrypoint = entrypoint
+        self.args = args
+        self.envs = envs
+        self.nprocs = len(args)
+        self.start_method = start_method
+        self.stdouts = dict(logs_dest.stdouts)
+        self.stderrs = dict(logs_dest.stderrs)
+        self.error_files = dict(logs_dest.error_files)
+        self._dest = logs_dest
+        self._prefixes = log_line_prefixes or {}
+        self._shutdown_timeout = shutdown_timeout
+        self._workers: dict[int, WorkerHandle] = {}
+        self._pumps: list[StreamPump] = []
+        self._changed = asyncio.Event()
+        self._end: asyncio.Task[RunProcsResult] | None = None
+        self._result: RunProcsResult | None = None
+        self._exit_order: list[int] = []
+
+    # -- start ------------------------------------------------------------
+    def _prefix(self, rank: int) -> str:
+        return self._prefixes.get(rank, f"[{self.name}{rank}]:")
+
+    async def _start(self) -> None:
+        try:
+            for rank in range(self.nprocs):
+                await self._start_one(rank)
+        except BaseException:
+            await shielded(self._finish(signal.SIGKILL, 0.0))
+            raise
+
+    async def _start_one(self, rank: int) -> None:
+        fds: list[int] = []
+        plans = []
+        try:
+            for stream, path, tees in (
+                ("stdout", self.stdouts[rank], self._dest.tee_stdouts),
+                ("stderr", self.stderrs[rank], self._dest.tee_stderrs),
+            ):
+                mode, sinks = plan_stream(path, rank in tees, stream, self._prefix(rank))
+                if mode == INHERIT:
+                    plans.append((None, None, sinks))
+                elif mode == DEVNULL:
+                    null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                    fds.append(null)
+                    plans.append((null, None, sinks))
+                else:
+                    r, w = os.pipe()
+                    fds += [r, w]
+                    plans.append((w, r, sinks))
+            handle = await self._spawn(rank, plans[0][0], plans[1][0])
+        except BaseException:
+            for fd in fds:
+                _close_quietly(fd)
+            for _, _, sinks in plans:
+                for sink in sinks:
+                    await sink.aclose()
+            raise
+        handle.on_exit = self._on_exit
+        self._workers[rank] = handle
+        for w, r, sinks in plans:
+            if w is not None:
+                _close_quietly(w)  # the child has its copy
+            if r is not None:
+                self._pumps.append(await StreamPump.open(r, sinks))
+
+    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
+        raise NotImplementedError
+
+    def _on_exit(self, handle: WorkerHandle) -> None:
+        self._exit_order.append(handle.local_rank)
+        self._changed.set()
+
+    # -- queries ----------------------------------------------------------
+    def pids(self) -> dict[int, int]:
+        """``{local_rank: pid}`` of every started worker."""
+        return {rank: w.pid for rank, w in self._workers.items()}
+
+    def _failed_ranks(self) -> list[int]:
+        failed = []
+        for rank in self._exit_order:
+            w = self._workers[rank]
+            if w.stopped_by_us:
+                continue
+            if w.returncode != 0 or w.failure_reason is not None:
+                failed.append(rank)
+        return failed
+
+    def _decided(self) -> bool:
+        if self._failed_ranks():
+            return True
+        return len(self._workers) == self.nprocs and all(
+            not w.alive for w in self._workers.values()
+        )
+
+    # -- wait / close -----------------------------------------------------
+    async def wait(self, timeout: float | None = None, period: float | None = None) -> RunProcsResult | None:
+        """Wait for the group's outcome.
+
+        Returns a :class:`RunProcsResult` once every worker succeeded, or at
+        the first failure after stopping the others (death signal, then
+        SIGKILL after ``shutdown_timeout``). Returns ``None`` if ``timeout``
+        seconds pass first (``None`` or negative: wait forever; ``0``: poll).
+        Returns within milliseconds of the deciding exit: it is woken by the
+        exit itself (``period`` is accepted for torch compatibility and
+        ignored). After a result every worker is reaped, every pipe drained
+        into its log file and console, and :meth:`close` is a no-op.
+
+        While it runs in the main thread, SIGTERM, SIGINT, SIGHUP and SIGQUIT
+        sent to the supervisor are forwarded to every worker's process group;
+        survivors get SIGKILL after ``shutdown_timeout``; then
+        :class:`SignalException` is raised. Previous handlers are restored on
+        return. Outside the main thread there is no such race (logged once).
+
+        *Cancellation*: cancelling the task that awaits ``wait()`` stops the
+        waiting only; the workers stop when the context is closed.
+        """
+        if self._result is not None:
+            return self._result
+        if self._end is not None:
+            return await shielded(self._end)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
+        with watch_signals(lambda sig: self._changed.set()) as watch:
+            while True:
+                self._changed.clear()
+                if watch.received is not None:
+                    watch.consumed = True
+                    sig = watch.received
+                    await shielded(self._finish(sig, self._shutdown_timeout))
+                    raise SignalException(
+                        f"Process {os.getpid()} got signal: {sig.value}", sigval=sig
+                    )
+                if self._decided() or self._end is not None:
+                    return await shielded(self._finish(signal.SIGTERM, self._shutdown_timeout))
+                remaining = math.inf if deadline is None else deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                with anyio.move_on_after(remaining):
+                    await self._changed.wait()
+
+    async def close(self, death_sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        """Stop every worker and its whole process tree; release everything.
+
+        Sends ``death_sig`` to each worker's process group and descendants,
+        SIGKILLs survivors after ``timeout`` seconds (logging a warning naming
+        rank and pid), reaps them, drains and closes every pipe and log file.
+        Idempotent; shielded from cancellation (a cancel is re-raised after the
+        cleanup finished).
+        """
+        await shielded(self._finish(death_sig, timeout))
+
+    def _finish(self, death_sig: int, grace: float) -> asyncio.Task[RunProcsResult]:
+        if self._end is None:
+            self._end = asyncio.ensure_future(self._shutdown(death_sig, grace))
+        return self._end
+
+    async def _shutdown(self, death_sig: int, grace: float) -> RunProcsResult:
+        workers = list(self._workers.values())
+        failed_before = set(self._failed_ranks())
+        await terminate(workers, death_sig, grace)
+        if self._pumps:
+            await asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in self._pumps))
+        for w in workers:
+            w.release()
+        self._result = self._build_result(failed_before)
+        return self._result
+
+    def _build_result(self, failed: set[int]) -> RunProcsResult:
+        failures: dict[int, ProcessFailure] = {}
+        for rank in self._exit_order:
+            if rank not in failed:
+                continue
+            w = self._workers[rank]
+            error_file = self.error_files.get(rank, "")
+            if w.failure_reason is not None and error_file and error_file != os.devnull:
+                _record_reason(error_file, w.failure_reason)
+            assert w.returncode is not None
+            failures[rank] = ProcessFailure(
+                local_rank=rank, pid=w.pid, exitcode=w.returncode, error_file=error_file
+            )
+        return_values: dict[int, Any] = {}
+        if not failures:
+            for rank, w in sorted(self._workers.items()):
+                if w.returncode == 0 and not w.stopped_by_us:
+                    return_values[rank] = w.return_value
+        return RunProcsResult(
+            return_values=return_values,
+            failures=failures,
+            stdouts=dict(self.stdouts),
+            stderrs=dict(self.stderrs),
+        )
+
+    # -- context manager --------------------------------------------------
+    async def __aenter__(self) -> PContext:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close(timeout=self._shutdown_timeout)
+
+    def __repr__(self) -> str:
+        if self._result is not None:
+            state = "failed" if self._result.is_failed() else "done"
+        elif self._end is not None:
+            state = "closing"
+        else:
+            state = "running"
+        return (
+            f"<{type(self).__name__} name={self.name!r} nprocs={self.nprocs} "
+            f"state={state} pids={self.pids()}>"
+        )
+
+
+class SubprocessContext(PContext):
+    """Binary workers (``entrypoint`` is a str): asyncio subprocesses.
+
+    Each leads its own process group, inherits the parent's environment plus
+    ``envs[rank]`` and ``TORCHELASTIC_ERROR_FILE``, and is killed by the
+    kernel if the supervisor dies (Linux; the worker's own children are
+    reached only through ``close()``).
+    """
+
+    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
+        from ._workers._binary import spawn_binary
+
+        assert isinstance(self.entrypoint, str)
+        env = {**os.environ, **self.envs[rank]}
+        argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
+        return await spawn_binary(rank, argv, env, stdout, stderr)
+
+
+class MultiprocessContext(PContext):
+    """Function workers (``entrypoint`` is callable): multiprocessing children.
+
+    The function and its args travel by value where plain pickle cannot name
+    them (``__main__``, notebook cells, lambdas, closures). ``envs[rank]`` is
+    applied before they are unpickled. The return value is sent back as soon
+    as the function returns and lands in ``result.return_values[rank]``.
+    """
+
+    def __init__(self, *, fn_bytes: bytes, args_bytes: dict[int, bytes], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fn_bytes = fn_bytes
+        self._args_bytes = args_bytes
+
+    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
+        from ._workers._function import spawn_function
+
+        return await spawn_function(
+            local_rank=rank,
+            name=self.name,
+            start_method=self.start_method,
+            fn=self._fn_bytes,
+            args=self._args_bytes[rank],
+            env=dict(self.envs[rank]),
+            stdout=stdout,
+            stderr=stderr,
+            error_file=self.error_files.get(rank, ""),
+        )
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _record_reason(path: str, reason: str) -> None:
+    if os.path.exists(path):
+        return
+    from ._error_file import write_error_file
+
+    try:
+        write_error_file(path, RuntimeError(reason))
+    except OSError:
+        print(f"aiolaunch: {reason}", file=sys.stderr)  # noqa: T201

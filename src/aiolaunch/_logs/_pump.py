@@ -1,0 +1,109 @@
+"""The async reader of one worker pipe: bytes in, sinks fed, drained on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+
+import anyio
+
+from ._sinks import FileSink, Sink
+
+__all__ = ["StreamPump"]
+
+_READ_SIZE = 1 << 20
+
+
+class StreamPump(asyncio.Protocol):
+    """Reads one pipe with asyncio's pipe transport and feeds every sink.
+
+    Exit detection never waits on this pump (a grandchild may hold the pipe
+    open forever); instead :meth:`drain` is called once the worker is gone: it
+    waits a bounded time for EOF, then reads synchronously whatever the kernel
+    still buffers - every byte the worker wrote before exiting is there - and
+    closes our end.
+    """
+
+    def __init__(self, sinks: Sequence[Sink], fd: int) -> None:
+        self.sinks = list(sinks)
+        self.fd = fd
+        self.transport: asyncio.ReadTransport | None = None
+        self.eof = asyncio.Event()
+        self._closed = False
+        for sink in self.sinks:
+            if isinstance(sink, FileSink):
+                sink.flow_control = self._flow_control
+
+    @classmethod
+    async def open(cls, read_fd: int, sinks: Sequence[Sink]) -> StreamPump:
+        """Start reading ``read_fd`` (ownership passes to the pump)."""
+        pump = cls(sinks, read_fd)
+        loop = asyncio.get_running_loop()
+        pipe = os.fdopen(read_fd, "rb", buffering=0)
+        try:
+            await loop.connect_read_pipe(lambda: pump, pipe)
+        except BaseException:
+            pipe.close()
+            raise
+        return pump
+
+    # -- asyncio.Protocol -------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.ReadTransport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        for sink in self.sinks:
+            sink.feed(data)
+
+    def eof_received(self) -> bool | None:
+        return None  # let the transport close itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof.set()
+
+    # -- ours -------------------------------------------------------------
+    def _flow_control(self, pause: bool) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if pause:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+    def _read_rest(self) -> None:
+        # The transport made the fd non-blocking; read until the pipe is empty.
+        while True:
+            try:
+                data = os.read(self.fd, _READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            self.data_received(data)
+
+    async def drain(self, timeout: float) -> None:
+        """Finish the stream: EOF within ``timeout`` or read what is buffered; close.
+
+        Called after the writer exited. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        transport = self.transport
+        if transport is not None and not self.eof.is_set():
+            if not transport.is_closing():
+                transport.resume_reading()
+            if timeout > 0:
+                with anyio.move_on_after(timeout):
+                    await self.eof.wait()
+            if not self.eof.is_set():
+                # A descendant still holds the pipe: take what is buffered, then
+                # close our end (the holder gets SIGPIPE on its next write).
+                self._read_rest()
+                transport.close()
+        for sink in self.sinks:
+            await sink.aclose()

@@ -1,0 +1,250 @@
+"""Where a worker's bytes go: a log file (exact bytes) and/or the console (lines).
+
+A sink takes ``feed(data)`` calls on the event-loop thread, in order, and a
+final ``aclose()``. Sinks never block the loop:
+
+- :class:`FileSink` batches chunks and writes them with ``os.write`` on a small
+  dedicated thread pool, one write in flight per file, so bytes stay in order.
+  Past a high-water mark it asks its pump to pause reading: the worker then
+  blocks on a full pipe instead of the supervisor growing without bound.
+- :class:`ConsoleSink` frames lines, prefixes them, decodes UTF-8 incrementally
+  (replacing bad bytes on the console only) and writes each batch of whole
+  lines with one ``write()`` to the ``sys.stdout``/``sys.stderr`` of the moment
+  (so a Jupyter cell shows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TextIO
+
+__all__ = ["ConsoleSink", "FileSink", "PassthroughSink", "Sink", "open_log_file"]
+
+_HIGH_WATER = 16 * 1024 * 1024
+_LOW_WATER = 4 * 1024 * 1024
+# The longest console line; longer ones go out in pieces, each prefixed.
+_MAX_LINE = 64 * 1024
+
+_executor: ThreadPoolExecutor | None = None
+_executor_pid = 0
+_executor_lock = threading.Lock()
+
+
+def _file_executor() -> ThreadPoolExecutor:
+    # Our own pool: the loop's default executor may be saturated by user work
+    # (to_thread calls), and log writes must not queue behind it.
+    global _executor, _executor_pid
+    with _executor_lock:
+        if _executor is None or _executor_pid != os.getpid():
+            _executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="aiolaunch-log")
+            _executor_pid = os.getpid()
+        return _executor
+
+
+def open_log_file(path: str) -> int:
+    """Create ``path`` for appending without following a planted symlink.
+
+    Mode 0o666 filtered by the user's umask, like ``open()``.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    return os.open(path, flags, 0o666)
+
+
+class Sink:
+    """Base class: receives a stream's bytes in order."""
+
+    def feed(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Flush everything fed so far and release resources. Idempotent."""
+
+
+def _write_all(fd: int, chunks: list[bytes]) -> None:
+    data = b"".join(chunks) if len(chunks) > 1 else chunks[0]
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class FileSink(Sink):
+    """Exact bytes to one file, written off the loop thread, in order."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = open_log_file(path)
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._in_flight: asyncio.Future[None] | None = None
+        self._closed = False
+        self.error: BaseException | None = None
+        #: set by the pump: called with True to pause reading, False to resume
+        self.flow_control: Callable[[bool], None] | None = None
+        self._paused = False
+
+    def feed(self, data: bytes) -> None:
+        if self._closed or self.error is not None:
+            return
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._in_flight is None:
+            self._start_write()
+        elif self._pending_bytes > _HIGH_WATER and not self._paused and self.flow_control:
+            self._paused = True
+            self.flow_control(True)
+
+    def _start_write(self) -> None:
+        chunks, self._pending = self._pending, []
+        self._pending_bytes = 0
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(_file_executor(), _write_all, self._fd, chunks)
+        self._in_flight = fut
+        fut.add_done_callback(self._write_done)
+
+    def _write_done(self, fut: asyncio.Future[None]) -> None:
+        self._in_flight = None
+        exc = fut.exception() if not fut.cancelled() else None
+        if exc is not None:
+            # A full disk or a removed directory: keep the worker running and
+            # report it; later bytes for this file are dropped.
+            self.error = exc
+            self._pending.clear()
+            self._pending_bytes = 0
+        elif self._pending:
+            self._start_write()
+        if self._paused and self._pending_bytes < _LOW_WATER and self.flow_control:
+            self._paused = False
+            self.flow_control(False)
+
+    async def flush(self) -> None:
+        while self._in_flight is not None:
+            await asyncio.shield(self._in_flight)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        await self.flush()
+        self._closed = True
+        os.close(self._fd)
+
+
+def _stream(name: str) -> TextIO:
+    # Looked up at write time: a notebook swaps sys.stdout per cell.
+    stream: TextIO = sys.stdout if name == "stdout" else sys.stderr
+    return stream
+
+
+class _LineDecoder:
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(self, data: bytes, final: bool = False) -> str:
+        return self._decoder.decode(data, final)
+
+
+class ConsoleSink(Sink):
+    """Prefixed, line-atomic text to the parent's console.
+
+    - One ``write()`` per batch of whole lines: lines of different workers
+      never mix within a line.
+    - ``\\r`` progress updates are coalesced: only the latest state of a line is
+      kept until the line ends, so a tqdm bar in a worker never floods the
+      console with one line per update.
+    - A final line without newline is flushed, with a newline, at EOF.
+    """
+
+    def __init__(self, stream: str, prefix: str) -> None:
+        self._stream = stream
+        self._prefix = prefix
+        self._decoder = _LineDecoder()
+        self._partial = ""
+
+    def feed(self, data: bytes) -> None:
+        self._emit(self._decoder.decode(data))
+
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        text = self._partial + text
+        lines = text.split("\n")
+        self._partial = _latest_state(lines.pop())
+        out: list[str] = []
+        for line in lines:
+            out.extend(self._frame(_latest_state(line).rstrip("\r")))
+        while len(self._partial) > _MAX_LINE:
+            out.append(self._prefix + self._partial[:_MAX_LINE] + "\n")
+            self._partial = self._partial[_MAX_LINE:]
+        if out:
+            _console_write(self._stream, "".join(out))
+
+    def _frame(self, line: str) -> list[str]:
+        if len(line) <= _MAX_LINE:
+            return [self._prefix + line + "\n"]
+        return [
+            self._prefix + line[i : i + _MAX_LINE] + "\n" for i in range(0, len(line), _MAX_LINE)
+        ]
+
+    async def aclose(self) -> None:
+        tail = self._decoder.decode(b"", final=True)
+        self._partial = _latest_state(self._partial + tail).rstrip("\r")
+        if self._partial:
+            _console_write(self._stream, "".join(self._frame(self._partial)))
+            self._partial = ""
+
+
+def _latest_state(line: str) -> str:
+    # "a\rb\rc" shows as "c" on a terminal; keep what a terminal would show
+    # (a trailing "\r" means the next update overwrites: keep the last non-empty one).
+    if "\r" not in line:
+        return line
+    parts = [p for p in line.split("\r") if p]
+    last = parts[-1] if parts else ""
+    return last + "\r" if line.endswith("\r") else last
+
+
+class PassthroughSink(Sink):
+    """Unprefixed text to the console, for streams not redirected.
+
+    Used where ``sys.stdout`` is not the process's fd 1 (a Jupyter kernel):
+    there, inheriting the fd would send the worker's output to the server's
+    terminal instead of the cell.
+    """
+
+    def __init__(self, stream: str) -> None:
+        self._stream = stream
+        self._decoder = _LineDecoder()
+
+    def feed(self, data: bytes) -> None:
+        text = self._decoder.decode(data)
+        if text:
+            _console_write(self._stream, text)
+
+    async def aclose(self) -> None:
+        text = self._decoder.decode(b"", final=True)
+        if text:
+            _console_write(self._stream, text)
+
+
+def _console_write(stream_name: str, text: str) -> None:
+    stream = _stream(stream_name)
+    hook = _console_hook
+    try:
+        if hook is not None:
+            hook(stream, text)
+        else:
+            stream.write(text)
+            stream.flush()
+    except (OSError, ValueError):
+        # A closed or broken console must not take the supervisor down.
+        pass
+
+
+ConsoleHook = Callable[[TextIO, str], None]
+_console_hook: ConsoleHook | None = None

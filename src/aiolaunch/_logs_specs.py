@@ -1,0 +1,200 @@
+"""Where each rank's output goes: torch's ``LogsSpecs`` contract, and ours.
+
+``start_processes(log_dir=..., redirects=..., tee=...)`` lays files out as
+``{log_dir}/{rank}/stdout.log|stderr.log|error.json``.
+
+``start_processes(logs_specs=...)`` takes a :class:`DefaultLogsSpecs` (torch's
+constructor) or torch's own object, and uses torch's layout
+``{log_dir}/{run_id}_<unique>/attempt_{k}/{rank}/...``.
+
+In a :class:`LogsDest`, a stream path of ``""`` means "the console" and
+``os.devnull`` means "discard" (torch's conventions).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from ._types import Std, to_map
+
+__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "plain_logs_dest"]
+
+
+@dataclass
+class LogsDest:
+    """Per-rank destinations, keyed by local rank (torch's ``LogsDest``)."""
+
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+    tee_stdouts: dict[int, str] = field(default_factory=dict)
+    tee_stderrs: dict[int, str] = field(default_factory=dict)
+    error_files: dict[int, str] = field(default_factory=dict)
+    filtered_stdout: str = ""
+    filtered_stderr: str = ""
+
+
+class LogsSpecs(ABC):
+    """Turns per-rank environments into :class:`LogsDest` (torch's ABC).
+
+    :param log_dir: base folder for logs.
+    :param redirects: which streams go to files (``Std`` or ``{rank: Std}``).
+    :param tee: which streams also go to the console, prefixed.
+    :param local_ranks_filter: only these ranks reach the console.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        self._root_log_dir = log_dir
+        self._redirects = redirects
+        self._tee = tee
+        self._local_ranks_filter = local_ranks_filter
+
+    @abstractmethod
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Create the folders of one attempt and return its destinations.
+
+        May set ``TORCHELASTIC_ERROR_FILE`` in each ``envs[rank]``.
+        """
+
+    @property
+    @abstractmethod
+    def root_log_dir(self) -> str:
+        """The base folder."""
+
+
+class DefaultLogsSpecs(LogsSpecs):
+    """torch's default layout: ``{log_dir}/{run_id}_<unique>/attempt_{k}/{rank}/``.
+
+    ``run_id`` and ``k`` come from ``TORCHELASTIC_RUN_ID`` and
+    ``TORCHELASTIC_RESTART_COUNT`` in ``envs[0]``. A ``log_dir`` of ``None``
+    is a fresh temporary folder; an existing, non-empty one is fine (each run
+    gets its own unique sub-folder). Log folders are created without following
+    symlinks planted in a shared temporary directory.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        if log_dir != os.devnull:
+            if not log_dir:
+                log_dir = tempfile.mkdtemp(prefix="aiolaunch_")
+            elif os.path.isfile(log_dir):
+                raise NotADirectoryError(
+                    f"log_dir={log_dir!r} is a file; pass a directory (it is created if missing)"
+                )
+            else:
+                os.makedirs(log_dir, exist_ok=True)
+        super().__init__(log_dir, redirects, tee, local_ranks_filter)
+        self._run_log_dir: str | None = None
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        nprocs = len(envs)
+        env0 = envs.get(0, {})
+        run_id = env0.get("TORCHELASTIC_RUN_ID", "test_run_id")
+        attempt = env0.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if self._root_log_dir == os.devnull:
+            dest = LogsDest()
+            for rank in range(nprocs):
+                dest.stdouts[rank] = dest.stderrs[rank] = os.devnull
+                dest.tee_stdouts[rank] = dest.tee_stderrs[rank] = os.devnull
+                dest.error_files[rank] = os.devnull
+                envs[rank]["TORCHELASTIC_ERROR_FILE"] = ""
+            return dest
+        if self._run_log_dir is None:
+            assert self._root_log_dir is not None
+            self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self._root_log_dir)
+        attempt_dir = os.path.join(self._run_log_dir, f"attempt_{attempt}")
+        os.makedirs(attempt_dir, exist_ok=True)
+        return _layout(
+            attempt_dir, envs, nprocs, self._redirects, self._tee, self._local_ranks_filter
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultLogsSpecs(root_log_dir={self._root_log_dir!r}, redirects={self._redirects!r}, "
+            f"tee={self._tee!r}, local_ranks_filter={self._local_ranks_filter!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DefaultLogsSpecs):
+            return NotImplemented
+        return (
+            self._root_log_dir == other._root_log_dir
+            and self._redirects == other._redirects
+            and self._tee == other._tee
+            and self._local_ranks_filter == other._local_ranks_filter
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _layout(
+    base: str,
+    envs: dict[int, dict[str, str]],
+    nprocs: int,
+    redirects: Std | dict[int, Std],
+    tee: Std | dict[int, Std],
+    local_ranks_filter: set[int] | None,
+) -> LogsDest:
+    redirs = to_map(redirects, nprocs)
+    tees = to_map(tee, nprocs)
+    dest = LogsDest()
+    for rank in range(nprocs):
+        rank_dir = os.path.join(base, str(rank))
+        _mkdir_nofollow(rank_dir)
+        rd = redirs[rank] | tees[rank]  # tee implies redirect
+        dest.stdouts[rank] = os.path.join(rank_dir, "stdout.log") if rd & Std.OUT else ""
+        dest.stderrs[rank] = os.path.join(rank_dir, "stderr.log") if rd & Std.ERR else ""
+        if tees[rank] & Std.OUT:
+            dest.tee_stdouts[rank] = dest.stdouts[rank]
+        if tees[rank] & Std.ERR:
+            dest.tee_stderrs[rank] = dest.stderrs[rank]
+        if local_ranks_filter is not None and rank not in local_ranks_filter:
+            dest.tee_stdouts.pop(rank, None)
+            dest.tee_stderrs.pop(rank, None)
+            if dest.stdouts[rank] == "":
+                dest.stdouts[rank] = os.devnull
+            if dest.stderrs[rank] == "":
+                dest.stderrs[rank] = os.devnull
+        dest.error_files[rank] = os.path.join(rank_dir, "error.json")
+        envs[rank]["TORCHELASTIC_ERROR_FILE"] = dest.error_files[rank]
+    return dest
+
+
+def _mkdir_nofollow(path: str) -> None:
+    # mkdir fails on an existing entry (a planted symlink included); an
+    # existing real directory of ours is fine.
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise FileExistsError(
+                f"{path!r} exists and is not a directory aiolaunch created; refusing to follow it"
+            ) from None
+
+
+def plain_logs_dest(
+    log_dir: str,
+    envs: dict[int, dict[str, str]],
+    redirects: Std | dict[int, Std],
+    tee: Std | dict[int, Std],
+    local_ranks_filter: set[int] | None = None,
+) -> LogsDest:
+    """aiolaunch's own layout: ``{log_dir}/{rank}/...`` (``log_dir`` must exist)."""
+    return _layout(log_dir, envs, len(envs), redirects, tee, local_ranks_filter)

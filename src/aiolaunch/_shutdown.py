@@ -1,0 +1,197 @@
+"""The one shutdown path: death signal -> grace -> SIGKILL -> reaped.
+
+Every way a context ends (``close()``, fail-fast in ``wait()``, a forwarded
+signal, cancellation, leaving ``async with``) goes through :func:`terminate`,
+run shielded from cancellation by :func:`shielded`, so no path leaves an
+orphan behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+import anyio
+
+from ._workers._handle import WorkerHandle
+from ._workers._proc import ProcTable, open_exit_fd
+
+__all__ = ["shielded", "terminate"]
+
+logger = logging.getLogger("aiolaunch")
+T = TypeVar("T")
+
+# Bound for processes to vanish after SIGKILL (a process in uninterruptible
+# sleep can take a moment; we never wait forever).
+_KILL_WAIT = 10.0
+
+
+async def shielded(aw: Awaitable[T]) -> T:
+    """Run ``aw`` to completion even if the caller is cancelled.
+
+    Cancellation of the caller is re-raised once ``aw`` finished: cleanup can
+    be delayed by a cancel, never skipped.
+    """
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    with anyio.CancelScope(shield=True):
+        while True:
+            try:
+                result = await asyncio.shield(task)
+                break
+            except asyncio.CancelledError:
+                if task.done():
+                    raise
+                cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+async def _wait_exited(workers: Sequence[WorkerHandle], timeout: float) -> None:
+    if not workers:
+        return
+    with anyio.move_on_after(timeout):
+        for w in workers:
+            await w.exited.wait()
+
+
+async def _wait_pids_gone(pids: set[int], timeout: float) -> set[int]:
+    """Wait until processes that are not our children exit; return survivors."""
+    if not pids:
+        return set()
+    loop = asyncio.get_running_loop()
+    fds: dict[int, int] = {}
+    survivors: set[int] = set()
+    for pid in pids:
+        fd = open_exit_fd(pid)
+        if fd is None:
+            try:
+                os.kill(pid, 0)
+                survivors.add(pid)  # no pidfd here: cannot wait, report as alive
+            except OSError:
+                pass
+        else:
+            fds[pid] = fd
+    if not fds:
+        return survivors
+    remaining = set(fds)
+    done = asyncio.Event()
+
+    def on_gone(pid: int) -> None:
+        loop.remove_reader(fds[pid])
+        remaining.discard(pid)
+        if not remaining:
+            done.set()
+
+    for pid, fd in fds.items():
+        loop.add_reader(fd, on_gone, pid)
+    try:
+        with anyio.move_on_after(timeout):
+            await done.wait()
+    finally:
+        for pid, fd in fds.items():
+            if pid in remaining:
+                loop.remove_reader(fd)
+            os.close(fd)
+    return survivors | remaining
+
+
+async def terminate(
+    workers: Sequence[WorkerHandle],
+    death_sig: int = signal.SIGTERM,
+    grace: float = 30.0,
+) -> None:
+    """Stop every worker and all of its descendants; return when they are gone.
+
+    1. Send ``death_sig`` to each live worker's process group and to every
+       descendant found in ``/proc`` (also those in other groups or sessions);
+       exited workers' leftover group members get it too.
+    2. Wait up to ``grace`` seconds for the exits (events, not polling).
+    3. SIGKILL whatever is left - logging a warning naming rank and pid - and
+       wait for it to vanish.
+
+    Workers signalled here are marked ``stopped_by_us``: their exits are not
+    failures. Never raises for processes that are already gone.
+    """
+    death_sig = signal.Signals(death_sig)
+    alive = [w for w in workers if w.alive]
+    for w in alive:
+        w.stopped_by_us = True
+    leftovers = _leftover_candidates(workers)
+    table = ProcTable() if (alive or leftovers) else None
+    extras: set[int] = set()
+    for w in workers:
+        tree = table.tree(w.pid) if table is not None else set()
+        extras |= tree
+        if w.alive:
+            w.signal_tree(death_sig, tree)
+        else:
+            for pid in tree:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, death_sig)
+    if death_sig != signal.SIGKILL:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        await _wait_exited(alive, grace)
+        if extras:
+            await _wait_pids_gone(_alive_pids(extras), max(0.0, deadline - loop.time()))
+    survivors = [w for w in alive if w.alive]
+    for w in survivors:
+        if death_sig != signal.SIGKILL:
+            logger.warning(
+                "aiolaunch: local rank %d (pid %d) still running %.1fs after %s; sending SIGKILL",
+                w.local_rank,
+                w.pid,
+                grace,
+                death_sig.name,
+            )
+    if survivors or extras:
+        # Descendants may have been born during the grace period: look again.
+        table = ProcTable()
+        for w in workers:
+            tree = table.tree(w.pid) | (extras & _alive_pids(extras))
+            if w.alive:
+                w.signal_tree(signal.SIGKILL, tree)
+            else:
+                for pid in tree:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            extras |= tree
+        await _wait_exited(survivors, _KILL_WAIT)
+        still = await _wait_pids_gone(_alive_pids(extras), _KILL_WAIT)
+        if still:  # pragma: no cover - D-state processes
+            logger.warning("aiolaunch: processes %s did not exit after SIGKILL", sorted(still))
+
+
+def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
+    # Cheap check first: killpg(pgid, 0) fails with ESRCH when a group is empty.
+    found = []
+    for w in workers:
+        if w.alive:
+            continue
+        try:
+            os.killpg(w.pid, 0)
+        except OSError:
+            continue
+        found.append(w)
+    return found
+
+
+def _alive_pids(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+        if state not in (b"Z", b"X"):
+            alive.add(pid)
+    return alive

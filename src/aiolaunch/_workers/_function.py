@@ -1,0 +1,251 @@
+"""Function workers: multiprocessing children with an exit event on the loop.
+
+Exit detection: a pidfd (Linux >= 5.3) registered with ``loop.add_reader``,
+else the process sentinel - no polling, no thread per worker. Under
+``forkserver`` the sentinel is the forkserver's status socket, which carries
+the exit code.
+
+The return value travels on a dedicated pipe, length-prefixed, read as it
+arrives (values of any size, no deadlock). At exit everything still buffered
+is read synchronously, so the outcome is decided in the exit callback itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import multiprocessing.process
+import multiprocessing.spawn
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
+from ._handle import WorkerHandle, close_fd
+from ._proc import open_exit_fd
+
+__all__ = ["FunctionWorker", "spawn_function"]
+
+_READ_SIZE = 1 << 20
+
+
+class _ResultReader(asyncio.Protocol):
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = bytearray()
+        self.transport: asyncio.ReadTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.ReadTransport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+
+    def read_rest(self) -> None:
+        while True:
+            try:
+                data = os.read(self.fd, _READ_SIZE)
+            except (BlockingIOError, InterruptedError, OSError):
+                return
+            if not data:
+                return
+            self.buf += data
+
+    def record(self) -> bytes | None:
+        if len(self.buf) < HEADER_SIZE or self.buf[:1] != RESULT_TAG:
+            return None
+        size = int.from_bytes(self.buf[1:HEADER_SIZE], "big")
+        if len(self.buf) < HEADER_SIZE + size:
+            return None
+        return bytes(self.buf[HEADER_SIZE : HEADER_SIZE + size])
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self.buf = bytearray()
+
+
+class FunctionWorker(WorkerHandle):
+    kind = "function"
+
+    def __init__(self, local_rank: int) -> None:
+        super().__init__(local_rank)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._exit_fd: int | None = None
+        self._own_exit_fd = False
+        self._result: _ResultReader | None = None
+
+    def _on_exit_readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._exit_fd is not None and self.process is not None
+        loop.remove_reader(self._exit_fd)
+        popen = self.process._popen  # type: ignore[attr-defined]
+        rc = popen.poll()
+        if rc is None:  # pragma: no cover - pidfd readable means exited
+            loop.add_reader(self._exit_fd, self._on_exit_readable)
+            return
+        if self._result is not None:
+            self._result.read_rest()
+            data = self._result.record()
+            if data is not None:
+                import cloudpickle
+
+                try:
+                    self.return_value = cloudpickle.loads(data)
+                    self.has_value = True
+                except Exception as exc:
+                    self.failure_reason = (
+                        f"the return value of local rank {self.local_rank} could not be "
+                        f"unpickled in the supervisor: {type(exc).__name__}: {exc}"
+                    )
+            elif rc == 0:
+                self.failure_reason = (
+                    f"local rank {self.local_rank} (pid {self.pid}) exited with code 0 "
+                    "without returning from its function (os._exit(0) or a killed "
+                    "interpreter?)"
+                )
+            self._result.close()
+            self._result = None
+        self._set_exited(rc)
+        self.release()
+
+    def release(self) -> None:
+        if self._exit_fd is not None:
+            if self.returncode is None:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(self._exit_fd)
+            if self._own_exit_fd:
+                close_fd(self._exit_fd)
+            self._exit_fd = None
+        if self.returncode is not None and self.process is not None:
+            with contextlib.suppress(ValueError):
+                self.process.close()
+            self.process = None
+        if self._result is not None and self.returncode is not None:
+            self._result.close()
+            self._result = None
+
+
+_prep_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_main_reimport() -> Iterator[None]:
+    # multiprocessing's spawn re-imports the parent's __main__ in every child
+    # (slow: a training script imports torch). Entrypoints travel by value
+    # (cloudpickle), so the child needs only sys.path and cwd.
+    original = multiprocessing.spawn.get_preparation_data
+
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        data = original(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+
+    with _prep_lock:
+        multiprocessing.spawn.get_preparation_data = get_preparation_data
+        try:
+            yield
+        finally:
+            multiprocessing.spawn.get_preparation_data = original
+
+
+_lifeline: tuple[int, int, int] | None = None  # (pid, read end, write end)
+
+
+def _lifeline_fds() -> tuple[int, int]:
+    """A process-wide pipe whose write end only the supervisor holds.
+
+    Its EOF tells every function worker that the supervisor is gone, even
+    after SIGKILL; they then kill their whole process group.
+    """
+    global _lifeline
+    if _lifeline is None or _lifeline[0] != os.getpid():
+        r, w = os.pipe()
+        _lifeline = (os.getpid(), r, w)
+    return _lifeline[1], _lifeline[2]
+
+
+async def spawn_function(
+    *,
+    local_rank: int,
+    name: str,
+    start_method: str,
+    fn: bytes,
+    args: bytes,
+    env: dict[str, str],
+    stdout: int | None,
+    stderr: int | None,
+    error_file: str,
+) -> FunctionWorker:
+    """Start one function worker.
+
+    ``stdout``/``stderr`` are fds the child's fd 1/2 become (the caller keeps
+    and closes its copies) or ``None`` to inherit the supervisor's.
+    """
+    loop = asyncio.get_running_loop()
+    handle = FunctionWorker(local_rank)
+    result_r, result_w = os.pipe()
+    lifeline_r, lifeline_w = _lifeline_fds()
+    spec = ChildSpec(
+        local_rank=local_rank,
+        fn=fn,
+        args=args,
+        env=env,
+        stdout=PassFd(stdout) if stdout is not None else None,
+        stderr=PassFd(stderr) if stderr is not None else None,
+        result=PassFd(result_w),
+        lifeline=PassFd(lifeline_r),
+        lifeline_w=lifeline_w if start_method == "fork" else -1,
+        error_file=error_file,
+        supervisor_pid=os.getpid(),
+        check_parent=start_method != "forkserver",
+    )
+    mp = multiprocessing.get_context(start_method)
+    proc = mp.Process(target=run_worker, args=(spec,), name=f"{name}{local_rank}")
+    try:
+        with _no_main_reimport():
+            proc.start()
+    except BaseException:
+        close_fd(result_r)
+        raise
+    finally:
+        close_fd(result_w)
+    # We reap our workers ourselves; multiprocessing must neither reap them in
+    # its _cleanup() nor join them at interpreter exit.
+    multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
+    handle.process = proc
+    assert proc.pid is not None
+    handle.pid = proc.pid
+    if start_method != "forkserver":
+        with contextlib.suppress(OSError):
+            os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own setpgid
+        exit_fd = open_exit_fd(proc.pid)
+    else:
+        exit_fd = None
+    if exit_fd is None:
+        handle._exit_fd = proc.sentinel
+    else:
+        handle._exit_fd = exit_fd
+        handle._own_exit_fd = True
+    reader = _ResultReader(result_r)
+    handle._result = reader
+    pipe = os.fdopen(result_r, "rb", buffering=0)
+    try:
+        await loop.connect_read_pipe(lambda: reader, pipe)
+    except BaseException:
+        pipe.close()
+        # Not yet handed to the context: nobody else would stop it.
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        handle.release()
+        raise
+    # Level-triggered: an exit that happened meanwhile is still reported.
+    loop.add_reader(handle._exit_fd, handle._on_exit_readable)
+    return handle

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ._proc import signal_tree
+
+__all__ = ["WorkerHandle"]
+
+
+class WorkerHandle:
+    """One worker process, as the supervisor sees it.
+
+    ``exited`` is set, and ``on_exit`` called, on the event-loop thread as soon
+    as the exit is known - never later because a pipe is still open.
+    """
+
+    kind = "worker"
+
+    def __init__(self, local_rank: int) -> None:
+        self.local_rank = local_rank
+        self.pid = 0
+        self.returncode: int | None = None
+        self.exited = asyncio.Event()
+        #: set when the supervisor signalled it: such an exit is not a failure
+        self.stopped_by_us = False
+        #: function workers: the value sent back before exit
+        self.return_value: Any = None
+        self.has_value = False
+        #: function workers: why a clean exit still counts as a failure
+        self.failure_reason: str | None = None
+        self.on_exit: Callable[[WorkerHandle], None] | None = None
+        #: monotonic time the exit was noticed
+        self.exit_time: float | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+    def _set_exited(self, returncode: int) -> None:
+        if self.returncode is not None:
+            return
+        self.returncode = returncode
+        self.exit_time = asyncio.get_running_loop().time()
+        self.exited.set()
+        if self.on_exit is not None:
+            self.on_exit(self)
+
+    def signal_tree(self, sig: int, extra: set[int] | frozenset[int] = frozenset()) -> None:
+        """Signal the worker's process group and ``extra`` descendants."""
+        signal_tree(self.pid, sig, leader_alive=self.alive, extra=extra)
+
+    def release(self) -> None:
+        """Free OS resources held for an exited worker. Idempotent."""
+
+    def __repr__(self) -> str:
+        state = "running" if self.alive else f"exited({self.returncode})"
+        return f"<{type(self).__name__} rank={self.local_rank} pid={self.pid} {state}>"
+
+
+def close_fd(fd: int | None) -> None:
+    if fd is not None and fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

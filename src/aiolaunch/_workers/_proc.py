@@ -1,0 +1,172 @@
+"""Platform bits behind a tiny interface: process groups, parent-death, exit fds.
+
+Supervisor code never branches on ``sys.platform``; it calls these functions,
+each of which degrades to a documented no-op where the OS lacks the feature.
+
+- :func:`set_parent_death_signal` - Linux ``prctl(PR_SET_PDEATHSIG)``; no-op elsewhere.
+- :func:`open_exit_fd` - a ``pidfd`` (Linux >= 5.3) that becomes readable when
+  the process exits, or ``None``.
+- :func:`signal_tree` - signal a worker's process group *and* every descendant
+  found in ``/proc`` (so grandchildren that called ``setsid()`` are reached
+  too, as long as their parent chain is intact when we look).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable
+
+__all__ = [
+    "binary_preexec",
+    "ProcTable",
+    "open_exit_fd",
+    "set_parent_death_signal",
+    "signal_tree",
+]
+
+_PR_SET_PDEATHSIG = 1
+_prctl: Callable[..., int] | None = None
+_prctl_loaded = False
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    global _prctl, _prctl_loaded
+    if not _prctl_loaded:
+        _prctl_loaded = True
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.prctl
+                fn.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+                fn.restype = ctypes.c_int
+                _prctl = fn
+            except (OSError, AttributeError):  # pragma: no cover - exotic libc
+                _prctl = None
+    return _prctl
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies.
+
+    Linux only; returns ``False`` elsewhere. Note the kernel's definition of
+    "parent": the *thread* that created the child. aiolaunch always spawns
+    from the event-loop thread, which outlives every context it runs.
+    """
+    prctl = _load_prctl()
+    if prctl is None:
+        return False
+    return prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def binary_preexec(supervisor_pid: int) -> Callable[[], None]:
+    """Build the ``preexec_fn`` for binary workers.
+
+    In the child, between fork and exec: lead a new process group, arm the
+    parent-death signal, then re-check ``getppid()`` - if the supervisor died
+    between fork and prctl, the signal would never come, so die now.
+    """
+    prctl = _load_prctl()  # resolve before fork: no dlsym in the child
+
+    def preexec() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != supervisor_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def open_exit_fd(pid: int) -> int | None:
+    """Return a pidfd for ``pid`` (readable once it exits) or ``None``."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return None
+    try:
+        fd: int = pidfd_open(pid)
+    except OSError:
+        return None
+    return fd
+
+
+class ProcTable:
+    """A snapshot of ``/proc``: parent and process-group of every process.
+
+    Empty where there is no ``/proc`` (macOS): callers then rely on process
+    groups alone.
+    """
+
+    def __init__(self) -> None:
+        self.children: dict[int, list[int]] = {}
+        self.groups: dict[int, list[int]] = {}
+        try:
+            entries = os.listdir("/proc")
+        except OSError:
+            return
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            # The command name may hold spaces and parentheses: split after the last ')'.
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            if len(fields) < 3:
+                continue
+            pid = int(entry)
+            self.children.setdefault(int(fields[1]), []).append(pid)
+            self.groups.setdefault(int(fields[2]), []).append(pid)
+
+    def tree(self, pid: int) -> set[int]:
+        """Descendants of ``pid`` and members of its process group, minus ``pid``.
+
+        Members of the group are found even after ``pid`` itself was reaped
+        and they were re-parented.
+        """
+        found: set[int] = set(self.groups.get(pid, ()))
+        stack = [pid, *found]
+        while stack:
+            for child in self.children.get(stack.pop(), ()):
+                if child not in found:
+                    found.add(child)
+                    stack.append(child)
+        found.discard(pid)
+        return found
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def signal_tree(pid: int, sig: int, *, leader_alive: bool, extra: Iterable[int] = ()) -> None:
+    """Send ``sig`` to a worker, its process group and the given descendants.
+
+    ``killpg`` is only used while the group leader is not yet reaped: a
+    process-group id stays pinned while its leader exists (even as a zombie),
+    but once the leader is reaped and the group empties the number may be
+    recycled, and ``killpg`` could hit an unrelated group.
+    """
+    if leader_alive:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            _kill(pid, sig)
+        except PermissionError:
+            # The child has not called setpgid() yet (fork start method race):
+            # signal it alone; it joins its own group right after.
+            _kill(pid, sig)
+        except OSError as exc:  # pragma: no cover - defensive
+            if exc.errno != errno.ESRCH:
+                raise
+    for d in extra:
+        _kill(d, sig)

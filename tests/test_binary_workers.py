@@ -1,0 +1,277 @@
+"""Binary workers: start, exit detection, fail-fast, logs, env, close."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import aiolaunch
+from aiolaunch import Std
+
+SH = "/bin/sh"
+
+
+def sh(n: int, script: str) -> dict[int, tuple[str, ...]]:
+    return {r: ("-c", script) for r in range(n)}
+
+
+def no_env(n: int) -> dict[int, dict[str, str]]:
+    return {r: {} for r in range(n)}
+
+
+async def test_success_returns_none_values_and_logs(tmp_path: Path) -> None:
+    ctx = await aiolaunch.start_processes(
+        name="t",
+        entrypoint=SH,
+        args=sh(3, 'echo "out $RANK"; echo "err $RANK" >&2'),
+        envs={r: {"RANK": str(r)} for r in range(3)},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
+    )
+    assert isinstance(ctx, aiolaunch.SubprocessContext)
+    assert sorted(ctx.pids()) == [0, 1, 2]
+    result = await ctx.wait()
+    assert result is not None and not result.is_failed()
+    assert result.return_values == {0: None, 1: None, 2: None}
+    for r in range(3):
+        assert Path(result.stdouts[r]).read_bytes() == f"out {r}\n".encode()
+        assert Path(result.stderrs[r]).read_bytes() == f"err {r}\n".encode()
+        assert result.stdouts[r] == str(tmp_path / "logs" / str(r) / "stdout.log")
+    await ctx.close()  # a no-op after a result
+
+
+async def test_args_are_cast_with_str_and_env_has_error_file(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="t",
+        entrypoint=sys.executable,
+        args={0: ("-c", "import os,sys; print(sys.argv[1:], os.environ['TORCHELASTIC_ERROR_FILE'], os.environ['X'], os.environ.get('HOME') is not None)", 7, 2.5)},
+        envs={0: {"X": "y"}},
+        log_dir=str(tmp_path),
+        redirects=Std.OUT,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None
+    out = Path(result.stdouts[0]).read_text()
+    assert out == f"['7', '2.5'] {tmp_path / '0' / 'error.json'} y True\n"
+
+
+async def test_exit_noticed_although_grandchild_holds_pipe(tmp_path: Path) -> None:
+    # gh-119710: asyncio's Process.wait() waits for pipe EOF; we must not.
+    script = "sleep 30 & echo started; exit 0"
+    t0 = time.monotonic()
+    async with aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=sh(1, script), envs=no_env(1),
+        log_dir=str(tmp_path), redirects=Std.ALL,
+    ) as ctx:
+        result = await asyncio.wait_for(ctx.wait(), 10)
+    assert time.monotonic() - t0 < 5, "wait() waited for the grandchild's pipe"
+    assert result is not None and not result.is_failed()
+    assert Path(result.stdouts[0]).read_text() == "started\n"
+
+
+async def test_first_failure_stops_the_others(tmp_path: Path) -> None:
+    args = {0: ("-c", "exit 3"), 1: ("-c", "exec sleep 60"), 2: ("-c", "exec sleep 60")}
+    ctx = await aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=args, envs=no_env(3), log_dir=str(tmp_path),
+        shutdown_timeout=5,
+    )
+    t0 = time.monotonic()
+    result = await asyncio.wait_for(ctx.wait(), 20)
+    assert time.monotonic() - t0 < 5
+    assert result is not None and result.is_failed()
+    assert list(result.failures) == [0], "workers stopped on purpose are not failures"
+    failure = result.failures[0]
+    assert failure.exitcode == 3 and failure.local_rank == 0
+    assert failure.pid == ctx.pids()[0]
+    for pid in ctx.pids().values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+async def test_killed_by_signal_is_negative_exitcode(tmp_path: Path) -> None:
+    ctx = await aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=sh(1, "kill -SEGV $$"), envs=no_env(1), log_dir=str(tmp_path),
+    )
+    result = await asyncio.wait_for(ctx.wait(), 10)
+    assert result is not None
+    failure = result.failures[0]
+    assert failure.exitcode == -signal.SIGSEGV
+    assert failure.signal_name() == "SIGSEGV"
+    assert "SIGSEGV" in failure.message
+
+
+async def test_wait_timeout_and_poll(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+    ) as ctx:
+        assert await ctx.wait(0) is None
+        t0 = time.monotonic()
+        assert await ctx.wait(timeout=0.2, period=5) is None
+        assert 0.15 < time.monotonic() - t0 < 3
+        assert all(_alive(p) for p in ctx.pids().values())
+
+
+async def test_cancelling_wait_stops_waiting_only(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+    ) as ctx:
+        task = asyncio.ensure_future(ctx.wait())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(_alive(p) for p in ctx.pids().values())
+    assert not any(_alive(p) for p in ctx.pids().values())
+
+
+async def test_leaving_async_with_by_exception_closes(tmp_path: Path) -> None:
+    pids: dict[int, int] = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        async with aiolaunch.start_processes(
+            name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+        ) as ctx:
+            pids = ctx.pids()
+            raise RuntimeError("boom")
+    assert pids and not any(_alive(p) for p in pids.values())
+
+
+async def test_leaving_async_with_by_cancellation_closes(tmp_path: Path) -> None:
+    pids: dict[int, int] = {}
+    started = asyncio.Event()
+
+    async def body() -> None:
+        nonlocal pids
+        async with aiolaunch.start_processes(
+            name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+        ) as ctx:
+            pids = ctx.pids()
+            started.set()
+            await ctx.wait()
+
+    task = asyncio.ensure_future(body())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pids and not any(_alive(p) for p in pids.values())
+
+
+async def test_close_escalates_to_sigkill_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    script = "trap '' TERM; echo ready; while :; do sleep 1; done"
+    ctx = await aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=sh(1, script), envs=no_env(1), log_dir=str(tmp_path),
+        redirects=Std.OUT,
+    )
+    await _wait_for_file(Path(ctx.stdouts[0]), b"ready\n")
+    pid = ctx.pids()[0]
+    caplog.set_level(logging.WARNING, logger="aiolaunch")
+    t0 = time.monotonic()
+    await ctx.close(timeout=0.3)
+    assert time.monotonic() - t0 < 5
+    assert not _alive(pid)
+    assert any(f"pid {pid}" in r.getMessage() and "SIGKILL" in r.getMessage() for r in caplog.records)
+    await ctx.close()  # idempotent
+
+
+async def test_close_kills_grandchildren_in_other_sessions(tmp_path: Path) -> None:
+    # The grandchild calls setsid(): it leaves the worker's process group, but
+    # is still a descendant when close() looks.
+    code = (
+        "import os, subprocess, sys, time\n"
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    ctx = await aiolaunch.start_processes(
+        name="t", entrypoint=sys.executable, args={0: ("-c", code)}, envs=no_env(1),
+        log_dir=str(tmp_path), redirects=Std.OUT,
+    )
+    data = await _wait_for_file(Path(ctx.stdouts[0]), b"\n")
+    grandchild = int(data.split()[0])
+    assert _alive(grandchild)
+    await ctx.close(timeout=2)
+    assert not _alive(grandchild)
+
+
+async def test_log_files_hold_exact_bytes(tmp_path: Path) -> None:
+    payload = b"\xff\xfe bad utf8 \x00 nul\r\nprogress 1\rprogress 2\rlast line no newline"
+    code = f"import sys; sys.stdout.buffer.write({payload!r}); sys.stderr.buffer.write({payload!r})"
+    async with aiolaunch.start_processes(
+        name="t", entrypoint=sys.executable, args={0: ("-c", code)}, envs=no_env(1),
+        log_dir=str(tmp_path), redirects=Std.ALL,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None
+    assert Path(result.stdouts[0]).read_bytes() == payload
+    assert Path(result.stderrs[0]).read_bytes() == payload
+
+
+async def test_big_output_is_complete(tmp_path: Path) -> None:
+    # 8 MB on one line plus many small lines: nothing lost, nothing reordered.
+    code = (
+        "import sys\n"
+        "sys.stdout.write('x' * (8 << 20) + '\\n')\n"
+        "for i in range(20000): sys.stdout.write(f'line {i}\\n')\n"
+    )
+    async with aiolaunch.start_processes(
+        name="t", entrypoint=sys.executable, args={0: ("-c", code)}, envs=no_env(1),
+        log_dir=str(tmp_path), redirects=Std.OUT,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None
+    expected = "x" * (8 << 20) + "\n" + "".join(f"line {i}\n" for i in range(20000))
+    assert Path(result.stdouts[0]).read_text() == expected
+
+
+async def test_tee_prefixes_whole_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = (
+        "import sys, time\n"
+        "sys.stdout.write('first ha'); sys.stdout.flush(); time.sleep(0.05)\n"
+        "sys.stdout.write('lf\\nsecond\\n'); sys.stdout.flush()\n"
+        "sys.stderr.write('to err\\n')\n"
+        "sys.stdout.write('tail')\n"
+    )
+    async with aiolaunch.start_processes(
+        name="trainer", entrypoint=sys.executable, args={0: ("-c", code), 1: ("-c", code)},
+        envs=no_env(2), log_dir=str(tmp_path), tee={0: Std.ALL, 1: Std.OUT},
+        log_line_prefixes={1: "<one> "},
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert sorted(lines) == sorted([
+        "[trainer0]:first half", "[trainer0]:second", "[trainer0]:tail",
+        "<one> first half", "<one> second", "<one> tail",
+    ])
+    assert "[trainer0]:to err\n" in err
+    assert Path(result.stdouts[0]).read_bytes() == b"first half\nsecond\ntail"
+    assert result.stderrs[1] == "", "rank 1's stderr is not redirected"
+    assert "to err\n" in err.replace("[trainer0]:to err\n", "")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+async def _wait_for_file(path: Path, needle: bytes, timeout: float = 10) -> bytes:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            data = path.read_bytes()
+            if needle in data:
+                return data
+        await asyncio.sleep(0.01)
+    pytest.fail(f"{path} never contained {needle!r}")

@@ -1,0 +1,209 @@
+"""Function workers: by-value functions, async def, return values, errors, env order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import aiolaunch
+from aiolaunch import Std
+
+METHODS = ["spawn", "fork", "forkserver"]
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+async def async_double(x: int) -> int:
+    await asyncio.sleep(0)
+    return 2 * x
+
+
+def fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def env_at_import() -> str | None:
+    return os.environ.get("AIOLAUNCH_TEST_VAR")
+
+
+def print_everywhere(tag: str) -> None:
+    print(f"py {tag}", flush=True)
+    os.write(1, f"fd {tag}\n".encode())
+    subprocess.run(["/bin/sh", "-c", f"echo sub {tag}; echo suberr {tag} >&2"], check=True)
+
+
+def exit_zero_without_return() -> None:
+    os._exit(0)
+
+
+def sys_exit_zero() -> None:
+    sys.exit(0)
+
+
+def big_value(n: int) -> bytes:
+    return b"z" * n
+
+
+def sleep_forever() -> None:
+    import time
+
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_return_values_each_start_method(method: str, tmp_path: Path) -> None:
+    offset = 10
+    closure = lambda x: x + offset  # noqa: E731 - a lambda closure travels by value
+    ctx = await aiolaunch.start_processes(
+        name="f", entrypoint=closure, args={0: (1,), 1: (2,)}, envs={0: {}, 1: {}},
+        log_dir=str(tmp_path), start_method=method,
+    )
+    assert isinstance(ctx, aiolaunch.MultiprocessContext)
+    result = await asyncio.wait_for(ctx.wait(), 60)
+    assert result is not None and not result.is_failed(), result
+    assert result.return_values == {0: 11, 1: 12}
+
+
+async def test_async_def_entrypoint(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=async_double, args={0: (4,)}, envs={0: {}}, log_dir=str(tmp_path),
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None and result.return_values == {0: 8}
+
+
+async def test_exception_becomes_error_file_and_failure(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=fail, args={0: ("kaput",), 1: ("fine",)}, envs={0: {}, 1: {}},
+        log_dir=str(tmp_path), redirects=Std.ERR,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None and result.is_failed()
+    failure = next(iter(result.failures.values()))
+    assert failure.exitcode == 1
+    assert "ValueError: " in failure.message
+    data = json.loads(Path(failure.error_file).read_text())
+    assert data["message"]["message"].startswith("ValueError: ")
+    assert "raise ValueError(msg)" in data["message"]["extraInfo"]["py_callstack"]
+    assert "Traceback" in Path(result.stderrs[failure.local_rank]).read_text()
+
+
+async def test_env_applied_before_unpickling(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=env_at_import, args={0: ()}, envs={0: {"AIOLAUNCH_TEST_VAR": "set"}},
+        log_dir=str(tmp_path),
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None and result.return_values == {0: "set"}
+
+
+async def test_output_captured_at_fd_level(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=print_everywhere, args={0: ("a",)}, envs={0: {}},
+        log_dir=str(tmp_path), redirects=Std.ALL,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None and not result.is_failed()
+    assert Path(result.stdouts[0]).read_text() == "py a\nfd a\nsub a\n"
+    assert Path(result.stderrs[0]).read_text() == "suberr a\n"
+
+
+async def test_exit_zero_without_value_is_a_failure(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=exit_zero_without_return, args={0: ()}, envs={0: {}},
+        log_dir=str(tmp_path),
+    ) as ctx:
+        result = await asyncio.wait_for(ctx.wait(), 30)
+    assert result is not None and result.is_failed()
+    assert "without returning" in result.failures[0].message
+
+
+async def test_sys_exit_zero_returns_none(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=sys_exit_zero, args={0: ()}, envs={0: {}}, log_dir=str(tmp_path),
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None and result.return_values == {0: None}
+
+
+async def test_large_return_value(tmp_path: Path) -> None:
+    n = 40 << 20
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=big_value, args={0: (n,), 1: (n,)}, envs={0: {}, 1: {}},
+        log_dir=str(tmp_path),
+    ) as ctx:
+        result = await asyncio.wait_for(ctx.wait(), 60)
+    assert result is not None
+    assert result.return_values[0] == b"z" * n and result.return_values[1] == b"z" * n
+
+
+async def test_returned_worker_exits_without_waiting_for_others(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=square, args={0: (3,)}, envs={0: {}}, log_dir=str(tmp_path),
+    ) as ctx:
+        pass
+    async with aiolaunch.start_processes(
+        name="f", entrypoint=lambda r: r if r == 0 else __import__("time").sleep(60),
+        args={0: (0,), 1: (1,)}, envs={0: {}, 1: {}}, log_dir=str(tmp_path / "b"),
+    ) as ctx:
+        assert await ctx.wait(timeout=0.1) is None
+        w0 = ctx._workers[0]
+        await asyncio.wait_for(w0.exited.wait(), 30)
+        assert w0.returncode == 0 and w0.return_value == 0
+    assert ctx.pids()
+
+
+def test_main_function_under_spawn_in_python_c(tmp_path: Path) -> None:
+    # A function defined in __main__ of a `python -c` supervisor works under spawn.
+    code = textwrap.dedent(
+        """
+        import asyncio, aiolaunch
+        def work(x):
+            return x * 3
+        async def main():
+            ctx = await aiolaunch.start_processes(
+                name="m", entrypoint=work, args={0: (5,), 1: (6,)}, envs={0: {}, 1: {}},
+                start_method="spawn")
+            res = await ctx.wait()
+            print(res.return_values)
+        asyncio.run(main())
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "{0: 15, 1: 18}"
+
+
+async def test_unpicklable_argument_is_rejected_before_start() -> None:
+    import threading
+
+    with pytest.raises(TypeError, match=r"args\[1\]\[0\]") as info:
+        aiolaunch.start_processes(
+            name="f", entrypoint=square, args={0: (1,), 1: (threading.Lock(),)},
+            envs={0: {}, 1: {}},
+        )
+    assert info.value.__cause__ is not None
+
+
+async def test_close_stops_function_workers(tmp_path: Path) -> None:
+    ctx = await aiolaunch.start_processes(
+        name="f", entrypoint=sleep_forever, args={0: (), 1: ()}, envs={0: {}, 1: {}},
+        log_dir=str(tmp_path),
+    )
+    pids = ctx.pids()
+    await ctx.close(timeout=5)
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    result = await ctx.wait()
+    assert result is not None and not result.is_failed()
