@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._errors import MainProcessError as MainProcessError
     from ._errors import SignalException as SignalException
     from ._errors import WorkerError as WorkerError
+    from ._logs import set_console_hook as set_console_hook
     from ._logs_specs import DefaultLogsSpecs as DefaultLogsSpecs
     from ._logs_specs import LogsDest as LogsDest
     from ._logs_specs import LogsSpecs as LogsSpecs
@@ -59,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "free_port": "._api",
     "launch": "._api",
     "record": "._error_file",
+    "set_console_hook": "._logs",
     "start_processes": "._api",
     "to_map": "._types",
 }
@@ -81,6 +83,7 @@ __all__ = [
     "free_port",
     "launch",
     "record",
+    "set_console_hook",
     "start_processes",
     "to_map",
 ]

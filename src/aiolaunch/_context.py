@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from ._errors import SignalException
-from ._logs import DEVNULL, INHERIT, StreamPump, plan_stream
+from ._logs import DEVNULL, INHERIT, StreamPump, console, plan_stream
 from ._logs_specs import LogsDest
 from ._results import ProcessFailure, RunProcsResult
 from ._shutdown import shielded, terminate
@@ -34,6 +34,7 @@ __all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
 # read what the kernel buffers and close our end (a surviving descendant in
 # another session may hold them).
 _DRAIN_TIMEOUT = 0.25
+_CONSOLE_FLUSH_TIMEOUT = 5.0
 
 
 class PContext:
@@ -223,6 +224,10 @@ class PContext:
         await terminate(workers, death_sig, grace)
         if self._pumps:
             await asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in self._pumps))
+            # Tee'd lines are on the console before wait()/close() return - unless
+            # the console is stuck, which must not hang the supervisor.
+            with anyio.move_on_after(_CONSOLE_FLUSH_TIMEOUT):
+                await console().flush()
         for w in workers:
             w.release()
         self._result = self._build_result(failed_before)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ._console import console, set_console_hook
 from ._pump import StreamPump
 from ._sinks import ConsoleSink, FileSink, PassthroughSink, Sink
 
@@ -19,8 +20,10 @@ __all__ = [
     "PassthroughSink",
     "Sink",
     "StreamPump",
+    "console",
     "console_is_fd",
     "plan_stream",
+    "set_console_hook",
 ]
 
 INHERIT = "inherit"

@@ -8,9 +8,9 @@ final ``aclose()``. Sinks never block the loop:
   Past a high-water mark it asks its pump to pause reading: the worker then
   blocks on a full pipe instead of the supervisor growing without bound.
 - :class:`ConsoleSink` frames lines, prefixes them, decodes UTF-8 incrementally
-  (replacing bad bytes on the console only) and writes each batch of whole
-  lines with one ``write()`` to the ``sys.stdout``/``sys.stderr`` of the moment
-  (so a Jupyter cell shows it).
+  (replacing bad bytes on the console only) and hands each batch of whole
+  lines to the console writer thread (``_console``), which writes it to the
+  ``sys.stdout``/``sys.stderr`` of the moment (so a Jupyter cell shows it).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import codecs
 import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TextIO
+
+from ._console import console
 
 __all__ = ["ConsoleSink", "FileSink", "PassthroughSink", "Sink", "open_log_file"]
 
@@ -135,12 +135,6 @@ class FileSink(Sink):
         os.close(self._fd)
 
 
-def _stream(name: str) -> TextIO:
-    # Looked up at write time: a notebook swaps sys.stdout per cell.
-    stream: TextIO = sys.stdout if name == "stdout" else sys.stderr
-    return stream
-
-
 class _LineDecoder:
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -152,11 +146,11 @@ class _LineDecoder:
 class ConsoleSink(Sink):
     """Prefixed, line-atomic text to the parent's console.
 
-    - One ``write()`` per batch of whole lines: lines of different workers
-      never mix within a line.
-    - ``\\r`` progress updates are coalesced: only the latest state of a line is
-      kept until the line ends, so a tqdm bar in a worker never floods the
-      console with one line per update.
+    - Each batch of whole lines is one console write: lines of different
+      workers never mix within a line.
+    - ``\\r`` progress updates are coalesced: the latest state is shown in
+      place on a TTY (bounded rate) and otherwise only once the line ends, so a
+      tqdm bar in a worker never floods the console with one line per update.
     - A final line without newline is flushed, with a newline, at EOF.
     """
 
@@ -165,6 +159,7 @@ class ConsoleSink(Sink):
         self._prefix = prefix
         self._decoder = _LineDecoder()
         self._partial = ""
+        self._status = False
 
     def feed(self, data: bytes) -> None:
         self._emit(self._decoder.decode(data))
@@ -181,8 +176,17 @@ class ConsoleSink(Sink):
         while len(self._partial) > _MAX_LINE:
             out.append(self._prefix + self._partial[:_MAX_LINE] + "\n")
             self._partial = self._partial[_MAX_LINE:]
+        writer = console()
         if out:
-            _console_write(self._stream, "".join(out))
+            if self._status:
+                writer.set_status(self._stream, self, None)
+                self._status = False
+            writer.write(self._stream, "".join(out))
+        if "\r" in self._partial:
+            state = self._partial.rstrip("\r")
+            if state:
+                writer.set_status(self._stream, self, self._prefix + state)
+                self._status = True
 
     def _frame(self, line: str) -> list[str]:
         if len(line) <= _MAX_LINE:
@@ -194,8 +198,12 @@ class ConsoleSink(Sink):
     async def aclose(self) -> None:
         tail = self._decoder.decode(b"", final=True)
         self._partial = _latest_state(self._partial + tail).rstrip("\r")
+        writer = console()
+        if self._status:
+            writer.set_status(self._stream, self, None)
+            self._status = False
         if self._partial:
-            _console_write(self._stream, "".join(self._frame(self._partial)))
+            writer.write(self._stream, "".join(self._frame(self._partial)))
             self._partial = ""
 
 
@@ -224,27 +232,9 @@ class PassthroughSink(Sink):
     def feed(self, data: bytes) -> None:
         text = self._decoder.decode(data)
         if text:
-            _console_write(self._stream, text)
+            console().write(self._stream, text)
 
     async def aclose(self) -> None:
         text = self._decoder.decode(b"", final=True)
         if text:
-            _console_write(self._stream, text)
-
-
-def _console_write(stream_name: str, text: str) -> None:
-    stream = _stream(stream_name)
-    hook = _console_hook
-    try:
-        if hook is not None:
-            hook(stream, text)
-        else:
-            stream.write(text)
-            stream.flush()
-    except (OSError, ValueError):
-        # A closed or broken console must not take the supervisor down.
-        pass
-
-
-ConsoleHook = Callable[[TextIO, str], None]
-_console_hook: ConsoleHook | None = None
+            console().write(self._stream, text)

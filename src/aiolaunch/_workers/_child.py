@@ -3,8 +3,9 @@
 Order matters and is part of the contract:
 
 1. join a fresh process group (so ``close()`` reaches the worker's children);
-2. arm parent-death protection (``PR_SET_PDEATHSIG`` + a ``getppid`` re-check,
-   and a lifeline pipe whose EOF kills the whole group);
+2. arm parent-death protection: a thread blocks on a lifeline pipe whose only
+   writer is the supervisor; its EOF (the supervisor died, even by SIGKILL)
+   kills the worker's whole process group, grandchildren included;
 3. point fd 1/2 at the supervisor's pipes (fd level: C extensions and
    subprocesses are captured too) and make ``sys.stdout`` line-buffered;
 4. apply ``envs[rank]`` to ``os.environ``;
@@ -130,11 +131,10 @@ def _protect(spec: ChildSpec) -> None:
         signal.set_wakeup_fd(-1)
     except ValueError:  # pragma: no cover - not main thread
         pass
-    from ._proc import set_parent_death_signal
-
-    set_parent_death_signal(signal.SIGKILL)
+    # No PR_SET_PDEATHSIG here: its SIGKILL would race the lifeline thread
+    # and could kill the worker before it takes its own children down.
     if spec.check_parent and os.getppid() != spec.supervisor_pid:
-        os._exit(1)  # the supervisor died before prctl took effect
+        os._exit(1)  # the supervisor is already gone
     if spec.lifeline_w >= 0:
         try:  # inherited through fork: holding it would keep our own lifeline alive
             os.close(spec.lifeline_w)

@@ -1,0 +1,244 @@
+"""The single console writer: worker lines to ``sys.stdout``/``sys.stderr``.
+
+Sinks on the event loop hand text to :class:`ConsoleWriter` and return at once;
+one writer thread does the (possibly slow) writes. So a slow console - a
+terminal being scrolled, a pipe nobody reads fast, a busy notebook - never
+stalls the event loop, the log files or the workers. If the console falls more
+than ``MAX_PENDING`` characters behind, further lines are dropped and counted,
+and a marker says so (the log files keep every byte).
+
+Progress bars:
+
+- a worker's ``\\r`` updates arrive as *status* text, not lines. On a TTY the
+  latest status is drawn in place on one bottom line at most every
+  ``STATUS_INTERVAL`` seconds; elsewhere nothing is drawn until the line ends.
+- ordinary lines clear the status line, print, and redraw it.
+- if the parent shows its own tqdm bar, writes go through
+  ``tqdm.external_write_mode`` so the bar is cleared and redrawn, not garbled.
+- :func:`set_console_hook` lets any other progress library do the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TextIO
+
+__all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
+
+MAX_PENDING = 8 * 1024 * 1024
+STATUS_INTERVAL = 0.1
+_CLEAR_LINE = "\r\x1b[K"
+
+#: ``hook(stream, text)`` must write ``text`` to ``stream``.
+ConsoleHook = Callable[[TextIO, str], None]
+_hook: ConsoleHook | None = None
+
+
+def set_console_hook(hook: ConsoleHook | None) -> ConsoleHook | None:
+    """Route every console write of aiolaunch through ``hook(stream, text)``.
+
+    Use it to keep a progress display of your own intact: clear it, write,
+    redraw. ``None`` restores the default (which already handles tqdm).
+    Returns the previous hook. Called on aiolaunch's console thread.
+    """
+    global _hook
+    previous, _hook = _hook, hook
+    return previous
+
+
+def _stream(name: str) -> TextIO:
+    # Looked up at write time: a notebook swaps sys.stdout per cell.
+    return sys.stdout if name == "stdout" else sys.stderr
+
+
+def _tqdm_write_mode(stream: TextIO) -> object | None:
+    tqdm_mod = sys.modules.get("tqdm")
+    if tqdm_mod is None:
+        return None
+    cls = getattr(tqdm_mod, "tqdm", None)
+    instances = getattr(cls, "_instances", None)
+    if not instances:
+        return None
+    try:
+        return cls.external_write_mode(file=stream)  # type: ignore[union-attr]
+    except Exception:  # pragma: no cover - an odd tqdm
+        return None
+
+
+def _write(stream_name: str, text: str) -> None:
+    stream = _stream(stream_name)
+    if stream is None:
+        return
+    try:
+        if _hook is not None:
+            _hook(stream, text)
+            return
+        mode = _tqdm_write_mode(stream)
+        if mode is not None:
+            with mode:  # type: ignore[attr-defined]
+                stream.write(text)
+                stream.flush()
+        else:
+            stream.write(text)
+            stream.flush()
+    except (OSError, ValueError):
+        # A closed or broken console must not take the supervisor down.
+        pass
+
+
+class ConsoleWriter:
+    """Orders and performs console writes on one daemon thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[str, str]] = deque()
+        self._pending = 0
+        self._dropped = 0
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        # (stream, key) -> latest status text; shown on TTYs only
+        self._status: dict[tuple[str, object], str] = {}
+        self._status_dirty = False
+        self._status_shown: dict[str, bool] = {"stdout": False, "stderr": False}
+        self._last_draw = 0.0
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    # -- called on the event loop -----------------------------------------
+    def write(self, stream: str, text: str) -> None:
+        """Queue whole lines (or unprefixed passthrough text) for ``stream``."""
+        with self._cond:
+            if self._pending + len(text) > MAX_PENDING:
+                self._dropped += text.count("\n") or 1
+                return
+            self._queue.append((stream, text))
+            self._pending += len(text)
+            self._ensure_thread()
+            self._cond.notify()
+
+    def set_status(self, stream: str, key: object, text: str | None) -> None:
+        """Show ``text`` as ``key``'s in-place status line (TTY only); ``None`` clears."""
+        with self._cond:
+            if text is None:
+                if self._status.pop((stream, key), None) is None:
+                    return
+            else:
+                self._status[(stream, key)] = text
+            self._status_dirty = True
+            self._ensure_thread()
+            self._cond.notify()
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been written."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if not self._queue and not self._busy:
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((loop, fut))
+            self._cond.notify()
+        await fut
+
+    # -- the thread --------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._thread = threading.Thread(
+                target=self._run, name="aiolaunch-console", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._waiters and not self._status_dirty:
+                    self._cond.wait()
+                batch = list(self._queue)
+                self._queue.clear()
+                self._pending = 0
+                dropped, self._dropped = self._dropped, 0
+                waiters, self._waiters = self._waiters, []
+                status_changed = self._status_dirty
+                self._busy = bool(batch)
+            if dropped:
+                batch.append(
+                    ("stderr", f"[aiolaunch]: {dropped} console lines dropped (console too "
+                     "slow); the log files have every byte\n")
+                )
+            self._emit(batch, status_changed)
+            with self._cond:
+                self._busy = False
+            for loop, fut in waiters:
+                try:
+                    loop.call_soon_threadsafe(_resolve, fut)
+                except RuntimeError:  # loop closed
+                    pass
+            if status_changed and not batch:
+                # Bounded redraw rate for in-place progress.
+                wait = STATUS_INTERVAL - (time.monotonic() - self._last_draw)
+                if wait > 0:
+                    time.sleep(wait)  # allowed: rate limit on the console thread
+
+    def _emit(self, batch: list[tuple[str, str]], status_changed: bool) -> None:
+        # Merge consecutive writes to the same stream: fewer syscalls.
+        merged: list[tuple[str, str]] = []
+        for stream, text in batch:
+            if merged and merged[-1][0] == stream:
+                merged[-1] = (stream, merged[-1][1] + text)
+            else:
+                merged.append((stream, text))
+        for stream, text in merged:
+            if self._status_shown.get(stream):
+                text = _CLEAR_LINE + text
+                self._status_shown[stream] = False
+                status_changed = True
+            _write(stream, text)
+        if status_changed:
+            with self._cond:
+                self._status_dirty = False
+                status = dict(self._status)
+            self._draw_status(status)
+
+    def _draw_status(self, status: dict[tuple[str, object], str]) -> None:
+        self._last_draw = time.monotonic()
+        for stream_name in ("stdout", "stderr"):
+            texts = [t for (s, _), t in status.items() if s == stream_name]
+            stream = _stream(stream_name)
+            try:
+                tty = stream is not None and stream.isatty()
+            except (AttributeError, ValueError):
+                tty = False
+            if not tty:
+                continue
+            if texts:
+                width = shutil.get_terminal_size().columns - 1
+                _write(stream_name, _CLEAR_LINE + " | ".join(texts)[: max(width, 10)])
+                self._status_shown[stream_name] = True
+            elif self._status_shown.get(stream_name):
+                _write(stream_name, _CLEAR_LINE)
+                self._status_shown[stream_name] = False
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+_console: ConsoleWriter | None = None
+_console_lock = threading.Lock()
+
+
+def console() -> ConsoleWriter:
+    """The process-wide console writer (one per process, created on first use)."""
+    global _console
+    with _console_lock:
+        if _console is None or _console._pid != os.getpid():
+            _console = ConsoleWriter()
+        return _console
