@@ -51,7 +51,14 @@ async def test_args_are_cast_with_str_and_env_has_error_file(tmp_path: Path) -> 
     async with aiolaunch.start_processes(
         name="t",
         entrypoint=sys.executable,
-        args={0: ("-c", "import os,sys; print(sys.argv[1:], os.environ['TORCHELASTIC_ERROR_FILE'], os.environ['X'], os.environ.get('HOME') is not None)", 7, 2.5)},
+        args={
+            0: (
+                "-c",
+                "import os,sys; print(sys.argv[1:], os.environ['TORCHELASTIC_ERROR_FILE'], os.environ['X'], os.environ.get('HOME') is not None)",
+                7,
+                2.5,
+            )
+        },
         envs={0: {"X": "y"}},
         log_dir=str(tmp_path),
         redirects=Std.OUT,
@@ -67,8 +74,12 @@ async def test_exit_noticed_although_grandchild_holds_pipe(tmp_path: Path) -> No
     script = "sleep 30 & echo started; exit 0"
     t0 = time.monotonic()
     async with aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=sh(1, script), envs=no_env(1),
-        log_dir=str(tmp_path), redirects=Std.ALL,
+        name="t",
+        entrypoint=SH,
+        args=sh(1, script),
+        envs=no_env(1),
+        log_dir=str(tmp_path),
+        redirects=Std.ALL,
     ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 10)
     assert time.monotonic() - t0 < 5, "wait() waited for the grandchild's pipe"
@@ -79,7 +90,11 @@ async def test_exit_noticed_although_grandchild_holds_pipe(tmp_path: Path) -> No
 async def test_first_failure_stops_the_others(tmp_path: Path) -> None:
     args = {0: ("-c", "exit 3"), 1: ("-c", "exec sleep 60"), 2: ("-c", "exec sleep 60")}
     ctx = await aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=args, envs=no_env(3), log_dir=str(tmp_path),
+        name="t",
+        entrypoint=SH,
+        args=args,
+        envs=no_env(3),
+        log_dir=str(tmp_path),
         shutdown_timeout=5,
     )
     t0 = time.monotonic()
@@ -97,7 +112,11 @@ async def test_first_failure_stops_the_others(tmp_path: Path) -> None:
 
 async def test_killed_by_signal_is_negative_exitcode(tmp_path: Path) -> None:
     ctx = await aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=sh(1, "kill -SEGV $$"), envs=no_env(1), log_dir=str(tmp_path),
+        name="t",
+        entrypoint=SH,
+        args=sh(1, "kill -SEGV $$"),
+        envs=no_env(1),
+        log_dir=str(tmp_path),
     )
     result = await asyncio.wait_for(ctx.wait(), 10)
     assert result is not None
@@ -109,7 +128,11 @@ async def test_killed_by_signal_is_negative_exitcode(tmp_path: Path) -> None:
 
 async def test_wait_timeout_and_poll(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+        name="t",
+        entrypoint=SH,
+        args=sh(2, "exec sleep 60"),
+        envs=no_env(2),
+        log_dir=str(tmp_path),
     ) as ctx:
         assert await ctx.wait(0) is None
         t0 = time.monotonic()
@@ -120,7 +143,11 @@ async def test_wait_timeout_and_poll(tmp_path: Path) -> None:
 
 async def test_cancelling_wait_stops_waiting_only(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+        name="t",
+        entrypoint=SH,
+        args=sh(2, "exec sleep 60"),
+        envs=no_env(2),
+        log_dir=str(tmp_path),
     ) as ctx:
         task = asyncio.ensure_future(ctx.wait())
         await asyncio.sleep(0.05)
@@ -133,9 +160,13 @@ async def test_cancelling_wait_stops_waiting_only(tmp_path: Path) -> None:
 
 async def test_leaving_async_with_by_exception_closes(tmp_path: Path) -> None:
     pids: dict[int, int] = {}
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(RuntimeError, match="boom"):  # noqa: PT012 - the block is the subject
         async with aiolaunch.start_processes(
-            name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+            name="t",
+            entrypoint=SH,
+            args=sh(2, "exec sleep 60"),
+            envs=no_env(2),
+            log_dir=str(tmp_path),
         ) as ctx:
             pids = ctx.pids()
             raise RuntimeError("boom")
@@ -149,7 +180,11 @@ async def test_leaving_async_with_by_cancellation_closes(tmp_path: Path) -> None
     async def body() -> None:
         nonlocal pids
         async with aiolaunch.start_processes(
-            name="t", entrypoint=SH, args=sh(2, "exec sleep 60"), envs=no_env(2), log_dir=str(tmp_path),
+            name="t",
+            entrypoint=SH,
+            args=sh(2, "exec sleep 60"),
+            envs=no_env(2),
+            log_dir=str(tmp_path),
         ) as ctx:
             pids = ctx.pids()
             started.set()
@@ -163,10 +198,16 @@ async def test_leaving_async_with_by_cancellation_closes(tmp_path: Path) -> None
     assert pids and not any(_alive(p) for p in pids.values())
 
 
-async def test_close_escalates_to_sigkill_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_close_escalates_to_sigkill_and_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     script = "trap '' TERM; echo ready; while :; do sleep 1; done"
     ctx = await aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=sh(1, script), envs=no_env(1), log_dir=str(tmp_path),
+        name="t",
+        entrypoint=SH,
+        args=sh(1, script),
+        envs=no_env(1),
+        log_dir=str(tmp_path),
         redirects=Std.OUT,
     )
     await _wait_for_file(Path(ctx.stdouts[0]), b"ready\n")
@@ -176,7 +217,9 @@ async def test_close_escalates_to_sigkill_and_warns(tmp_path: Path, caplog: pyte
     await ctx.close(timeout=0.3)
     assert time.monotonic() - t0 < 5
     assert not _alive(pid)
-    assert any(f"pid {pid}" in r.getMessage() and "SIGKILL" in r.getMessage() for r in caplog.records)
+    assert any(
+        f"pid {pid}" in r.getMessage() and "SIGKILL" in r.getMessage() for r in caplog.records
+    )
     await ctx.close()  # idempotent
 
 
@@ -190,8 +233,12 @@ async def test_close_kills_grandchildren_in_other_sessions(tmp_path: Path) -> No
         "time.sleep(60)\n"
     )
     ctx = await aiolaunch.start_processes(
-        name="t", entrypoint=sys.executable, args={0: ("-c", code)}, envs=no_env(1),
-        log_dir=str(tmp_path), redirects=Std.OUT,
+        name="t",
+        entrypoint=sys.executable,
+        args={0: ("-c", code)},
+        envs=no_env(1),
+        log_dir=str(tmp_path),
+        redirects=Std.OUT,
     )
     data = await _wait_for_file(Path(ctx.stdouts[0]), b"\n")
     grandchild = int(data.split()[0])
@@ -204,8 +251,12 @@ async def test_log_files_hold_exact_bytes(tmp_path: Path) -> None:
     payload = b"\xff\xfe bad utf8 \x00 nul\r\nprogress 1\rprogress 2\rlast line no newline"
     code = f"import sys; sys.stdout.buffer.write({payload!r}); sys.stderr.buffer.write({payload!r})"
     async with aiolaunch.start_processes(
-        name="t", entrypoint=sys.executable, args={0: ("-c", code)}, envs=no_env(1),
-        log_dir=str(tmp_path), redirects=Std.ALL,
+        name="t",
+        entrypoint=sys.executable,
+        args={0: ("-c", code)},
+        envs=no_env(1),
+        log_dir=str(tmp_path),
+        redirects=Std.ALL,
     ) as ctx:
         result = await ctx.wait()
     assert result is not None
@@ -221,8 +272,12 @@ async def test_big_output_is_complete(tmp_path: Path) -> None:
         "for i in range(20000): sys.stdout.write(f'line {i}\\n')\n"
     )
     async with aiolaunch.start_processes(
-        name="t", entrypoint=sys.executable, args={0: ("-c", code)}, envs=no_env(1),
-        log_dir=str(tmp_path), redirects=Std.OUT,
+        name="t",
+        entrypoint=sys.executable,
+        args={0: ("-c", code)},
+        envs=no_env(1),
+        log_dir=str(tmp_path),
+        redirects=Std.OUT,
     ) as ctx:
         result = await ctx.wait()
     assert result is not None
@@ -239,18 +294,28 @@ async def test_tee_prefixes_whole_lines(tmp_path: Path, capsys: pytest.CaptureFi
         "sys.stdout.write('tail')\n"
     )
     async with aiolaunch.start_processes(
-        name="trainer", entrypoint=sys.executable, args={0: ("-c", code), 1: ("-c", code)},
-        envs=no_env(2), log_dir=str(tmp_path), tee={0: Std.ALL, 1: Std.OUT},
+        name="trainer",
+        entrypoint=sys.executable,
+        args={0: ("-c", code), 1: ("-c", code)},
+        envs=no_env(2),
+        log_dir=str(tmp_path),
+        tee={0: Std.ALL, 1: Std.OUT},
         log_line_prefixes={1: "<one> "},
     ) as ctx:
         result = await ctx.wait()
     assert result is not None
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert sorted(lines) == sorted([
-        "[trainer0]:first half", "[trainer0]:second", "[trainer0]:tail",
-        "<one> first half", "<one> second", "<one> tail",
-    ])
+    assert sorted(lines) == sorted(
+        [
+            "[trainer0]:first half",
+            "[trainer0]:second",
+            "[trainer0]:tail",
+            "<one> first half",
+            "<one> second",
+            "<one> tail",
+        ]
+    )
     assert "[trainer0]:to err\n" in err
     assert Path(result.stdouts[0]).read_bytes() == b"first half\nsecond\ntail"
     assert result.stderrs[1] == "", "rank 1's stderr is not redirected"
@@ -275,3 +340,20 @@ async def _wait_for_file(path: Path, needle: bytes, timeout: float = 10) -> byte
                 return data
         await asyncio.sleep(0.01)
     pytest.fail(f"{path} never contained {needle!r}")
+
+
+async def test_instant_failures_are_never_missed(tmp_path: Path) -> None:
+    # Regression: a worker that exits while the context is still wiring its
+    # pipes must still count (the exit callback is attached after the spawn).
+    for attempt in range(5):
+        async with aiolaunch.start_processes(
+            name="t",
+            entrypoint="/bin/false",
+            args={r: () for r in range(8)},
+            envs={r: {} for r in range(8)},
+            log_dir=str(tmp_path / str(attempt)),
+            redirects=Std.ALL,
+        ) as ctx:
+            result = await asyncio.wait_for(ctx.wait(), 10)
+        assert result is not None and result.is_failed()
+        assert all(f.exitcode == 1 for f in result.failures.values())

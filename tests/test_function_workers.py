@@ -18,6 +18,13 @@ from aiolaunch import Std
 METHODS = ["spawn", "fork", "forkserver"]
 
 
+def _text(message: object) -> str:
+    # As in torch, a structured error file makes ``message`` its JSON object.
+    if isinstance(message, dict):
+        return str(message["message"])
+    return str(message)
+
+
 def square(x: int) -> int:
     return x * x
 
@@ -64,8 +71,12 @@ async def test_return_values_each_start_method(method: str, tmp_path: Path) -> N
     offset = 10
     closure = lambda x: x + offset  # noqa: E731 - a lambda closure travels by value
     ctx = await aiolaunch.start_processes(
-        name="f", entrypoint=closure, args={0: (1,), 1: (2,)}, envs={0: {}, 1: {}},
-        log_dir=str(tmp_path), start_method=method,
+        name="f",
+        entrypoint=closure,
+        args={0: (1,), 1: (2,)},
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path),
+        start_method=method,
     )
     assert isinstance(ctx, aiolaunch.MultiprocessContext)
     result = await asyncio.wait_for(ctx.wait(), 60)
@@ -75,7 +86,11 @@ async def test_return_values_each_start_method(method: str, tmp_path: Path) -> N
 
 async def test_async_def_entrypoint(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="f", entrypoint=async_double, args={0: (4,)}, envs={0: {}}, log_dir=str(tmp_path),
+        name="f",
+        entrypoint=async_double,
+        args={0: (4,)},
+        envs={0: {}},
+        log_dir=str(tmp_path),
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and result.return_values == {0: 8}
@@ -83,14 +98,18 @@ async def test_async_def_entrypoint(tmp_path: Path) -> None:
 
 async def test_exception_becomes_error_file_and_failure(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="f", entrypoint=fail, args={0: ("kaput",), 1: ("fine",)}, envs={0: {}, 1: {}},
-        log_dir=str(tmp_path), redirects=Std.ERR,
+        name="f",
+        entrypoint=fail,
+        args={0: ("kaput",), 1: ("fine",)},
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path),
+        redirects=Std.ERR,
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and result.is_failed()
     failure = next(iter(result.failures.values()))
     assert failure.exitcode == 1
-    assert "ValueError: " in failure.message
+    assert "ValueError: " in _text(failure.message)
     data = json.loads(Path(failure.error_file).read_text())
     assert data["message"]["message"].startswith("ValueError: ")
     assert "raise ValueError(msg)" in data["message"]["extraInfo"]["py_callstack"]
@@ -99,7 +118,10 @@ async def test_exception_becomes_error_file_and_failure(tmp_path: Path) -> None:
 
 async def test_env_applied_before_unpickling(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="f", entrypoint=env_at_import, args={0: ()}, envs={0: {"AIOLAUNCH_TEST_VAR": "set"}},
+        name="f",
+        entrypoint=env_at_import,
+        args={0: ()},
+        envs={0: {"AIOLAUNCH_TEST_VAR": "set"}},
         log_dir=str(tmp_path),
     ) as ctx:
         result = await ctx.wait()
@@ -108,8 +130,12 @@ async def test_env_applied_before_unpickling(tmp_path: Path) -> None:
 
 async def test_output_captured_at_fd_level(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="f", entrypoint=print_everywhere, args={0: ("a",)}, envs={0: {}},
-        log_dir=str(tmp_path), redirects=Std.ALL,
+        name="f",
+        entrypoint=print_everywhere,
+        args={0: ("a",)},
+        envs={0: {}},
+        log_dir=str(tmp_path),
+        redirects=Std.ALL,
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()
@@ -119,17 +145,24 @@ async def test_output_captured_at_fd_level(tmp_path: Path) -> None:
 
 async def test_exit_zero_without_value_is_a_failure(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="f", entrypoint=exit_zero_without_return, args={0: ()}, envs={0: {}},
+        name="f",
+        entrypoint=exit_zero_without_return,
+        args={0: ()},
+        envs={0: {}},
         log_dir=str(tmp_path),
     ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and result.is_failed()
-    assert "without returning" in result.failures[0].message
+    assert "without returning" in _text(result.failures[0].message)
 
 
 async def test_sys_exit_zero_returns_none(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="f", entrypoint=sys_exit_zero, args={0: ()}, envs={0: {}}, log_dir=str(tmp_path),
+        name="f",
+        entrypoint=sys_exit_zero,
+        args={0: ()},
+        envs={0: {}},
+        log_dir=str(tmp_path),
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and result.return_values == {0: None}
@@ -138,7 +171,10 @@ async def test_sys_exit_zero_returns_none(tmp_path: Path) -> None:
 async def test_large_return_value(tmp_path: Path) -> None:
     n = 40 << 20
     async with aiolaunch.start_processes(
-        name="f", entrypoint=big_value, args={0: (n,), 1: (n,)}, envs={0: {}, 1: {}},
+        name="f",
+        entrypoint=big_value,
+        args={0: (n,), 1: (n,)},
+        envs={0: {}, 1: {}},
         log_dir=str(tmp_path),
     ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 60)
@@ -148,12 +184,19 @@ async def test_large_return_value(tmp_path: Path) -> None:
 
 async def test_returned_worker_exits_without_waiting_for_others(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        name="f", entrypoint=square, args={0: (3,)}, envs={0: {}}, log_dir=str(tmp_path),
+        name="f",
+        entrypoint=square,
+        args={0: (3,)},
+        envs={0: {}},
+        log_dir=str(tmp_path),
     ) as ctx:
         pass
     async with aiolaunch.start_processes(
-        name="f", entrypoint=lambda r: r if r == 0 else __import__("time").sleep(60),
-        args={0: (0,), 1: (1,)}, envs={0: {}, 1: {}}, log_dir=str(tmp_path / "b"),
+        name="f",
+        entrypoint=lambda r: r if r == 0 else __import__("time").sleep(60),
+        args={0: (0,), 1: (1,)},
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path / "b"),
     ) as ctx:
         assert await ctx.wait(timeout=0.1) is None
         w0 = ctx._workers[0]
@@ -189,7 +232,9 @@ async def test_unpicklable_argument_is_rejected_before_start() -> None:
 
     with pytest.raises(TypeError, match=r"args\[1\]\[0\]") as info:
         aiolaunch.start_processes(
-            name="f", entrypoint=square, args={0: (1,), 1: (threading.Lock(),)},
+            name="f",
+            entrypoint=square,
+            args={0: (1,), 1: (threading.Lock(),)},
             envs={0: {}, 1: {}},
         )
     assert info.value.__cause__ is not None
@@ -197,7 +242,10 @@ async def test_unpicklable_argument_is_rejected_before_start() -> None:
 
 async def test_close_stops_function_workers(tmp_path: Path) -> None:
     ctx = await aiolaunch.start_processes(
-        name="f", entrypoint=sleep_forever, args={0: (), 1: ()}, envs={0: {}, 1: {}},
+        name="f",
+        entrypoint=sleep_forever,
+        args={0: (), 1: ()},
+        envs={0: {}, 1: {}},
         log_dir=str(tmp_path),
     )
     pids = ctx.pids()

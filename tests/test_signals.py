@@ -6,15 +6,17 @@ Signals go to a supervisor we start, never to the test runner.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 SUPERVISOR = textwrap.dedent(
     """
@@ -64,7 +66,9 @@ SUPERVISOR = textwrap.dedent(
 )
 
 
-def _start(tmp_path: Path, *argv: str, ignore_hup: bool = False) -> tuple[subprocess.Popen[str], dict[str, int]]:
+def _start(
+    tmp_path: Path, *argv: str, ignore_hup: bool = False
+) -> tuple[subprocess.Popen[str], dict[str, int]]:
     script = tmp_path / "supervisor.py"
     script.write_text(SUPERVISOR)
 
@@ -74,7 +78,10 @@ def _start(tmp_path: Path, *argv: str, ignore_hup: bool = False) -> tuple[subpro
 
     proc = subprocess.Popen(
         [sys.executable, str(script), *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -109,7 +116,10 @@ def test_signal_is_forwarded_then_raised(tmp_path: Path, sig: signal.Signals) ->
     out, err = proc.communicate(timeout=30)
     report = json.loads(out.strip().splitlines()[-1])
     assert report == {
-        "outcome": "signal", "sigval": sig.name, "restored": True, "hup_ignored": False,
+        "outcome": "signal",
+        "sigval": sig.name,
+        "restored": True,
+        "hup_ignored": False,
     }, err
     assert proc.returncode == 0
     assert not any(_alive(p) for p in pids.values())

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import aiolaunch
 from aiolaunch import Std
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def work(x: int) -> int:
@@ -32,13 +34,19 @@ def _children() -> set[int]:
 
 
 GOOD: dict[str, Any] = {
-    "name": "v", "entrypoint": work, "args": {0: (1,), 1: (2,)}, "envs": {0: {}, 1: {}},
+    "name": "v",
+    "entrypoint": work,
+    "args": {0: (1,), 1: (2,)},
+    "envs": {0: {}, 1: {}},
 }
 
 CASES = [
     (ValueError, r"args is empty", {"args": {}, "envs": {}}),
-    (ValueError, r"args must have exactly the local ranks.*missing \[1\]",
-     {"args": {0: (1,), 2: (1,)}, "envs": {0: {}, 2: {}}}),
+    (
+        ValueError,
+        r"args must have exactly the local ranks.*missing \[1\]",
+        {"args": {0: (1,), 2: (1,)}, "envs": {0: {}, 2: {}}},
+    ),
     (ValueError, r"envs must have exactly.*missing \[1\]", {"envs": {0: {}}}),
     (ValueError, r"envs must have exactly.*unexpected \[5\]", {"envs": {0: {}, 1: {}, 5: {}}}),
     (ValueError, r"start_method='thread'.*use 'spawn'", {"start_method": "thread"}),
@@ -46,21 +54,32 @@ CASES = [
     (TypeError, r"entrypoint must be a callable.*or a str.*got int", {"entrypoint": 42}),
     (TypeError, r"envs\[0\] has a non-str key 1", {"envs": {0: {1: "x"}, 1: {}}}),
     (TypeError, r"envs\[1\]\['X'\] is 3.*use str\(3\)", {"envs": {0: {}, 1: {"X": 3}}}),
-    (TypeError, r"args\[1\]\[0\] \(lock\) cannot be pickled",
-     {"args": {0: (1,), 1: (threading.Lock(),)}}),
-    (FileNotFoundError, r"'no-such-binary-xyz' was not found on PATH",
-     {"entrypoint": "no-such-binary-xyz", "args": {0: ()}, "envs": {0: {}}}),
+    (
+        TypeError,
+        r"args\[1\]\[0\] \(lock\) cannot be pickled",
+        {"args": {0: (1,), 1: (threading.Lock(),)}},
+    ),
+    (
+        FileNotFoundError,
+        r"'no-such-binary-xyz' was not found on PATH",
+        {"entrypoint": "no-such-binary-xyz", "args": {0: ()}, "envs": {0: {}}},
+    ),
     (TypeError, r"redirects=.*Std", {"redirects": "all"}),
     (ValueError, r"tee has rank 7", {"tee": {7: Std.ALL}}),
     (ValueError, r"shutdown_timeout=-1", {"shutdown_timeout": -1}),
     (ValueError, r"log_line_prefixes has rank 9", {"log_line_prefixes": {9: "x"}}),
-    (ValueError, r"either logs_specs or log_dir",
-     {"logs_specs": aiolaunch.DefaultLogsSpecs(), "redirects": Std.ALL}),
+    (
+        ValueError,
+        r"either logs_specs or log_dir",
+        {"logs_specs": aiolaunch.DefaultLogsSpecs(), "redirects": Std.ALL},
+    ),
 ]
 
 
 @pytest.mark.parametrize(("exc", "match", "override"), CASES)
-def test_bad_input_raises_before_start(exc: type[Exception], match: str, override: dict[str, Any]) -> None:
+def test_bad_input_raises_before_start(
+    exc: type[Exception], match: str, override: dict[str, Any]
+) -> None:
     before = _children()
     with pytest.raises(exc, match=match):
         aiolaunch.start_processes(**{**GOOD, **override})
@@ -69,7 +88,7 @@ def test_bad_input_raises_before_start(exc: type[Exception], match: str, overrid
 
 def test_unpicklable_entrypoint_has_cause() -> None:
     lock = threading.Lock()
-    with pytest.raises(TypeError, match="entrypoint .* cannot be pickled") as info:
+    with pytest.raises(TypeError, match=r"entrypoint .* cannot be pickled") as info:
         aiolaunch.start_processes(**{**GOOD, "entrypoint": lambda x: (lock, x)})
     assert info.value.__cause__ is not None
 

@@ -33,10 +33,23 @@ if TYPE_CHECKING:
     from ._errors import MainProcessError as MainProcessError
     from ._errors import SignalException as SignalException
     from ._errors import WorkerError as WorkerError
+    from ._events import Event as Event
+    from ._events import EventsDropped as EventsDropped
+    from ._events import GroupStopped as GroupStopped
+    from ._events import LogLine as LogLine
+    from ._events import WorkerExited as WorkerExited
+    from ._events import WorkerReady as WorkerReady
+    from ._events import WorkerRestarting as WorkerRestarting
+    from ._events import WorkerStarted as WorkerStarted
     from ._logs import set_console_hook as set_console_hook
     from ._logs_specs import DefaultLogsSpecs as DefaultLogsSpecs
     from ._logs_specs import LogsDest as LogsDest
     from ._logs_specs import LogsSpecs as LogsSpecs
+    from ._ready import ReadinessProbe as ReadinessProbe
+    from ._ready import ReadyFile as ReadyFile
+    from ._ready import ReadyLine as ReadyLine
+    from ._ready import ReadyPort as ReadyPort
+    from ._restart import RestartPolicy as RestartPolicy
     from ._results import ProcessFailure as ProcessFailure
     from ._results import RunProcsResult as RunProcsResult
     from ._types import Std as Std
@@ -46,17 +59,30 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "ChildFailedError": "._errors",
     "DefaultLogsSpecs": "._logs_specs",
+    "Event": "._events",
+    "EventsDropped": "._events",
+    "GroupStopped": "._events",
+    "LogLine": "._events",
     "LogsDest": "._logs_specs",
     "LogsSpecs": "._logs_specs",
     "MainProcessError": "._errors",
     "MultiprocessContext": "._context",
     "PContext": "._context",
     "ProcessFailure": "._results",
+    "ReadinessProbe": "._ready",
+    "ReadyFile": "._ready",
+    "ReadyLine": "._ready",
+    "ReadyPort": "._ready",
+    "RestartPolicy": "._restart",
     "RunProcsResult": "._results",
     "SignalException": "._errors",
     "Std": "._types",
     "SubprocessContext": "._context",
     "WorkerError": "._errors",
+    "WorkerExited": "._events",
+    "WorkerReady": "._events",
+    "WorkerRestarting": "._events",
+    "WorkerStarted": "._events",
     "free_port": "._api",
     "launch": "._api",
     "record": "._error_file",
@@ -68,17 +94,30 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "ChildFailedError",
     "DefaultLogsSpecs",
+    "Event",
+    "EventsDropped",
+    "GroupStopped",
+    "LogLine",
     "LogsDest",
     "LogsSpecs",
     "MainProcessError",
     "MultiprocessContext",
     "PContext",
     "ProcessFailure",
+    "ReadinessProbe",
+    "ReadyFile",
+    "ReadyLine",
+    "ReadyPort",
+    "RestartPolicy",
     "RunProcsResult",
     "SignalException",
     "Std",
     "SubprocessContext",
     "WorkerError",
+    "WorkerExited",
+    "WorkerReady",
+    "WorkerRestarting",
+    "WorkerStarted",
     "__version__",
     "free_port",
     "launch",

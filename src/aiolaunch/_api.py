@@ -6,16 +6,22 @@ import os
 import socket
 import tempfile
 from collections.abc import Callable, Generator, Mapping
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
 from ._logs_specs import LogsSpecs, plain_logs_dest
+from ._ready import ReadinessProbe
+from ._restart import RestartPolicy
 from ._types import Std
 from ._validate import check_start_inputs, pickle_payloads
 
+if TYPE_CHECKING:
+    from types import TracebackType
+
 __all__ = ["free_port", "launch", "start_processes"]
+
+T = TypeVar("T")
 
 
 class _Starting:
@@ -60,6 +66,8 @@ def start_processes(
     logs_specs: Any = None,
     log_line_prefixes: dict[int, str] | None = None,
     shutdown_timeout: float = 30.0,
+    ready: ReadinessProbe | Mapping[int, ReadinessProbe] | None = None,
+    restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -85,6 +93,12 @@ def start_processes(
     :param log_line_prefixes: ``{rank: prefix}`` replacing ``[{name}{rank}]:``.
     :param shutdown_timeout: seconds between the death signal and SIGKILL when
         ``wait()`` fails fast or forwards a signal.
+    :param ready: a readiness probe for every rank, or ``{rank: probe}``
+        (:class:`ReadyLine`, :class:`ReadyPort`, :class:`ReadyFile`); see
+        :meth:`PContext.wait_ready`.
+    :param restart: a :class:`RestartPolicy` for every rank, or
+        ``{rank: policy}``: such a worker is started again on its own when it
+        exits, within the policy's budget, instead of failing the group.
     :raises ValueError, TypeError, FileNotFoundError, NotADirectoryError: for
         bad input, before any process starts (the message names the argument
         and the fix).
@@ -111,6 +125,8 @@ def start_processes(
         shutdown_timeout=shutdown_timeout,
     )
     nprocs = len(args)
+    probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
+    policies = _per_rank("restart", restart, RestartPolicy, nprocs)
     args_ = {rank: tuple(args[rank]) for rank in range(nprocs)}
     envs_ = {rank: dict(envs[rank]) for rank in range(nprocs)}
     fn_bytes: bytes = b""
@@ -139,12 +155,29 @@ def start_processes(
             "log_line_prefixes": log_line_prefixes,
             "shutdown_timeout": float(shutdown_timeout),
             "start_method": start_method,
+            "ready": probes,
+            "restart": {r: p for r, p in policies.items() if p.mode != "never"},
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)
         return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
 
     return _Starting(make)
+
+
+def _per_rank(what: str, value: Any, cls: type[T], nprocs: int) -> dict[int, T]:
+    if value is None:
+        return {}
+    if isinstance(value, cls):
+        return dict.fromkeys(range(nprocs), value)
+    if isinstance(value, Mapping):
+        for rank, item in value.items():
+            if not isinstance(rank, int) or not 0 <= rank < nprocs:
+                raise ValueError(f"{what} has rank {rank!r}, but local ranks are 0..{nprocs - 1}")
+            if not isinstance(item, cls):
+                raise TypeError(f"{what}[{rank}] must be a {cls.__name__}, got {item!r}")
+        return dict(value)
+    raise TypeError(f"{what}={value!r} must be a {cls.__name__} or a {{rank: {cls.__name__}}} dict")
 
 
 def free_port(host: str = "") -> int:
@@ -198,9 +231,7 @@ async def launch(
             raise MainProcessError(exc.sigval) from exc
         assert result is not None
         if result.is_failed():
-            rank = min(
-                result.failures, key=lambda r: (result.failures[r].timestamp, r)
-            )
+            rank = min(result.failures, key=lambda r: (result.failures[r].timestamp, r))
             failure = result.failures[rank]
             raise WorkerError(failure.exitcode, rank)
         return dict(result.return_values)

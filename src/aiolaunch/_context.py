@@ -14,19 +14,35 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable
-from types import TracebackType
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._errors import SignalException
-from ._logs import DEVNULL, INHERIT, StreamPump, console, plan_stream
-from ._logs_specs import LogsDest
+from ._errors import ChildFailedError, SignalException
+from ._events import (
+    Event,
+    EventBus,
+    GroupStopped,
+    LogLine,
+    WorkerExited,
+    WorkerReady,
+    WorkerRestarting,
+    WorkerStarted,
+)
+from ._logs import DEVNULL, INHERIT, LineSink, Sink, StreamPump, console, plan_stream
+from ._ready import ReadinessProbe, ReadyLine
+from ._restart import RestartPolicy, RestartTracker
 from ._results import ProcessFailure, RunProcsResult
 from ._shutdown import shielded, terminate
 from ._signals import watch_signals
-from ._workers._handle import WorkerHandle
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+    from types import TracebackType
+
+    from ._logs_specs import LogsDest
+    from ._workers._handle import WorkerHandle
 
 __all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
 
@@ -60,6 +76,8 @@ class PContext:
         log_line_prefixes: dict[int, str] | None,
         shutdown_timeout: float,
         start_method: str,
+        ready: dict[int, ReadinessProbe] | None = None,
+        restart: dict[int, RestartPolicy] | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -79,6 +97,14 @@ class PContext:
         self._end: asyncio.Task[RunProcsResult] | None = None
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
+        self._bus = EventBus()
+        self._probes = ready or {}
+        self._ready: dict[int, asyncio.Event] = {r: asyncio.Event() for r in range(self.nprocs)}
+        self._trackers = {r: RestartTracker(p) for r, p in (restart or {}).items()}
+        self._attempts: dict[int, int] = dict.fromkeys(range(self.nprocs), 0)
+        self._restarting: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._old_pumps: dict[int, list[StreamPump]] = {}
 
     # -- start ------------------------------------------------------------
     def _prefix(self, rank: int) -> str:
@@ -93,14 +119,18 @@ class PContext:
             raise
 
     async def _start_one(self, rank: int) -> None:
+        probe = self._probes.get(rank)
         fds: list[int] = []
-        plans = []
+        plans: list[tuple[int | None, int | None, list[Sink]]] = []
         try:
             for stream, path, tees in (
                 ("stdout", self.stdouts[rank], self._dest.tee_stdouts),
                 ("stderr", self.stderrs[rank], self._dest.tee_stderrs),
             ):
-                mode, sinks = plan_stream(path, rank in tees, stream, self._prefix(rank))
+                watch = isinstance(probe, ReadyLine) and probe.stream in (stream, "any")
+                mode, sinks = plan_stream(
+                    path, rank in tees, stream, self._prefix(rank), need_pipe=watch
+                )
                 if mode == INHERIT:
                     plans.append((None, None, sinks))
                 elif mode == DEVNULL:
@@ -108,6 +138,7 @@ class PContext:
                     fds.append(null)
                     plans.append((null, None, sinks))
                 else:
+                    sinks.append(LineSink(self._line_handler(rank, stream, watch)))
                     r, w = os.pipe()
                     fds += [r, w]
                     plans.append((w, r, sinks))
@@ -119,19 +150,120 @@ class PContext:
                 for sink in sinks:
                     await sink.aclose()
             raise
-        handle.on_exit = self._on_exit
+        handle.attempt = self._attempts[rank]
         self._workers[rank] = handle
-        for w, r, sinks in plans:
-            if w is not None:
-                _close_quietly(w)  # the child has its copy
-            if r is not None:
-                self._pumps.append(await StreamPump.open(r, sinks))
+        self._bus.emit(
+            WorkerStarted(rank=rank, time=time.monotonic(), pid=handle.pid, attempt=handle.attempt)
+        )
+        if probe is None:
+            self._mark_ready(rank, handle.pid)
+        handle.on_exit = self._on_exit
+        if not handle.alive:  # it exited while we were still wiring it up
+            self._on_exit(handle)
+        for w_end, r_end, sinks in plans:
+            if w_end is not None:
+                _close_quietly(w_end)  # the child has its copy
+            if r_end is not None:
+                self._pumps.append(await StreamPump.open(r_end, sinks, rank))
+        if probe is not None and not isinstance(probe, ReadyLine):
+            self._spawn_task(self._run_probe(rank, probe, handle))
+
+    def _line_handler(self, rank: int, stream: str, watch: bool) -> Callable[[str], None]:
+        probe = self._probes.get(rank)
+        matches = probe.matcher() if watch and isinstance(probe, ReadyLine) else None
+
+        def on_line(line: str) -> None:
+            if matches is not None and not self._ready[rank].is_set() and matches(line):
+                w = self._workers.get(rank)
+                self._mark_ready(rank, w.pid if w is not None else 0)
+            if self._bus.wants_lines:
+                self._bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=line))
+
+        return on_line
+
+    def _mark_ready(self, rank: int, pid: int) -> None:
+        if not self._ready[rank].is_set():
+            self._ready[rank].set()
+            self._bus.emit(WorkerReady(rank=rank, time=time.monotonic(), pid=pid))
+            self._changed.set()
+
+    async def _run_probe(self, rank: int, probe: ReadinessProbe, handle: WorkerHandle) -> None:
+        probe_task = asyncio.ensure_future(probe.wait_ready(rank))
+        exit_task = asyncio.ensure_future(handle.exited.wait())
+        try:
+            await asyncio.wait({probe_task, exit_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            probe_task.cancel()
+            exit_task.cancel()
+        if probe_task.done() and not probe_task.cancelled() and probe_task.exception() is None:
+            self._mark_ready(rank, handle.pid)
+
+    def _spawn_task(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
         raise NotImplementedError
 
+    def _env(self, rank: int) -> dict[str, str]:
+        env = dict(self.envs[rank])
+        if rank in self._trackers:
+            env["AIOLAUNCH_RESTART_COUNT"] = str(self._attempts[rank])
+        return env
+
     def _on_exit(self, handle: WorkerHandle) -> None:
-        self._exit_order.append(handle.local_rank)
+        rank = handle.local_rank
+        rc = handle.returncode
+        assert rc is not None
+        self._bus.emit(
+            WorkerExited(
+                rank=rank,
+                time=time.monotonic(),
+                pid=handle.pid,
+                exitcode=rc,
+                signal=_signal_name(rc),
+                stopped=handle.stopped_by_us,
+            )
+        )
+        tracker = self._trackers.get(rank)
+        if tracker is not None and not handle.stopped_by_us and self._end is None:
+            failed = rc != 0 or handle.failure_reason is not None
+            delay = tracker.next_delay(1 if failed else 0, time.monotonic())
+            if delay is not None:
+                self._restarting.add(rank)
+                self._ready[rank].clear()
+                self._bus.emit(
+                    WorkerRestarting(
+                        rank=rank, time=time.monotonic(), attempt=tracker.attempts, delay=delay
+                    )
+                )
+                self._spawn_task(self._restart(rank, delay))
+                return
+        self._exit_order.append(rank)
+        self._changed.set()
+
+    async def _restart(self, rank: int, delay: float) -> None:
+        # Finish the old incarnation's pipes first: its bytes precede the new one's.
+        old = [p for p in self._pumps if p.rank == rank]
+        self._pumps = [p for p in self._pumps if p.rank != rank]
+        if old:
+            await asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in old))
+        old_handle = self._workers[rank]
+        old_handle.release()
+        await asyncio.sleep(delay)  # allowed: the policy's backoff
+        if self._end is not None:
+            return
+        self._attempts[rank] += 1
+        try:
+            await self._start_one(rank)
+        except Exception:
+            self._restarting.discard(rank)
+            old_handle.failure_reason = old_handle.failure_reason or "restart failed"
+            self._exit_order.append(rank)
+            self._changed.set()
+            raise
+        self._restarting.discard(rank)
         self._changed.set()
 
     # -- queries ----------------------------------------------------------
@@ -143,7 +275,7 @@ class PContext:
         failed = []
         for rank in self._exit_order:
             w = self._workers[rank]
-            if w.stopped_by_us:
+            if w.stopped_by_us or rank in self._restarting or w.alive:
                 continue
             if w.returncode != 0 or w.failure_reason is not None:
                 failed.append(rank)
@@ -152,12 +284,69 @@ class PContext:
     def _decided(self) -> bool:
         if self._failed_ranks():
             return True
-        return len(self._workers) == self.nprocs and all(
-            not w.alive for w in self._workers.values()
+        return (
+            len(self._workers) == self.nprocs
+            and not self._restarting
+            and all(not w.alive for w in self._workers.values())
         )
 
+    # -- orchestration ----------------------------------------------------
+    def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
+        """Iterate over the group's lifecycle events, in order, until it stops.
+
+        Yields :class:`WorkerStarted`, :class:`WorkerReady`,
+        :class:`WorkerExited`, :class:`WorkerRestarting` and, last,
+        :class:`GroupStopped`; with ``lines=True`` also a :class:`LogLine` per
+        line of every stream the supervisor reads (redirected, tee'd or
+        probed). Events from before the call are replayed first. Several
+        consumers may iterate at once, each with its own buffer of ``maxsize``
+        events: one that falls behind loses its oldest events and receives an
+        :class:`EventsDropped` with the count.
+        """
+        return self._bus.iterate(lines=lines, maxsize=maxsize)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until every worker's readiness probe succeeded.
+
+        Ranks without a probe are ready once started. A worker that exits
+        before it is ready (and is not restarted) fails the wait with
+        :class:`ChildFailedError` carrying its failure - not a timeout.
+
+        :raises TimeoutError: ``timeout`` seconds passed first.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            self._changed.clear()
+            if all(ev.is_set() for ev in self._ready.values()) and not self._restarting:
+                return
+            dead = [
+                r
+                for r in self._exit_order
+                if not self._ready[r].is_set() and r not in self._restarting
+            ]
+            if dead or self._end is not None:
+                failures = {
+                    r: ProcessFailure(
+                        local_rank=r,
+                        pid=self._workers[r].pid,
+                        exitcode=self._workers[r].returncode or 0,
+                        error_file=self.error_files.get(r, ""),
+                    )
+                    for r in dead
+                }
+                raise ChildFailedError(self.name, failures)
+            remaining = math.inf if deadline is None else deadline - loop.time()
+            if remaining <= 0:
+                not_ready = sorted(r for r, ev in self._ready.items() if not ev.is_set())
+                raise TimeoutError(f"ranks {not_ready} of {self.name!r} not ready after {timeout}s")
+            with anyio.move_on_after(remaining):
+                await self._changed.wait()
+
     # -- wait / close -----------------------------------------------------
-    async def wait(self, timeout: float | None = None, period: float | None = None) -> RunProcsResult | None:
+    async def wait(
+        self, timeout: float | None = None, period: float | None = None
+    ) -> RunProcsResult | None:
         """Wait for the group's outcome.
 
         Returns a :class:`RunProcsResult` once every worker succeeded, or at
@@ -219,6 +408,11 @@ class PContext:
         return self._end
 
     async def _shutdown(self, death_sig: int, grace: float) -> RunProcsResult:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._restarting.clear()
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
         await terminate(workers, death_sig, grace)
@@ -231,6 +425,9 @@ class PContext:
         for w in workers:
             w.release()
         self._result = self._build_result(failed_before)
+        self._bus.emit(
+            GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
+        )
         return self._result
 
     def _build_result(self, failed: set[int]) -> RunProcsResult:
@@ -296,7 +493,7 @@ class SubprocessContext(PContext):
         from ._workers._binary import spawn_binary
 
         assert isinstance(self.entrypoint, str)
-        env = {**os.environ, **self.envs[rank]}
+        env = {**os.environ, **self._env(rank)}
         argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
         return await spawn_binary(rank, argv, env, stdout, stderr)
 
@@ -324,11 +521,20 @@ class MultiprocessContext(PContext):
             start_method=self.start_method,
             fn=self._fn_bytes,
             args=self._args_bytes[rank],
-            env=dict(self.envs[rank]),
+            env=self._env(rank),
             stdout=stdout,
             stderr=stderr,
             error_file=self.error_files.get(rank, ""),
         )
+
+
+def _signal_name(exitcode: int) -> str | None:
+    if exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return None
 
 
 def _close_quietly(fd: int) -> None:

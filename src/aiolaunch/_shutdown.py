@@ -13,13 +13,16 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from ._workers._handle import WorkerHandle
 from ._workers._proc import ProcTable, open_exit_fd
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Sequence
+
+    from ._workers._handle import WorkerHandle
 
 __all__ = ["shielded", "terminate"]
 

@@ -135,8 +135,10 @@ def watch_signals(on_signal: Callable[[signal.Signals], None]) -> Iterator[Signa
         if not hub.install():
             if not _said_degraded:
                 _said_degraded = True
-                logger.info("aiolaunch: this event loop cannot take signal handlers; "
-                            "signals are not forwarded to workers")
+                logger.info(
+                    "aiolaunch: this event loop cannot take signal handlers; "
+                    "signals are not forwarded to workers"
+                )
             yield watch
             return
         _hubs[loop] = hub

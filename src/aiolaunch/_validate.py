@@ -71,7 +71,9 @@ def check_start_inputs(
 ) -> None:
     """Raise before anything starts if any argument of ``start_processes`` is bad."""
     if not isinstance(name, str):
-        raise TypeError(f"name must be a str (it prefixes console lines), got {type(name).__name__}")
+        raise TypeError(
+            f"name must be a str (it prefixes console lines), got {type(name).__name__}"
+        )
     if not (callable(entrypoint) or isinstance(entrypoint, str)):
         raise TypeError(
             f"entrypoint must be a callable (function workers) or a str naming a binary "
@@ -89,7 +91,9 @@ def check_start_inputs(
                 f"args[{rank}] is a {type(a).__name__}; pass a tuple of arguments, e.g. ({a!r},)"
             )
     if not isinstance(envs, Mapping):
-        raise TypeError(f"envs must be a dict {{local_rank: {{str: str}}}}, got {type(envs).__name__}")
+        raise TypeError(
+            f"envs must be a dict {{local_rank: {{str: str}}}}, got {type(envs).__name__}"
+        )
     _check_rank_keys("envs", envs, nprocs)
     for rank, env in envs.items():
         if not isinstance(env, Mapping):

@@ -76,22 +76,30 @@ PROGRESS = (
 
 async def _run(code: str, tmp_path: Path, n: int = 1, **kw: object) -> aiolaunch.RunProcsResult:
     async with aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable, args={r: ("-c", code) for r in range(n)},
-        envs={r: {} for r in range(n)}, log_dir=str(tmp_path / "logs"), **kw,  # type: ignore[arg-type]
+        name="w",
+        entrypoint=sys.executable,
+        args={r: ("-c", code) for r in range(n)},
+        envs={r: {} for r in range(n)},
+        log_dir=str(tmp_path / "logs"),
+        **kw,  # type: ignore[arg-type]
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()
     return result
 
 
-async def test_progress_bar_is_not_one_line_per_update(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_progress_bar_is_not_one_line_per_update(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = await _run(PROGRESS, tmp_path, tee=Std.OUT)
     out = capsys.readouterr().out
     assert out == "[w0]:step 300/300 done\n[w0]:after the bar\n"
     assert Path(result.stdouts[0]).read_bytes().count(b"\r") == 301, "the file keeps every update"
 
 
-async def test_progress_bar_drawn_in_place_on_a_tty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_progress_bar_drawn_in_place_on_a_tty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stdout", tty)
     await _run(PROGRESS, tmp_path, tee=Std.OUT)
@@ -102,7 +110,9 @@ async def test_progress_bar_drawn_in_place_on_a_tty(tmp_path: Path, monkeypatch:
     assert len(tty.writes) < 100, f"{len(tty.writes)} writes for 300 updates: not rate-limited"
 
 
-async def test_worker_lines_do_not_garble_a_parent_tqdm_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_worker_lines_do_not_garble_a_parent_tqdm_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tqdm = pytest.importorskip("tqdm")
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stdout", tty)
@@ -124,7 +134,9 @@ async def test_worker_lines_do_not_garble_a_parent_tqdm_bar(tmp_path: Path, monk
     assert lines[-1].startswith("parent:"), "the bar is redrawn below the worker lines"
 
 
-async def test_lines_of_different_workers_never_mix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_lines_of_different_workers_never_mix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Each worker writes lines in two halves with a pause between: the prefix
     # must never land mid-line and halves of different workers must not mix.
     code = (
@@ -140,13 +152,19 @@ async def test_lines_of_different_workers_never_mix(tmp_path: Path, capsys: pyte
         assert re.fullmatch(r"\[w[0-3]\]:begin-(\d+)-end-\1", line), line
 
 
-async def test_slow_console_does_not_stall_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_slow_console_does_not_stall_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     slow = FakeTTY(delay=0.05)
     monkeypatch.setattr(sys, "stdout", slow)
     code = "import sys\nfor i in range(3000): print(f'line {i}')"
     async with aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable, args={0: ("-c", code)}, envs={0: {}},
-        log_dir=str(tmp_path / "logs"), tee=Std.OUT,
+        name="w",
+        entrypoint=sys.executable,
+        args={0: ("-c", code)},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        tee=Std.OUT,
     ) as ctx:
         t0 = time.monotonic()
         await asyncio.wait_for(ctx._workers[0].exited.wait(), 10)
@@ -162,7 +180,9 @@ async def test_slow_console_does_not_stall_workers(tmp_path: Path, monkeypatch: 
     assert [l for l in term.screen() if l] == [f"[w0]:line {i}" for i in range(3000)]
 
 
-async def test_unredirected_output_reaches_a_python_level_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_unredirected_output_reaches_a_python_level_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Under capsys (as in a notebook) sys.stdout is not fd 1: output must be
     # carried to it, unprefixed and unchanged.
     code = "import sys; sys.stdout.write('plain\\npartial'); sys.stderr.write('e\\n')"
@@ -172,12 +192,16 @@ async def test_unredirected_output_reaches_a_python_level_stdout(tmp_path: Path,
     assert err == "e\n"
 
 
-async def test_local_ranks_filter_limits_the_console(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_local_ranks_filter_limits_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     specs = aiolaunch.DefaultLogsSpecs(log_dir=str(tmp_path), tee=Std.OUT, local_ranks_filter={1})
     async with aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable,
+        name="w",
+        entrypoint=sys.executable,
         args={r: ("-c", f"print('hello from {r}')") for r in range(3)},
-        envs={r: {} for r in range(3)}, logs_specs=specs,
+        envs={r: {} for r in range(3)},
+        logs_specs=specs,
     ) as ctx:
         result = await ctx.wait()
     assert result is not None
@@ -187,16 +211,20 @@ async def test_local_ranks_filter_limits_the_console(tmp_path: Path, capsys: pyt
         assert re.search(rf"test_run_id_[^/]+/attempt_0/{r}/stdout\.log$", result.stdouts[r])
 
 
-async def test_overlong_line_goes_out_in_prefixed_pieces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_overlong_line_goes_out_in_prefixed_pieces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = "print('a' * 200000)"
     await _run(code, tmp_path, tee=Std.OUT)
     lines = capsys.readouterr().out.splitlines()
     assert all(l.startswith("[w0]:") for l in lines)
-    assert "".join(l[len("[w0]:"):] for l in lines) == "a" * 200000
+    assert "".join(l[len("[w0]:") :] for l in lines) == "a" * 200000
     assert len(lines) == 4
 
 
-async def test_invalid_utf8_replaced_on_console_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_invalid_utf8_replaced_on_console_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = "import sys; sys.stdout.buffer.write(b'ok \\xff\\xfe bytes\\n')"
     result = await _run(code, tmp_path, tee=Std.OUT)
     assert capsys.readouterr().out == "[w0]:ok \ufffd\ufffd bytes\n"

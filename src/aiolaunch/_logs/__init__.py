@@ -12,11 +12,12 @@ import sys
 
 from ._console import console, set_console_hook
 from ._pump import StreamPump
-from ._sinks import ConsoleSink, FileSink, PassthroughSink, Sink
+from ._sinks import ConsoleSink, FileSink, LineSink, PassthroughSink, Sink
 
 __all__ = [
     "ConsoleSink",
     "FileSink",
+    "LineSink",
     "PassthroughSink",
     "Sink",
     "StreamPump",
@@ -46,21 +47,25 @@ def console_is_fd(stream: str) -> bool:
         return False
 
 
-def plan_stream(path: str, tee: bool, stream: str, prefix: str) -> tuple[str, list[Sink]]:
+def plan_stream(
+    path: str, tee: bool, stream: str, prefix: str, need_pipe: bool = False
+) -> tuple[str, list[Sink]]:
     """Decide how one worker stream is wired.
 
     :param path: the destination from ``LogsDest``: ``""`` for the console,
         ``os.devnull`` to discard, else a log file path.
     :param tee: also show the stream, prefixed, on the console.
+    :param need_pipe: the supervisor must see the bytes (a readiness probe
+        reads this stream): never inherit.
     :returns: ``(INHERIT | DEVNULL | PIPE, sinks)``; sinks are only built for
         ``PIPE`` (log files are created here, before any process starts).
     """
     if path == "":
-        if console_is_fd(stream):
+        if console_is_fd(stream) and not need_pipe:
             return INHERIT, []
         return PIPE, [PassthroughSink(stream)]
     if path == os.devnull:
-        return DEVNULL, []
+        return (PIPE, []) if need_pipe else (DEVNULL, [])
     sinks: list[Sink] = [FileSink(path)]
     if tee:
         sinks.append(ConsoleSink(stream, prefix))

@@ -67,7 +67,8 @@ def _tqdm_write_mode(stream: TextIO) -> object | None:
     if not instances:
         return None
     try:
-        return cls.external_write_mode(file=stream)  # type: ignore[union-attr]
+        mode: object = cls.external_write_mode(file=stream)  # type: ignore[union-attr]
+        return mode
     except Exception:  # pragma: no cover - an odd tqdm
         return None
 
@@ -150,9 +151,7 @@ class ConsoleWriter:
     def _ensure_thread(self) -> None:
         if self._thread is None or self._pid != os.getpid():
             self._pid = os.getpid()
-            self._thread = threading.Thread(
-                target=self._run, name="aiolaunch-console", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="aiolaunch-console", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
@@ -169,8 +168,11 @@ class ConsoleWriter:
                 self._busy = bool(batch)
             if dropped:
                 batch.append(
-                    ("stderr", f"[aiolaunch]: {dropped} console lines dropped (console too "
-                     "slow); the log files have every byte\n")
+                    (
+                        "stderr",
+                        f"[aiolaunch]: {dropped} console lines dropped (console too "
+                        "slow); the log files have every byte\n",
+                    )
                 )
             self._emit(batch, status_changed)
             with self._cond:

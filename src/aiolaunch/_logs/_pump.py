@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 
 from ._sinks import FileSink, Sink
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["StreamPump"]
 
@@ -25,9 +28,10 @@ class StreamPump(asyncio.Protocol):
     closes our end.
     """
 
-    def __init__(self, sinks: Sequence[Sink], fd: int) -> None:
+    def __init__(self, sinks: Sequence[Sink], fd: int, rank: int = -1) -> None:
         self.sinks = list(sinks)
         self.fd = fd
+        self.rank = rank
         self.transport: asyncio.ReadTransport | None = None
         self.eof = asyncio.Event()
         self._closed = False
@@ -36,9 +40,9 @@ class StreamPump(asyncio.Protocol):
                 sink.flow_control = self._flow_control
 
     @classmethod
-    async def open(cls, read_fd: int, sinks: Sequence[Sink]) -> StreamPump:
+    async def open(cls, read_fd: int, sinks: Sequence[Sink], rank: int = -1) -> StreamPump:
         """Start reading ``read_fd`` (ownership passes to the pump)."""
-        pump = cls(sinks, read_fd)
+        pump = cls(sinks, read_fd, rank)
         loop = asyncio.get_running_loop()
         pipe = os.fdopen(read_fd, "rb", buffering=0)
         try:

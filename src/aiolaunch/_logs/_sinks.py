@@ -19,12 +19,15 @@ import asyncio
 import codecs
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from ._console import console
 
-__all__ = ["ConsoleSink", "FileSink", "PassthroughSink", "Sink", "open_log_file"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["ConsoleSink", "FileSink", "LineSink", "PassthroughSink", "Sink", "open_log_file"]
 
 _HIGH_WATER = 16 * 1024 * 1024
 _LOW_WATER = 4 * 1024 * 1024
@@ -83,6 +86,9 @@ class FileSink(Sink):
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._in_flight: asyncio.Future[None] | None = None
+        # Set while nothing is queued or being written.
+        self._drained = asyncio.Event()
+        self._drained.set()
         self._closed = False
         self.error: BaseException | None = None
         #: set by the pump: called with True to pause reading, False to resume
@@ -103,6 +109,7 @@ class FileSink(Sink):
     def _start_write(self) -> None:
         chunks, self._pending = self._pending, []
         self._pending_bytes = 0
+        self._drained.clear()
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(_file_executor(), _write_all, self._fd, chunks)
         self._in_flight = fut
@@ -119,13 +126,15 @@ class FileSink(Sink):
             self._pending_bytes = 0
         elif self._pending:
             self._start_write()
+        if self._in_flight is None:
+            self._drained.set()
         if self._paused and self._pending_bytes < _LOW_WATER and self.flow_control:
             self._paused = False
             self.flow_control(False)
 
     async def flush(self) -> None:
-        while self._in_flight is not None:
-            await asyncio.shield(self._in_flight)
+        """Wait until every byte fed so far is written (or the file failed)."""
+        await self._drained.wait()
 
     async def aclose(self) -> None:
         if self._closed:
@@ -238,3 +247,31 @@ class PassthroughSink(Sink):
         text = self._decoder.decode(b"", final=True)
         if text:
             console().write(self._stream, text)
+
+
+class LineSink(Sink):
+    """Calls ``on_line(text)`` for each complete line, as the console would show it.
+
+    Feeds readiness probes and ``LogLine`` events. A final partial line is
+    delivered at close.
+    """
+
+    def __init__(self, on_line: Callable[[str], None]) -> None:
+        self._on_line = on_line
+        self._decoder = _LineDecoder()
+        self._partial = ""
+
+    def feed(self, data: bytes) -> None:
+        text = self._decoder.decode(data)
+        if not text:
+            return
+        lines = (self._partial + text).split("\n")
+        self._partial = _latest_state(lines.pop())
+        for line in lines:
+            self._on_line(_latest_state(line).rstrip("\r"))
+
+    async def aclose(self) -> None:
+        tail = _latest_state(self._partial + self._decoder.decode(b"", final=True)).rstrip("\r")
+        self._partial = ""
+        if tail:
+            self._on_line(tail)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ._handle import WorkerHandle
 from ._proc import binary_preexec
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["BinaryWorker", "spawn_binary"]
 

@@ -110,8 +110,7 @@ def _rebind_stdio(fd: int, name: str) -> None:
         io.FileIO(fd, "w", closefd=False),
         encoding="utf-8",
         errors="backslashreplace",
-        line_buffering=True,
-        write_through=True,
+        line_buffering=True,  # one write() per line: lines of workers sharing a fd don't mix
     )
     setattr(sys, name, stream)
     setattr(sys, f"__{name}__", stream)

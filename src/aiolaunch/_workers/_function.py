@@ -20,12 +20,14 @@ import multiprocessing.spawn
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from ._handle import WorkerHandle, close_fd
 from ._proc import open_exit_fd
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["FunctionWorker", "spawn_function"]
 
@@ -207,7 +209,9 @@ async def spawn_function(
         check_parent=start_method != "forkserver",
     )
     mp = multiprocessing.get_context(start_method)
-    proc = mp.Process(target=run_worker, args=(spec,), name=f"{name}{local_rank}")
+    proc = mp.Process(  # type: ignore[attr-defined]
+        target=run_worker, args=(spec,), name=f"{name}{local_rank}"
+    )
     try:
         with _no_main_reimport():
             proc.start()

@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._proc import signal_tree
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["WorkerHandle"]
 
@@ -34,6 +36,8 @@ class WorkerHandle:
         self.on_exit: Callable[[WorkerHandle], None] | None = None
         #: monotonic time the exit was noticed
         self.exit_time: float | None = None
+        #: restart count of this rank when this process was started
+        self.attempt = 0
 
     @property
     def alive(self) -> bool:

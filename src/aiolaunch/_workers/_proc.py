@@ -17,11 +17,14 @@ import errno
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 __all__ = [
-    "binary_preexec",
     "ProcTable",
+    "binary_preexec",
     "open_exit_fd",
     "set_parent_death_signal",
     "signal_tree",

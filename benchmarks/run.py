@@ -1,0 +1,625 @@
+"""aiolaunch benchmarks against torch.distributed.elastic 2.13 and a raw asyncio floor.
+
+    python benchmarks/run.py [--quick] [--only NAME,...] [--out DIR] [--list]
+
+Writes results.json, results.md and results.png to --out (default
+benchmarks/results/). Exits 1 if any correctness check failed (a FAIL row),
+2 on a setup error. See benchmarks/README.md for what each benchmark measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = sys.executable
+mono = time.monotonic
+
+VARIANT_LABEL = {
+    "aiolaunch": "aiolaunch",
+    "torch": "torch (period=1)",
+    "torch-p0.1": "torch (period=0.1)",
+    "raw": "raw asyncio/mp floor",
+    "torchrun": "torchrun",
+}
+
+
+# ------------------------------------------------------------------ plan
+@dataclass
+class Target:
+    metric: str
+    stat: str  # "median" | "p50" | "p99"
+    op: str  # "<=" | ">="
+    value: float | None = None  # absolute bound, or
+    vs: str | None = None  # ... a factor of another variant's same stat
+    factor: float = 1.0
+
+    def describe(self) -> str:
+        if self.vs is None:
+            return f"{self.stat} {self.op} {self.value:g}"
+        if self.op == ">=" and self.factor >= 1 and self.metric.endswith("_ms"):
+            return f"{self.factor:g}x faster than {VARIANT_LABEL[self.vs]}"
+        return f"{self.stat} {self.op} {self.factor:g} x {VARIANT_LABEL[self.vs]}"
+
+
+@dataclass
+class Case:
+    group: str  # --only name
+    label: str
+    bench: str
+    params: dict
+    trials: dict[str, int]  # variant -> measured trials
+    metrics: list[str]  # metrics shown in the table (first = main)
+    higher_better: bool = False
+    warmup: int = 0  # discarded trials per variant before measuring
+    targets: list[Target] = field(default_factory=list)
+    timeout: float = 120.0  # per trial
+
+
+def plan(quick: bool) -> list[Case]:
+    q = quick
+    cases: list[Case] = []
+    # launch latency ------------------------------------------------------
+    for n in (1, 4, 16, 64):
+        k = 3 if q else 12
+        cases.append(
+            Case("launch_bin", f"binaries N={n}", "launch_bin", {"n": n},
+                 {"aiolaunch": k, "torch": k, "raw": k}, ["all_running_ms", "call_returned_ms"], warmup=1)
+        )
+    for method in ("spawn", "forkserver"):
+        for n in ((1, 4) if method == "spawn" else (1,)) if q else (1, 4, 16):
+            k = {1: 6, 4: 4, 16: 3}[n] if not q else 2
+            kt = {1: 4, 4: 3, 16: 2}[n] if not q else 1
+            cases.append(
+                Case("launch_fn", f"functions {method} N={n}", "launch_fn", {"n": n, "method": method},
+                     {"aiolaunch": k, "torch": kt, "raw": k}, ["all_running_ms", "call_returned_ms"],
+                     warmup=1 if n == 1 else 0, timeout=300)
+            )
+    # exit detection --------------------------------------------------------
+    for n in (1, 8, 64):
+        for code in (0, 1):
+            k = (8 if n < 64 else 4) if q else (40 if n < 64 else 15)
+            kt = 1 if q else 8
+            tgt = [Target("user_exit_to_return_ms", "p99", "<=", 5.0)] if n <= 8 else []
+            cases.append(
+                Case("exit_bin", f"binaries N={n} exit {code}", "exit_bin", {"n": n, "code": code},
+                     {"aiolaunch": k, "torch": kt, "torch-p0.1": 2 * kt, "raw": k}, ["detect_ms", "user_exit_to_return_ms"],
+                     warmup=1, targets=tgt)
+            )
+    for n in (1,) if q else (1, 4):
+        for code in (0, 1):
+            k = 5 if q else 20
+            kt = 1 if q else 3
+            cases.append(
+                Case("exit_fn", f"functions spawn N={n} exit {code}", "exit_fn", {"n": n, "code": code},
+                     {"aiolaunch": k, "torch": kt, "torch-p0.1": kt, "raw": k}, ["detect_ms", "user_exit_to_return_ms"],
+                     warmup=1 if (n, code) == (1, 0) else 0, targets=[Target("detect_ms", "p99", "<=", 10.0)],
+                     timeout=300)
+            )
+    # shutdown ------------------------------------------------------------
+    k = 3 if q else 10
+    cases.append(Case("shutdown", "close() N=8 well-behaved", "shutdown", {"n": 8, "mode": "sleep", "timeout": 30},
+                      {"aiolaunch": k, "torch": k, "raw": k}, ["close_ms"]))
+    k = 2 if q else 4
+    cases.append(Case("shutdown", "close(timeout=1) N=8 ignore SIGTERM", "shutdown",
+                      {"n": 8, "mode": "ignore", "timeout": 1},
+                      {"aiolaunch": k, "torch": k, "raw": k}, ["close_ms", "overshoot_ms"]))
+    # tee latency and throughput ---------------------------------------------
+    k = 2 if q else 5
+    cases.append(Case("tee_latency", "4 workers x {} lines, 5 ms apart".format(60 if q else 200), "tee_latency",
+                      {"n": 4, "lines": 60 if q else 200, "interval_us": 5000},
+                      {"aiolaunch": k, "torch": k, "raw": k}, ["line_ms"],
+                      targets=[Target("line_ms", "p50", "<=", 1.0), Target("line_ms", "p99", "<=", 5.0)]))
+    mib = 8 if q else 64
+    k = 2 if q else 4
+    cases.append(Case("throughput", f"redirect 8 x {mib} MiB", "throughput", {"n": 8, "mib": mib, "tee": False},
+                      {"aiolaunch": k, "torch-p0.1": k, "raw": k}, ["MB_per_s", "cpu_ms_per_MB"], higher_better=True,
+                      targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=0.5)], timeout=300))
+    mib = 2 if q else 16
+    k = 2 if q else 3
+    cases.append(Case("throughput", f"tee 8 x {mib} MiB", "throughput", {"n": 8, "mib": mib, "tee": True},
+                      {"aiolaunch": k, "torch-p0.1": k, "raw": k}, ["MB_per_s", "cpu_ms_per_MB"], higher_better=True,
+                      targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=3.0)], timeout=300))
+    # idle CPU --------------------------------------------------------------
+    secs = 3 if q else 10
+    k = 1 if q else 2
+    cases.append(Case("idle_cpu", f"16 sleeping workers, wait(timeout={secs})", "idle_cpu", {"n": 16, "secs": secs},
+                      {"aiolaunch": k, "torch": k, "raw": k} if q else
+                      {"aiolaunch": k, "torch": k, "torch-p0.1": k, "raw": k}, ["cpu_ms_per_s"],
+                      targets=[Target("cpu_ms_per_s", "median", "<=", 1.0)]))
+    # scale -----------------------------------------------------------------
+    for n in (256,) if q else (256, 1024):
+        k = 1 if q else (3 if n == 256 else 2)
+        cases.append(Case("scale", f"{n} binaries launched and reaped", "scale", {"n": n},
+                          {"aiolaunch": k, "torch-p0.1": k, "raw": k},
+                          ["wall_ms", "launch_ms", "reap_ms", "peak_rss_MB", "fds", "threads"], timeout=300))
+    # end to end ------------------------------------------------------------
+    k = 1 if q else 5
+    cases.append(Case("e2e", "CLI, 4 workers, trivial script", "e2e", {"mode": "trivial"},
+                      {"aiolaunch": k, "torchrun": k}, ["wall_ms"],
+                      targets=[Target("wall_ms", "median", ">=", vs="torchrun", factor=2.0)]))
+    cases.append(Case("e2e", "CLI restart turnaround (--max-restarts 1)", "e2e", {"mode": "restart"},
+                      {"aiolaunch": k, "torchrun": k}, ["turnaround_ms", "wall_ms"],
+                      targets=[Target("turnaround_ms", "median", ">=", vs="torchrun", factor=2.0)]))
+    return cases
+
+
+# --------------------------------------------------------------- drivers
+class Driver:
+    """One long-lived _driver.py process per implementation (see its docstring)."""
+
+    def __init__(self, impl: str, env: dict[str, str], logdir: str) -> None:
+        self.impl, self.env, self.logdir = impl, env, logdir
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        r, w = os.pipe()
+        env = dict(self.env, BENCH_RESULT_FD=str(w))
+        self.err = open(os.path.join(self.logdir, f"driver-{self.impl}.log"), "ab")
+        self.proc = subprocess.Popen(
+            [PY, os.path.join(HERE, "_driver.py"), self.impl],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
+            pass_fds=(w,), env=env, cwd=HERE, start_new_session=True,
+        )
+        os.close(w)
+        self.rfile = os.fdopen(r, "r")
+        hello = self._read(120)
+        if not hello or not hello.get("ready"):
+            raise RuntimeError(f"driver {self.impl} did not start; see {self.err.name}")
+
+    def _read(self, timeout: float) -> dict | None:
+        ready, _, _ = select.select([self.rfile], [], [], timeout)
+        if not ready:
+            return None
+        line = self.rfile.readline()
+        return json.loads(line) if line else None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.rfile.close()
+        self.err.close()
+        self.proc = None
+
+    def trial(self, bench: str, variant: str, params: dict, timeout: float) -> dict:
+        if self.proc is None:
+            self.start()
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps({"bench": bench, "variant": variant, "params": params}) + "\n").encode())
+            self.proc.stdin.flush()
+            reply = self._read(timeout)
+        except (BrokenPipeError, ValueError, OSError) as e:
+            reply = {"ok": False, "error": f"driver died: {e}"}
+        if reply is None:
+            reply = {"ok": False, "error": f"no answer within {timeout:.0f}s (driver killed; see {self.err.name})"}
+            self.stop()  # kills the driver's whole session: its workers too
+            self.restarts += 1
+        return reply
+
+
+# ------------------------------------------------------------------ e2e
+def e2e_trial(variant: str, params: dict, env: dict[str, str], tmp: str) -> dict:
+    d = tempfile.mkdtemp(dir=tmp)
+    stamp = os.path.join(d, "stamps")
+    mode = params["mode"]
+    mod = "aiolaunch" if variant == "aiolaunch" else "torch.distributed.run"
+    argv = [PY, "-m", mod, "--standalone", "--nproc-per-node", "4"]
+    if mode == "restart":
+        argv += ["--max-restarts", "1"]
+    argv += [os.path.join(HERE, "_e2e_script.py"), mode]
+    t0 = mono()
+    p = subprocess.run(argv, env=dict(env, BENCH_STAMP=stamp), cwd=d, capture_output=True, timeout=120)
+    wall = mono() - t0
+    if p.returncode != 0:
+        return {"ok": False, "error": f"exit status {p.returncode}: {p.stderr.decode(errors='replace')[-800:]}"}
+    st: dict[str, dict[int, float]] = {}
+    with open(stamp) as f:
+        for line in f:
+            r, what, t = line.split()
+            st.setdefault(what, {})[int(r)] = float(t)
+    if len(st.get("start0", {})) != 4:
+        return {"ok": False, "error": f"attempt 0: {len(st.get('start0', {}))}/4 workers ran"}
+    out = {"wall_ms": wall * 1e3, "first_worker_ms": (min(st["start0"].values()) - t0) * 1e3}
+    if mode == "restart":
+        if 0 not in st.get("fail", {}) or len(st.get("start1", {})) != 4:
+            return {"ok": False, "error": f"restart did not run 4 workers in attempt 1: {st}"}
+        out["turnaround_ms"] = (max(st["start1"].values()) - st["fail"][0]) * 1e3
+    return {"ok": True, "metrics": out}
+
+
+def cli_available(env: dict[str, str]) -> tuple[bool, str]:
+    p = subprocess.run([PY, "-m", "aiolaunch", "--help"], env=env, capture_output=True, timeout=60)
+    if p.returncode == 0:
+        return True, ""
+    return False, (p.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+
+
+# ----------------------------------------------------------------- stats
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(xs: list[float]) -> dict:
+    return {
+        "n": len(xs),
+        "median": percentile(xs, 50),
+        "p50": percentile(xs, 50),
+        "p99": percentile(xs, 99),
+        "min": min(xs) if xs else math.nan,
+        "max": max(xs) if xs else math.nan,
+    }
+
+
+# ------------------------------------------------------------------ meta
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def versions(env: dict[str, str]) -> dict:
+    code = (
+        "import json, sys, importlib.metadata as md, aiolaunch; "
+        "print(json.dumps({'python': sys.version.split()[0], 'torch': md.version('torch'), "
+        "'aiolaunch': getattr(aiolaunch, '__version__', '?'), 'aiolaunch_path': aiolaunch.__file__}))"
+    )
+    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "import failed")
+    return json.loads(p.stdout)
+
+
+def build_worker(tmp: str) -> list[str]:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc:
+        exe = os.path.join(tmp, "bench_worker")
+        p = subprocess.run([cc, "-O2", "-o", exe, os.path.join(HERE, "_worker.c")], capture_output=True)
+        if p.returncode == 0:
+            return [exe]
+        print(f"note: cc failed ({p.stderr.decode()[:200]}); using the Python worker", file=sys.stderr)
+    return [PY, "-S", "-I", os.path.join(HERE, "_worker.py")]
+
+
+# ------------------------------------------------------------------ main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer trials and sizes (CI smoke run, < 2 min)")
+    ap.add_argument("--only", default="", help="comma-separated benchmark groups (see --list)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
+    ap.add_argument("--list", action="store_true", help="list benchmark groups and cases, then exit")
+    a = ap.parse_args()
+
+    cases = plan(a.quick)
+    groups = list(dict.fromkeys(c.group for c in cases))
+    if a.list:
+        for c in cases:
+            print(f"{c.group:12s} {c.label}")
+        return 0
+    if a.only:
+        want = [w.strip() for w in a.only.split(",") if w.strip()]
+        bad = [w for w in want if w not in groups]
+        if bad:
+            print(f"unknown benchmark(s) {bad}; choose from {groups}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c.group in want]
+
+    os.makedirs(a.out, exist_ok=True)
+    tmp_root = os.path.join(HERE, "results", "tmp")
+    os.makedirs(tmp_root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="run_", dir=tmp_root)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
+    env["BENCH_TMP"] = tmp
+    env["PYTHONUNBUFFERED"] = "1"
+    try:
+        vers = versions(env)
+    except Exception as e:  # noqa: BLE001
+        print(f"setup error: cannot import aiolaunch and torch: {e}", file=sys.stderr)
+        return 2
+    worker = build_worker(tmp)
+    env["BENCH_WORKER"] = json.dumps(worker)
+    meta = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {"nproc": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform()},
+        "versions": vers,
+        "quick": a.quick,
+        "worker": "C (benchmarks/_worker.c)" if len(worker) == 1 else "Python fallback (benchmarks/_worker.py)",
+        "notes": [],
+        "loadavg_start": os.getloadavg(),
+    }
+    print(f"aiolaunch {vers['aiolaunch']} ({vers['aiolaunch_path']}), torch {vers['torch']}, "
+          f"python {vers['python']}; {meta['machine']['nproc']} x {meta['machine']['cpu']}; worker: {meta['worker']}")
+
+    drivers: dict[str, Driver] = {}
+    warmed: set[tuple[str, str]] = set()
+    t_start = mono()
+    results = []
+    any_fail = False
+    cli_ok, cli_why = (True, "")
+    if any(c.bench == "e2e" for c in cases):
+        cli_ok, cli_why = cli_available(env)
+        if not cli_ok:
+            meta["notes"].append(f"aiolaunch CLI skipped: `python -m aiolaunch --help` fails ({cli_why})")
+            print(f"note: aiolaunch CLI not available yet, e2e runs torchrun only ({cli_why})")
+    try:
+        for case in cases:
+            tc = mono()
+            variants = dict(case.trials)
+            skipped = {}
+            if case.bench == "e2e" and not cli_ok:
+                skipped["aiolaunch"] = f"skipped: CLI not available ({cli_why})"
+                variants.pop("aiolaunch")
+
+            def one(variant: str) -> dict:
+                if case.bench == "e2e":
+                    try:
+                        return e2e_trial(variant, case.params, env, tmp)
+                    except subprocess.TimeoutExpired:
+                        return {"ok": False, "error": "timed out"}
+                impl = variant.split("-")[0]
+                if impl not in drivers:
+                    drivers[impl] = Driver(impl, env, tmp)
+                return drivers[impl].trial(case.bench, variant, case.params, case.timeout)
+
+            samples: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+            errors: dict[str, list[str]] = {v: [] for v in variants}
+            # warm-up, then interleave: round-robin over the variants (A B C A B C ...),
+            # a variant with fewer trials drops out of the rotation when done.
+            for v in variants:  # once per (benchmark, driver): imports, forkserver start
+                if a.quick and v.startswith("torch") and case.bench.endswith("_fn"):
+                    continue  # torch's function workers import torch: too slow for --quick
+                if case.warmup and (case.bench, v) not in warmed:
+                    warmed.add((case.bench, v))
+                    for _ in range(case.warmup):
+                        one(v)
+            for i in range(max(variants.values(), default=0)):
+                for v, k in variants.items():
+                    if i >= k:
+                        continue
+                    r = one(v)
+                    if not r.get("ok"):
+                        errors[v].append(r.get("error", "?"))
+                        continue
+                    for m, x in r["metrics"].items():
+                        samples[v].setdefault(m, []).extend(x if isinstance(x, list) else [x])
+            row = {
+                "group": case.group, "label": case.label, "bench": case.bench, "params": case.params,
+                "higher_better": case.higher_better, "main_metrics": case.metrics,
+                "stats": {v: {m: summarize(xs) for m, xs in ms.items()} for v, ms in samples.items()},
+                "errors": {v: e for v, e in errors.items() if e},
+                "skipped": skipped,
+                "trials": variants,
+                "seconds": round(mono() - tc, 2),
+            }
+            # ratios: > 1 means aiolaunch is better (faster / higher throughput)
+            ratios: dict[str, dict[str, float]] = {}
+            al = row["stats"].get("aiolaunch", {})
+            for m in case.metrics:
+                for v in variants:
+                    if v == "aiolaunch" or m not in al or m not in row["stats"].get(v, {}):
+                        continue
+                    x, y = al[m]["median"], row["stats"][v][m]["median"]
+                    hb = case.higher_better and m == case.metrics[0]
+                    if x > 0 and y > 0:
+                        ratios.setdefault(m, {})[v] = x / y if hb else y / x
+            row["ratios"] = ratios
+            tres = []
+            for t in case.targets:
+                val = al.get(t.metric, {}).get(t.stat)
+                bound = t.value
+                if t.vs is not None:
+                    ref = row["stats"].get(t.vs, {}).get(t.metric, {}).get(t.stat)
+                    if ref is None or val is None:
+                        bound = None
+                    elif t.metric.endswith("_ms"):  # "k x faster": ratio of times
+                        val, bound = ref / val if val else math.inf, t.factor
+                    else:
+                        bound = t.factor * ref
+                met = None
+                if val is not None and bound is not None and not errors.get("aiolaunch"):
+                    met = val <= bound if t.op == "<=" else val >= bound
+                tres.append({"target": t.describe(), "metric": t.metric, "value": val, "bound": bound, "met": met})
+            row["targets"] = tres
+            fail = any(errors.values())
+            any_fail |= fail
+            row["status"] = "FAIL" if fail else "ok"
+            results.append(row)
+            print(f"[{mono() - t_start:6.1f}s] {case.group:11s} {case.label:42s} {row['status']:4s} "
+                  + "  ".join(f"{v}={row['stats'][v][case.metrics[0]]['median']:.3g}"
+                              for v in variants if case.metrics[0] in row["stats"][v])
+                  + "".join(f"\n      FAIL {v}: {e[0][-300:]}" for v, e in row["errors"].items()), flush=True)
+    finally:
+        for d in drivers.values():
+            d.restarts += 0
+            d.stop()
+    meta["total_seconds"] = round(mono() - t_start, 1)
+    meta["loadavg_end"] = os.getloadavg()
+    meta["driver_restarts"] = {k: d.restarts for k, d in drivers.items()}
+    out = {"meta": meta, "results": results}
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(out, f, indent=1, default=lambda x: None)
+    md = render_md(out)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(md)
+    try:
+        render_png(out, os.path.join(a.out, "results.png"))
+    except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
+        print(f"warning: plot failed: {e}", file=sys.stderr)
+    if not any_fail:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        print(f"worker logs and driver logs kept in {tmp}", file=sys.stderr)
+    print(f"\n{md}\nwrote {a.out}/results.{{json,md,png}} in {meta['total_seconds']} s")
+    return 1 if any_fail else 0
+
+
+# ------------------------------------------------------------- rendering
+def fmt(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    ax = abs(x)
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    if ax >= 100:
+        return f"{x:.0f}"
+    if ax >= 10:
+        return f"{x:.1f}"
+    if ax >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def caption(meta: dict) -> str:
+    v, m = meta["versions"], meta["machine"]
+    return (f"{meta['date'][:16].replace('T', ' ')} | {m['nproc']} x {m['cpu']} | python {v['python']}, "
+            f"torch {v['torch']}, aiolaunch {v['aiolaunch']}{' | --quick' if meta['quick'] else ''}")
+
+
+def render_md(out: dict) -> str:
+    meta = out["meta"]
+    variants = ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]
+    la = meta.get("loadavg_start", [0])[0], meta.get("loadavg_end", [0])[0]
+    lines = [f"# aiolaunch benchmarks\n\n{caption(meta)}  \nworker binary: {meta['worker']}; "
+             f"total {meta['total_seconds']} s; 1-min load average {la[0]:.1f} at start, {la[1]:.1f} at end "
+             f"(on {meta['machine']['nproc']} CPUs: above that, other processes competed for the CPU)\n"]
+    for n in meta["notes"]:
+        lines.append(f"> note: {n}\n")
+    lines.append("Cells: median (p99) [min–max], n samples. `speedup` = torch/aiolaunch for times, "
+                 "aiolaunch/torch for throughput (> 1: aiolaunch better).\n")
+    hdr = ["benchmark", "case", "metric"] + [VARIANT_LABEL[v] for v in variants] + ["speedup vs torch", "target", "met"]
+    lines.append("| " + " | ".join(hdr) + " |")
+    lines.append("|" + "---|" * len(hdr))
+    for r in out["results"]:
+        for mi, m in enumerate(r["main_metrics"]):
+            cells = [r["group"] if mi == 0 else "", (r["label"] + (" **FAIL**" if r["status"] == "FAIL" else ""))
+                     if mi == 0 else "", m]
+            for v in variants:
+                s = r["stats"].get(v, {}).get(m)
+                if v in r.get("skipped", {}) and mi == 0:
+                    cells.append("skipped")
+                elif v in r["errors"] and not s:
+                    cells.append("FAIL")
+                elif s:
+                    fl = " FAIL" if v in r["errors"] else ""
+                    cells.append(f"{fmt(s['median'])} ({fmt(s['p99'])}) [{fmt(s['min'])}–{fmt(s['max'])}] n={s['n']}{fl}")
+                else:
+                    cells.append("")
+            rat = r["ratios"].get(m, {})
+            cells.append(", ".join(f"{fmt(x)}x vs {VARIANT_LABEL[v].split(' (')[0]}"
+                                   + (f"{' p0.1' if v == 'torch-p0.1' else ''}")
+                                   for v, x in rat.items() if v != "raw"))
+            ts = [t for t in r["targets"] if t["metric"] == m]
+            cells.append("; ".join(t["target"] for t in ts))
+            cells.append("; ".join({True: "met", False: "NOT met", None: "n/a"}[t["met"]] + f" ({fmt(t['value'])})"
+                                   for t in ts))
+            lines.append("| " + " | ".join(cells) + " |")
+    errs = [(r, v, e) for r in out["results"] for v, es in r["errors"].items() for e in es[:1]]
+    if errs:
+        lines.append("\n## Failures\n")
+        for r, v, e in errs:
+            lines.append(f"- {r['group']} / {r['label']} / {v}: `{e.strip().splitlines()[-1][:300]}`")
+    return "\n".join(lines) + "\n"
+
+
+def render_png(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"aiolaunch": "#1f77b4", "torch": "#d62728", "torch-p0.1": "#ff9896", "torchrun": "#d62728",
+              "raw": "#7f7f7f"}
+    panels = [
+        ("launch_bin", "all_running_ms", "launch: call → all binaries run (ms)", True),
+        ("launch_fn", "all_running_ms", "launch: call → all functions run (ms)", True),
+        ("exit_bin", "detect_ms", "exit → wait() returns, binaries (ms)", True),
+        ("exit_fn", "detect_ms", "exit → wait() returns, functions (ms)", True),
+        ("shutdown", "close_ms", "close() duration (ms)", True),
+        ("tee_latency", "line_ms", "tee line latency (ms)", True),
+        ("throughput", "MB_per_s", "log throughput (MB/s, higher is better)", False),
+        ("throughput", "cpu_ms_per_MB", "supervisor CPU per MB (ms)", True),
+        ("idle_cpu", "cpu_ms_per_s", "idle supervisor CPU (ms per s)", True),
+        ("scale", "wall_ms", "scale: launch + reap wall (ms)", True),
+        ("scale", "peak_rss_MB", "scale: supervisor peak RSS (MB)", False),
+        ("e2e", None, "CLI end to end (ms)", True),
+    ]
+    res = out["results"]
+    panels = [p for p in panels if any(r["group"] == p[0] for r in res)]
+    if not panels:
+        return
+    ncol = 3
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.2 * ncol, 3.9 * nrow), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (group, metric, title, logy) in zip(axes.flat, panels):
+        rows = [r for r in res if r["group"] == group]
+        bars = []  # (label, variant, median, p99)
+        for r in rows:
+            for m in ([metric] if metric else r["main_metrics"][:1] if r["params"].get("mode") == "trivial"
+                      else ["turnaround_ms"]):
+                for v in ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]:
+                    s = r["stats"].get(v, {}).get(m)
+                    if s:
+                        lab = r["label"].replace("binaries ", "").replace("functions ", "")
+                        lab = lab.replace(" launched and reaped", "").replace("CLI ", "")
+                        bars.append((lab[:26], v, s["median"], s["p99"], v in r["errors"]))
+        cases = list(dict.fromkeys(b[0] for b in bars))
+        vs = [v for v in ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"] if any(b[1] == v for b in bars)]
+        w = 0.8 / max(len(vs), 1)
+        for j, v in enumerate(vs):
+            xs, ys, errs = [], [], []
+            for i, c in enumerate(cases):
+                for b in bars:
+                    if b[0] == c and b[1] == v:
+                        xs.append(i + (j - (len(vs) - 1) / 2) * w)
+                        ys.append(b[2])
+                        errs.append(max(b[3] - b[2], 0))
+            ax.bar(xs, ys, w, yerr=[[0] * len(errs), errs], capsize=2, color=colors[v], label=VARIANT_LABEL[v],
+                   error_kw={"elinewidth": 0.8})
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(cases, rotation=20, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=10)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3, which="both")
+        ax.tick_params(axis="y", labelsize=8)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle("aiolaunch vs torch.distributed.elastic — median, whisker = p99\n" + caption(out["meta"]), fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Every exception aiolaunch raises on purpose.
+
+::
+
+    Exception
+     ├── SignalException     SIGTERM/SIGINT/SIGHUP/SIGQUIT reached the supervisor while
+     │                       PContext.wait() ran; the workers were stopped first.
+     ├── ChildFailedError    one or more workers failed; str() is the root-cause summary
+     │                       (raise it from a @record-decorated main to pass the
+     │                       worker's error file up, as with torch).
+     ├── WorkerError         launch(): a worker failed; the others were stopped.
+     └── MainProcessError    launch(): the supervisor got a termination signal;
+                             the workers were stopped.
+
+Input errors are builtin exceptions (``ValueError``, ``TypeError``,
+``FileNotFoundError``, ``NotADirectoryError``), raised before any process starts.
+
+Each exception builds its message in ``__init__`` from its fields, and those
+with constructor arguments beyond a message define ``__reduce__``, so they
+survive pickling (e.g. a ``ChildFailedError`` raised in a function worker).
+This is a leaf module: it imports nothing else from aiolaunch at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import socket
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._results import ProcessFailure
+
+__all__ = ["ChildFailedError", "MainProcessError", "SignalException", "WorkerError"]
+
+_NOT_AVAILABLE = "<N/A>"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class SignalException(Exception):
+    """A termination signal reached the supervisor while :meth:`PContext.wait` ran.
+
+    Raised by ``wait()`` after the signal was forwarded to every worker and
+    the survivors were killed once the grace period ran out: when it
+    propagates, no worker is left. Same constructor as torch's
+    ``torch.distributed.elastic.multiprocessing.api.SignalException``.
+
+    :param msg: the message.
+    :param sigval: the signal received (an ``int`` is converted to
+        :class:`signal.Signals`); available as :attr:`sigval`.
+    """
+
+    def __init__(self, msg: str, sigval: signal.Signals | int) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.sigval: signal.Signals = signal.Signals(sigval)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.msg, self.sigval), self.__dict__)
+
+
+@functools.lru_cache(maxsize=1)
+def _hostname() -> str:
+    # getfqdn() may do a DNS lookup: once per process is enough.
+    return socket.getfqdn()
+
+
+class ChildFailedError(Exception):
+    """One or more workers failed; ``str(exc)`` is the readable summary.
+
+    The summary (:meth:`format_msg`) has the shape of torch's
+    ``ChildFailedError``: a title, the other failures, then the *root cause*,
+    the failure observed first (earliest :attr:`ProcessFailure.timestamp`;
+    ties go to the failure that comes first in ``failures``, which aiolaunch
+    fills in exit order). Raising it from a function decorated with
+    :func:`aiolaunch.record` copies the root cause's error file to the
+    caller's ``$TORCHELASTIC_ERROR_FILE``, as torch does.
+
+    :param name: what failed, e.g. the entrypoint's name; it heads the summary.
+    :param failures: ``{rank: ProcessFailure}``, at least one.
+    :raises ValueError: ``failures`` is empty.
+    """
+
+    def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
+        if not failures:
+            raise ValueError("ChildFailedError needs at least one failure; failures is empty")
+        self.name = name
+        self.failures = failures
+        super().__init__(self.format_msg())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name, self.failures), self.__dict__)
+
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        """The root cause: ``(rank, failure)`` with the earliest timestamp.
+
+        Ties go to the first of them in ``failures`` order (as torch).
+        """
+        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
+        return rank, self.failures[rank]
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        """The summary: title, other failures, root cause (torch's layout).
+
+        ::
+
+            ==========================================
+            trainer FAILED
+            ------------------------------------------
+            Failures:
+              <NO_OTHER_FAILURES>
+            ------------------------------------------
+            Root Cause (first observed failure):
+            [0]:
+              time      : 2024-01-01_12:00:00
+              host      : node0
+              rank      : 1 (local_rank: 1)
+              exitcode  : 1 (pid: 4242)
+              error_file: /tmp/run/1/error.json
+              traceback : Traceback (most recent call last): ...
+            ==========================================
+
+        :param boarder_delim: the character of the outer rules (torch's spelling).
+        :param section_delim: the character of the section rules.
+        """
+        title = f"{self.name} FAILED"
+        root_rank, _ = self.get_first_failure()
+        root_fmt = ""
+        others: list[str] = []
+        width = len(title)
+        for idx, (rank, failure) in enumerate(self.failures.items()):
+            fmt = _format_failure(idx, rank, failure)
+            width = max(width, *(len(line) for line in fmt.split("\n")))
+            if rank == root_rank:
+                root_fmt = fmt
+            else:
+                others.append(fmt)
+        width = min(width, 60)  # torch's upper bound
+        boarder = boarder_delim * width
+        section = section_delim * width
+        other_fmt = "\n".join(others or ["  <NO_OTHER_FAILURES>"])
+        # The leading and trailing newlines are torch's: the summary starts on
+        # its own line after "ChildFailedError: ".
+        return (
+            f"\n{boarder}\n{title}\n{section}\nFailures:\n{other_fmt}\n{section}\n"
+            f"Root Cause (first observed failure):\n{root_fmt}\n{boarder}"
+        )
+
+
+def _format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
+    # ``message`` is a str (signals, no error file) or the error file's dict:
+    # show the traceback, else its message, else <N/A>.
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        text = extra.get("py_callstack") if isinstance(extra, dict) else None
+        if not isinstance(text, str):
+            text = str(message.get("message", _NOT_AVAILABLE))
+        text = text.rstrip("\n").replace("\n", "\n  ")  # indent the traceback
+    else:
+        text = str(message)
+    sig = failure.signal_name()
+    sig_str = f" ({sig})" if sig != _NOT_AVAILABLE else ""
+    return (
+        f"[{idx}]:\n"
+        f"  time      : {failure.timestamp_isoformat()}\n"
+        f"  host      : {_hostname()}\n"
+        f"  rank      : {rank} (local_rank: {failure.local_rank})\n"
+        f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){sig_str}\n"
+        f"  error_file: {failure.error_file}\n"
+        f"  traceback : {text}"
+    )
+
+
+class WorkerError(Exception):
+    """:func:`aiolaunch.launch`: a worker failed; the other workers were stopped.
+
+    ``str(exc)`` is ``worker[<worker_id>] failed with exitcode=<exitcode>``.
+    The worker's traceback (if recorded) is in its error file and was logged.
+
+    :param exitcode: the worker's exit status (``-N``: killed by signal ``N``).
+    :param worker_id: the worker's rank.
+    """
+
+    def __init__(self, exitcode: int, worker_id: int) -> None:
+        self.exitcode = exitcode
+        self.worker_id = worker_id
+        super().__init__(f"worker[{worker_id}] failed with exitcode={exitcode}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.exitcode, self.worker_id), self.__dict__)
+
+
+class MainProcessError(Exception):
+    """:func:`aiolaunch.launch`: the supervisor got a termination signal.
+
+    The workers were stopped before it was raised. ``str(exc)`` is e.g.
+    ``SIGTERM received, exiting due to Terminated.``
+
+    :param signal_no: the signal received (an ``int`` or :class:`signal.Signals`);
+        available as :attr:`signal_no`.
+    """
+
+    def __init__(self, signal_no: int) -> None:
+        self.signal_no = signal_no
+        try:
+            description = signal.strsignal(signal_no) or "unknown signal"
+        except ValueError:  # out of range
+            description = "unknown signal"
+        super().__init__(f"{_signal_name(signal_no)} received, exiting due to {description}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.signal_no,), self.__dict__)

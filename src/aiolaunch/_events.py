@@ -1,0 +1,166 @@
+"""Lifecycle events of a process context, as an async iterator.
+
+Every event is an immutable dataclass with the local ``rank`` (``None`` for the
+group), the ``pid`` where one applies, and ``time``: ``time.monotonic()`` when
+the supervisor observed it (comparable with ``time.monotonic()`` in workers on
+the same machine).
+
+Delivery: each ``ctx.events()`` iterator has its own bounded buffer. Lifecycle
+events that happened before the iterator was created are replayed first, so a
+consumer that starts late still sees every ``WorkerStarted``. A consumer that
+does not keep up loses the *oldest* buffered events first and is told how many
+with one :class:`EventsDropped` before the next event it receives. Iteration
+ends after :class:`GroupStopped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+__all__ = [
+    "Event",
+    "EventBus",
+    "EventsDropped",
+    "GroupStopped",
+    "LogLine",
+    "WorkerExited",
+    "WorkerReady",
+    "WorkerRestarting",
+    "WorkerStarted",
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class of every lifecycle event."""
+
+    rank: int | None
+    time: float
+
+
+@dataclass(frozen=True)
+class WorkerStarted(Event):
+    """A worker process started (also after a restart: see ``attempt``)."""
+
+    pid: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerReady(Event):
+    """The worker's readiness probe succeeded."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class WorkerExited(Event):
+    """A worker exited: ``exitcode`` as in torch (``-signum`` when killed),
+    ``signal`` the signal's name or ``None``; ``stopped`` when the supervisor
+    stopped it on purpose."""
+
+    pid: int
+    exitcode: int
+    signal: str | None
+    stopped: bool
+
+
+@dataclass(frozen=True)
+class WorkerRestarting(Event):
+    """A worker will be started again after ``delay`` seconds (restart policy)."""
+
+    attempt: int
+    delay: float
+
+
+@dataclass(frozen=True)
+class GroupStopped(Event):
+    """The context finished: every worker is gone. The last event."""
+
+    failed: bool
+
+
+@dataclass(frozen=True)
+class LogLine(Event):
+    """One line a worker wrote (opt-in: ``ctx.events(lines=True)``)."""
+
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True)
+class EventsDropped(Event):
+    """This consumer fell behind: ``count`` older events were discarded."""
+
+    count: int
+
+
+class _Subscriber:
+    def __init__(self, maxsize: int, lines: bool) -> None:
+        self.queue: deque[Event] = deque()
+        self.maxsize = maxsize
+        self.lines = lines
+        self.dropped = 0
+        self.wakeup = asyncio.Event()
+        self.closed = False
+
+    def put(self, event: Event) -> None:
+        if len(self.queue) >= self.maxsize:
+            self.queue.popleft()
+            self.dropped += 1
+        self.queue.append(event)
+        self.wakeup.set()
+
+
+class EventBus:
+    """Fans events out to every live iterator; keeps the lifecycle history."""
+
+    def __init__(self) -> None:
+        self.history: list[Event] = []
+        self._subscribers: list[_Subscriber] = []
+        self.closed = False
+        self.wants_lines = 0
+
+    def emit(self, event: Event) -> None:
+        if not isinstance(event, LogLine):
+            self.history.append(event)
+        for sub in self._subscribers:
+            if isinstance(event, LogLine) and not sub.lines:
+                continue
+            sub.put(event)
+        if isinstance(event, GroupStopped):
+            self.closed = True
+
+    async def iterate(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
+        sub = _Subscriber(maxsize, lines)
+        for event in self.history:
+            sub.put(event)
+        self._subscribers.append(sub)
+        if lines:
+            self.wants_lines += 1
+        try:
+            while True:
+                if not sub.queue:
+                    if self.closed:
+                        return
+                    sub.wakeup.clear()
+                    await sub.wakeup.wait()
+                    continue
+                if sub.dropped:
+                    count, sub.dropped = sub.dropped, 0
+                    yield EventsDropped(rank=None, time=time.monotonic(), count=count)
+                event = sub.queue.popleft()
+                yield event
+                if isinstance(event, GroupStopped):
+                    return
+        finally:
+            self._subscribers.remove(sub)
+            if lines:
+                self.wants_lines -= 1

@@ -1,0 +1,81 @@
+"""Per-worker restart policies for long-running service groups.
+
+This is not the agent's whole-group restart (``max_restarts`` in
+``aiolaunch.agent``, for training): here a single worker that exits is started
+again on its own, while the rest of the group keeps running.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["RestartPolicy", "RestartTracker"]
+
+_MODES = ("never", "on-failure", "always")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When and how often a worker is started again.
+
+    :param mode: ``"never"`` (the default: the group fails fast, as torch),
+        ``"on-failure"`` (restart after a non-zero exit or a signal), or
+        ``"always"`` (also after exit code 0: a service that must keep running).
+    :param max_restarts: the restart budget: at most this many restarts of one
+        worker within ``window`` seconds; one more exit then fails the group.
+    :param window: seconds of the budget's sliding window.
+    :param backoff: delay before the first restart; doubles with each restart
+        in the window, up to ``max_backoff``.
+    :param max_backoff: the cap of the delay.
+    :param jitter: the delay is multiplied by a random factor in
+        ``[1 - jitter, 1 + jitter]`` so a group does not restart in lockstep.
+
+    The worker sees its restart count in ``AIOLAUNCH_RESTART_COUNT``.
+    """
+
+    mode: str = "never"
+    max_restarts: int = 5
+    window: float = 60.0
+    backoff: float = 0.1
+    max_backoff: float = 30.0
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(
+                f"RestartPolicy(mode={self.mode!r}) must be one of {', '.join(_MODES)}"
+            )
+        if self.max_restarts < 0 or self.window <= 0:
+            raise ValueError("RestartPolicy needs max_restarts >= 0 and window > 0")
+        if self.backoff < 0 or self.max_backoff < self.backoff or not 0 <= self.jitter < 1:
+            raise ValueError("RestartPolicy needs 0 <= backoff <= max_backoff and 0 <= jitter < 1")
+
+    def wants_restart(self, exitcode: int) -> bool:
+        """Whether an exit with ``exitcode`` calls for a restart (budget aside)."""
+        return self.mode == "always" or (self.mode == "on-failure" and exitcode != 0)
+
+
+@dataclass
+class RestartTracker:
+    """The restart history of one worker."""
+
+    policy: RestartPolicy
+    attempts: int = 0
+    recent: deque[float] = field(default_factory=deque)
+
+    def next_delay(self, exitcode: int, now: float) -> float | None:
+        """The delay before the next start, or ``None``: do not restart."""
+        if not self.policy.wants_restart(exitcode):
+            return None
+        while self.recent and now - self.recent[0] > self.policy.window:
+            self.recent.popleft()
+        if len(self.recent) >= self.policy.max_restarts:
+            return None
+        delay: float = min(self.policy.max_backoff, self.policy.backoff * 2.0 ** len(self.recent))
+        if self.policy.jitter:
+            delay *= random.uniform(1 - self.policy.jitter, 1 + self.policy.jitter)
+        self.recent.append(now)
+        self.attempts += 1
+        return delay

@@ -1,0 +1,194 @@
+"""What a finished run returns: :class:`RunProcsResult` and :class:`ProcessFailure`.
+
+Leaf module: imports nothing else from aiolaunch at run time. Both classes
+are plain dataclasses that pickle by value (no file is read on unpickling), so
+results can cross process boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._types import JSON
+
+__all__ = ["ProcessFailure", "RunProcsResult"]
+
+logger = logging.getLogger(__name__)
+
+#: What torch stores in place of a missing error file or signal name.
+NOT_AVAILABLE = "<N/A>"
+
+_NO_TRACEBACK_HINT = "To enable traceback, decorate the entrypoint with @aiolaunch.record"
+
+
+def _empty_error_data() -> JSON:
+    # A fresh dict each time: torch shares (and mutates) one module-level dict.
+    return {"message": "<NONE>"}
+
+
+def _to_timestamp(value: object) -> int:
+    # torch writes str(int(time.time())); accept floats and numbers as well.
+    if isinstance(value, (int, float)):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return int(float(value))
+    raise TypeError(f"timestamp is a {type(value).__name__}")
+
+
+@dataclass
+class ProcessFailure:
+    """A worker that failed: its rank, pid, exit code and recorded error.
+
+    Construct it like torch's
+    ``torch.distributed.elastic.multiprocessing.errors.ProcessFailure``:
+    ``ProcessFailure(local_rank, pid, exitcode, error_file)``. The other fields
+    are derived on construction, exactly as torch derives them:
+
+    * If ``error_file`` is a file (written by :func:`aiolaunch.record`, torch's
+      ``@record`` or the worker bootstrap), ``error_file_data`` is its JSON,
+      ``message`` is its ``"message"`` entry - for a recorded exception a dict
+      ``{"message": "<Type>: <msg>", "extraInfo": {"py_callstack": ...,
+      "timestamp": ...}}`` as in torch, or a plain string in the older
+      format - and ``timestamp`` the time the error was recorded.
+    * Otherwise ``error_file`` becomes ``"<N/A>"``, ``timestamp`` is now, and
+      ``message`` is made up: ``"Signal 9 (SIGKILL) received by PID 123"`` for
+      a worker killed by a signal (``exitcode == -signum``), else a hint to
+      decorate the entrypoint with ``@record``.
+
+    Unlike torch, an unreadable or malformed error file does not raise (the
+    supervisor must still report the failure): ``message`` then says what is
+    wrong with the file, and ``timestamp`` is the file's modification time.
+
+    Use :attr:`error_message` and :attr:`py_callstack` for the two parts of
+    ``message`` as strings, whichever format it has.
+
+    :param local_rank: the worker's local rank.
+    :param pid: the worker's process id.
+    :param exitcode: its exit status; ``-N`` when killed by signal ``N``.
+    :param error_file: path of its error file (``""`` if there is none).
+    """
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file: str
+    error_file_data: JSON = field(init=False)
+    message: str | JSON = field(init=False)  # the error file's dict, as in torch
+    timestamp: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.error_file_data = _empty_error_data()
+        self.message = ""
+        self.timestamp = int(time.time())
+        if self.error_file and os.path.isfile(self.error_file):
+            self._read_error_file()
+        else:
+            self.error_file = NOT_AVAILABLE
+
+        if not self.message:
+            # Signals typically leave no error file behind.
+            if self.exitcode < 0:
+                self.message = (
+                    f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+                )
+            else:
+                self.error_file_data["errorTraits"] = {
+                    "category": "system_terminated_error",
+                    "retryability": "False",
+                }
+                self.message = _NO_TRACEBACK_HINT
+
+    def _read_error_file(self) -> None:
+        try:
+            with open(self.error_file, encoding="utf-8") as fp:
+                data = json.load(fp)
+            message = data["message"]
+            if isinstance(message, str):
+                timestamp = _to_timestamp(data.get("timestamp", 0))
+            elif isinstance(message, dict):
+                timestamp = _to_timestamp(message["extraInfo"]["timestamp"])
+            else:
+                raise TypeError(f'"message" is a {type(message).__name__}')
+        except (OSError, ValueError, LookupError, TypeError) as exc:
+            # torch raises here; a supervisor that crashes while reporting a
+            # failure is worse than one that reports a damaged error file.
+            logger.warning("failed to parse error file %s: %r", self.error_file, exc)
+            self.message = f"<unreadable error file {self.error_file}: {type(exc).__name__}: {exc}>"
+            self.error_file_data = {"message": self.message}
+            try:
+                self.timestamp = int(os.path.getmtime(self.error_file))
+            except OSError:
+                pass
+            return
+        self.error_file_data = data
+        self.message = message
+        self.timestamp = timestamp
+
+    def signal_name(self) -> str:
+        """Name of the signal that killed the worker, e.g. ``"SIGKILL"``.
+
+        :returns: the name when ``exitcode`` is ``-N`` for a known signal
+            ``N``, else ``"<N/A>"`` (torch's placeholder).
+        """
+        if self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return NOT_AVAILABLE
+        return NOT_AVAILABLE
+
+    def timestamp_isoformat(self) -> str:
+        """:attr:`timestamp` as local time, ``YYYY-MM-DD_HH:MM:SS`` (torch's format)."""
+        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
+    @property
+    def error_message(self) -> str:
+        """The failure in one line: ``"<Type>: <msg>"`` for a recorded
+        exception, else :attr:`message` itself (e.g. the signal description)."""
+        if isinstance(self.message, dict):
+            return str(self.message.get("message", NOT_AVAILABLE))
+        return str(self.message)
+
+    @property
+    def py_callstack(self) -> str | None:
+        """The recorded Python traceback, or ``None`` when the error file has none."""
+        if isinstance(self.message, dict):
+            extra = self.message.get("extraInfo")
+            if isinstance(extra, dict):
+                callstack = extra.get("py_callstack")
+                if isinstance(callstack, str):
+                    return callstack
+        return None
+
+
+@dataclass
+class RunProcsResult:
+    """The outcome of a finished run, every field keyed by local rank.
+
+    Returned by :meth:`PContext.wait`; torch's ``RunProcsResult`` with the
+    same fields. ``return_values`` holds every rank's return value when the
+    run succeeded (``None`` for binaries) and is empty when it failed;
+    ``failures`` holds the failed ranks in the order they were observed;
+    ``stdouts``/``stderrs`` map ranks to log file paths (``""`` when the
+    stream was not redirected).
+    """
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        """Whether any worker failed (``failures`` is not empty)."""
+        return len(self.failures) > 0

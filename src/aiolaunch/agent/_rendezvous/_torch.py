@@ -1,0 +1,248 @@
+"""torch's rendezvous behind the agent's async interface.
+
+The only module of aiolaunch that imports torch, and only inside functions,
+so that ``import aiolaunch.agent`` stays torch-free. Every torch call here
+blocks (TCPStore round trips, the c10d rendezvous' own waiting), so each runs
+in a worker thread via :func:`anyio.to_thread.run_sync`.
+
+Rank assignment speaks torch's store protocol (``torchelastic/role_info/``,
+``torchelastic/assigned_ranks/``, ``torchelastic/agent/terminal_state``), so
+aiolaunch agents and torchrun agents can share one rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from typing import Any
+
+import anyio.to_thread
+
+from .._env import GroupAssignment
+from . import Rendezvous
+
+__all__ = ["TorchRendezvous", "accelerator_count", "create_handler", "require_torch"]
+
+log = logging.getLogger("aiolaunch.agent")
+
+_ROLE_INFO_PREFIX = "torchelastic/role_info/"
+_ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
+_TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"
+#: torch's LaunchConfig default for the rendezvous ``timeout`` config (seconds)
+_DEFAULT_RDZV_TIMEOUT = 900
+
+
+def require_torch(what: str) -> Any:
+    """Import torch, or explain how to get it."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(
+            f"{what} needs torch, which is not installed; install it with "
+            "pip install 'aiolaunch[torch]'"
+        ) from exc
+    return torch
+
+
+def create_handler(
+    *,
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    min_nodes: int,
+    max_nodes: int,
+    local_addr: str | None = None,
+    **config: Any,
+) -> Any:
+    """Build a torch ``RendezvousHandler`` the way torchrun does.
+
+    ``RendezvousParameters`` + ``rendezvous.registry`` (c10d, etcd, static, and
+    any backend registered by a plugin); ``timeout`` defaults to 900 s as in
+    torch's ``LaunchConfig``.
+    """
+    require_torch(f"the {backend!r} rendezvous backend")
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    config.setdefault("timeout", _DEFAULT_RDZV_TIMEOUT)
+    params = RendezvousParameters(
+        backend=backend,
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_addr=local_addr,
+        **config,
+    )
+    return rdzv_registry.get_rendezvous_handler(params)
+
+
+def accelerator_count(kind: str) -> tuple[int, str]:
+    """``(count, device type)`` for ``--nproc-per-node gpu|xpu|auto`` (torch's rules)."""
+    torch = require_torch(f"--nproc-per-node {kind}")
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            raise ValueError("--nproc-per-node gpu: CUDA is not available; pass a number")
+        return int(torch.cuda.device_count()), "gpu"
+    if kind == "xpu":
+        if not torch.xpu.is_available():
+            raise ValueError("--nproc-per-node xpu: XPU is not available; pass a number")
+        return int(torch.xpu.device_count()), "xpu"
+    if kind == "auto" and torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        return int(torch.accelerator.device_count()), str(getattr(acc, "type", "accelerator"))
+    raise ValueError(f"no accelerator kind {kind!r}")
+
+
+class TorchRendezvous(Rendezvous):
+    """Adapts a torch ``RendezvousHandler`` (blocking) to :class:`Rendezvous` (async).
+
+    The store the handler returns stays referenced here for the agent's
+    lifetime: with c10d it is the TCPStore the workers connect to
+    (``TORCHELASTIC_USE_AGENT_STORE=True``).
+    """
+
+    elastic = True
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+        self._store: Any = None
+        self._group_world_size = 1
+
+    @property
+    def handler(self) -> Any:
+        """The wrapped torch handler."""
+        return self._handler
+
+    @property
+    def run_id(self) -> str:
+        return str(self._handler.get_run_id())
+
+    async def next_rendezvous(
+        self,
+        *,
+        role: str,
+        local_world_size: int,
+        master_addr: str | None,
+        master_port: int | None,
+    ) -> GroupAssignment:
+        # One thread hop for the whole exchange: the handler's rendezvous and
+        # the rank assignment through its store are a sequence of blocking
+        # store round trips. abandon_on_cancel: a cancelled agent (a signal)
+        # must not wait for a rendezvous that may never complete.
+        return await anyio.to_thread.run_sync(
+            self._next_rendezvous_blocking,
+            role,
+            local_world_size,
+            master_addr,
+            master_port,
+            abandon_on_cancel=True,
+        )
+
+    def _next_rendezvous_blocking(
+        self, role: str, local_world_size: int, master_addr: str | None, master_port: int | None
+    ) -> GroupAssignment:
+        info = self._handler.next_rendezvous()
+        store = info.store
+        group_rank = int(info.rank)
+        group_world_size = int(info.world_size)
+        bootstrap = info.bootstrap_store_info
+        addr = master_addr or (bootstrap.master_addr if bootstrap is not None else None)
+        port = master_port or (bootstrap.master_port if bootstrap is not None else None)
+        if addr is None or port is None:
+            raise RuntimeError(
+                f"the {self._handler.get_backend()!r} rendezvous gave no master address/port; "
+                "pass master_addr and master_port in the WorkerSpec"
+            )
+        self._store = store
+        self._group_world_size = group_world_size
+        base_global, global_size, base_role, role_size = _assign_ranks(
+            store, group_rank, group_world_size, role, local_world_size
+        )
+        return GroupAssignment(
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            base_global_rank=base_global,
+            global_world_size=global_size,
+            base_role_rank=base_role,
+            role_world_size=role_size,
+            master_addr=str(addr),
+            master_port=int(port),
+            run_id=self.run_id,
+            use_agent_store=bool(self._handler.use_agent_store),
+        )
+
+    async def num_nodes_waiting(self) -> int:
+        n = await anyio.to_thread.run_sync(self._handler.num_nodes_waiting, abandon_on_cancel=True)
+        return int(n)
+
+    async def exit_barrier(self, timeout: float) -> None:
+        if self._store is None:
+            return
+        await anyio.to_thread.run_sync(self._exit_barrier_blocking, timeout, abandon_on_cancel=True)
+
+    def _exit_barrier_blocking(self, timeout: float) -> None:
+        from torch.distributed.elastic.utils import store as store_util
+
+        try:
+            store_util.barrier(
+                store=self._store,
+                world_size=self._group_world_size,
+                key_prefix=_TERMINAL_STATE_SYNC_ID,
+                barrier_timeout=timeout,
+            )
+        except Exception:
+            # As torch: a barrier that times out (another node is slow or
+            # gone) is logged; this node's own result stands.
+            log.exception("error waiting on the exit barrier (timeout %ss)", timeout)
+
+    async def shutdown(self) -> None:
+        await anyio.to_thread.run_sync(self._handler.shutdown, abandon_on_cancel=True)
+
+    def __repr__(self) -> str:
+        return f"TorchRendezvous({self._handler!r})"
+
+
+def _assign_ranks(
+    store: Any, group_rank: int, group_world_size: int, role: str, local_world_size: int
+) -> tuple[int, int, int, int]:
+    """``(base_global_rank, global_world_size, base_role_rank, role_world_size)``.
+
+    torch's ``SimpleElasticAgent._assign_worker_ranks``, same keys and JSON:
+    every agent publishes ``{role, rank, local_world_size}``; the agent of
+    group rank 0 (next to the TCPStore) computes contiguous blocks in group
+    rank order and publishes them; everyone reads its own block.
+    """
+    if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
+        size = group_world_size * local_world_size
+        base = group_rank * local_world_size
+        return base, size, base, size
+    info = {"role": role, "rank": group_rank, "local_world_size": local_world_size}
+    store.set(f"{_ROLE_INFO_PREFIX}{group_rank}", json.dumps(info).encode("utf-8"))
+    if group_rank == 0:
+        raw = store.multi_get([f"{_ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)])
+        infos = [json.loads(bytes(b).decode("utf-8")) for b in raw]
+        role_sizes: dict[str, int] = defaultdict(int)
+        global_size = 0
+        for ri in infos:
+            role_sizes[ri["role"]] += ri["local_world_size"]
+            global_size += ri["local_world_size"]
+        keys: list[str] = []
+        values: list[str] = []
+        base_global = 0
+        role_ranks: dict[str, int] = defaultdict(int)
+        for i, ri in enumerate(infos):
+            keys.append(f"{_ASSIGNED_RANKS_PREFIX}{i}")
+            values.append(
+                json.dumps(
+                    [base_global, global_size, role_ranks[ri["role"]], role_sizes[ri["role"]]]
+                )
+            )
+            base_global += ri["local_world_size"]
+            role_ranks[ri["role"]] += ri["local_world_size"]
+        store.multi_set(keys, values)
+    # get() blocks until rank 0 has published the blocks
+    assigned = json.loads(bytes(store.get(f"{_ASSIGNED_RANKS_PREFIX}{group_rank}")).decode())
+    return int(assigned[0]), int(assigned[1]), int(assigned[2]), int(assigned[3])
