@@ -9,8 +9,9 @@ Every test, sync or async, is checked for three kinds of leak:
     no longer shows. Orphans are found through an environment tag: this
     conftest puts a per-session token into ``$AIOLAUNCH_LEAKCHECK_TOKENS``,
     every process the tests start inherits it, and the check scans
-    ``/proc/*/environ`` for it. (A process started with an empty environment
-    escapes this part of the check.)
+    ``/proc/<pid>/environ`` for it. (A process started with an empty
+    environment escapes this part of the check.) Only pids that appeared
+    during the test are examined, so the check costs a few milliseconds.
 (b) **File descriptors.** No new entry in ``/proc/self/fd``; the report gives
     each leaked fd and its ``readlink`` target.
 (c) **Signal handlers.** ``signal.getsignal()`` of SIGTERM, SIGINT, SIGHUP,
@@ -127,26 +128,25 @@ def _read_cmdline(pid: int, comm: str) -> str:
     return " ".join(args) if args else f"[{comm}]"  # zombies have no cmdline
 
 
-def process_table() -> dict[int, Proc]:
-    """Every process the system shows: ``{pid: Proc}``."""
+def all_pids() -> set[int]:
+    """Every pid in the system (cheap: one directory listing)."""
     if not _HAVE_PROC:
-        return _process_table_ps()
-    table: dict[int, Proc] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:  # exited meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        lpar, rpar = stat.find("("), stat.rfind(")")
-        comm = stat[lpar + 1 : rpar]
-        fields = stat[rpar + 2 :].split()
-        table[pid] = Proc(pid, int(fields[1]), fields[0], _read_cmdline(pid, comm))
-    return table
+        return set(_process_table_ps())
+    return {int(name) for name in os.listdir("/proc") if name.isdigit()}
+
+
+def read_proc(pid: int) -> Proc | None:
+    """``pid``'s ppid, state and cmdline, or ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:  # exited meanwhile
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    lpar, rpar = stat.find("("), stat.rfind(")")
+    comm = stat[lpar + 1 : rpar]
+    fields = stat[rpar + 2 :].split()
+    return Proc(pid, int(fields[1]), fields[0], _read_cmdline(pid, comm))
 
 
 def _process_table_ps() -> dict[int, Proc]:  # pragma: no cover - macOS
@@ -167,47 +167,66 @@ def _process_table_ps() -> dict[int, Proc]:  # pragma: no cover - macOS
     return table
 
 
-def descendants(table: dict[int, Proc], root: int) -> set[int]:
-    """Pids of every descendant of ``root`` in ``table`` (zombies included)."""
-    children: dict[int, list[int]] = {}
-    for proc in table.values():
-        children.setdefault(proc.ppid, []).append(proc.pid)
-    found: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
+def is_descendant(pid: int, root: int, lookup: Callable[[int], Proc | None]) -> bool:
+    """Whether ``root`` is among ``pid``'s ancestors (following ppids)."""
+    seen: set[int] = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        proc = lookup(pid)
+        if proc is None:
+            return False
+        if proc.ppid == root:
+            return True
+        pid = proc.ppid
+    return False
 
 
-def tagged(table: dict[int, Proc], token: str = SESSION_TOKEN) -> set[int]:
-    """Pids whose environment carries ``token`` (started, maybe indirectly, by this session)."""
+def is_tagged(pid: int, token: str = SESSION_TOKEN) -> bool:
+    """Whether ``pid``'s environment carries ``token`` (started, maybe indirectly, by us)."""
     if not _HAVE_PROC:  # pragma: no cover - macOS: no /proc/<pid>/environ
-        return set()
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:  # another user's, or exited
+        return False
     needle = TOKEN_ENV.encode() + b"="
-    found: set[int] = set()
-    for pid in table:
-        if pid == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:  # another user's, or exited
-            continue
-        for entry in environ.split(b"\0"):
-            if entry.startswith(needle) and token.encode() in entry[len(needle) :].split(b":"):
-                found.add(pid)
-                break
+    for entry in environ.split(b"\0"):
+        if entry.startswith(needle):
+            return token.encode() in entry[len(needle) :].split(b":")
+    return False
+
+
+def new_processes(before: set[int]) -> list[Proc]:
+    """Our processes whose pid is not in ``before``.
+
+    Ours: descendants of this process (zombies included) and processes that
+    carry this session's token (orphans). Only pids new since ``before`` are
+    examined, so the check costs little however busy the machine is.
+    """
+    me = os.getpid()
+    if _HAVE_PROC:
+        cache: dict[int, Proc | None] = {}
+
+        def lookup(pid: int) -> Proc | None:
+            if pid not in cache:
+                cache[pid] = read_proc(pid)
+            return cache[pid]
+
+        candidates = all_pids() - before - {me}
+    else:  # pragma: no cover - macOS
+        table = _process_table_ps()
+
+        def lookup(pid: int) -> Proc | None:
+            return table.get(pid)
+
+        candidates = set(table) - before - {me}
+    found = []
+    for pid in sorted(candidates):
+        proc = lookup(pid)
+        if proc is not None and (is_descendant(pid, me, lookup) or is_tagged(pid)):
+            found.append(proc)
     return found
-
-
-def our_processes() -> dict[int, Proc]:
-    """Descendants of this process plus processes carrying this session's token."""
-    table = process_table()
-    mine = descendants(table, os.getpid()) | tagged(table)
-    return {pid: table[pid] for pid in mine}
 
 
 # -- long-lived helpers ------------------------------------------------------
@@ -310,22 +329,22 @@ def _signal_state() -> dict[str, object]:
 class Snapshot:
     """What existed before a test: the baseline the leak check compares to."""
 
-    pids: set[int]
+    pids: set[int]  # every pid of the system, not only ours
     fds: set[int]
     signals: dict[str, object]
     checks: tuple[str, ...] = CHECKS
 
     @classmethod
     def take(cls, checks: tuple[str, ...] = CHECKS) -> Snapshot:
-        return cls(set(our_processes()), set(open_fds()), _signal_state(), checks)
+        return cls(all_pids(), set(open_fds()), _signal_state(), checks)
 
     def leaks(self) -> list[str]:
         """Describe everything new since the snapshot (empty: no leak)."""
         problems: list[str] = []
         helper_pids, helper_fds = _helpers()
         if "processes" in self.checks:
-            for proc in sorted(our_processes().values(), key=lambda p: p.pid):
-                if proc.pid not in self.pids and proc.pid not in helper_pids:
+            for proc in new_processes(self.pids):
+                if proc.pid not in helper_pids:
                     problems.append(f"process {proc.describe()}")
         if "fds" in self.checks:
             for fd, target in sorted(open_fds().items()):
