@@ -317,7 +317,15 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated benchmark groups (see --list)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
     ap.add_argument("--list", action="store_true", help="list benchmark groups and cases, then exit")
+    ap.add_argument("--replot", action="store_true", help="re-render results.md/png from OUT/results.json")
     a = ap.parse_args()
+    if a.replot:
+        with open(os.path.join(a.out, "results.json")) as f:
+            out = json.load(f)
+        with open(os.path.join(a.out, "results.md"), "w") as f:
+            f.write(render_md(out))
+        render_png(out, os.path.join(a.out, "results.png"))
+        return 0
 
     cases = plan(a.quick)
     groups = list(dict.fromkeys(c.group for c in cases))
@@ -508,10 +516,12 @@ def caption(meta: dict) -> str:
 def render_md(out: dict) -> str:
     meta = out["meta"]
     variants = ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]
-    la = meta.get("loadavg_start", [0])[0], meta.get("loadavg_end", [0])[0]
+    load = ""
+    if "loadavg_end" in meta:
+        load = (f"; 1-min load average {meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end "
+                f"(on {meta['machine']['nproc']} CPUs: above that, other processes competed for the CPU)")
     lines = [f"# aiolaunch benchmarks\n\n{caption(meta)}  \nworker binary: {meta['worker']}; "
-             f"total {meta['total_seconds']} s; 1-min load average {la[0]:.1f} at start, {la[1]:.1f} at end "
-             f"(on {meta['machine']['nproc']} CPUs: above that, other processes competed for the CPU)\n"]
+             f"total {meta['total_seconds']} s{load}\n"]
     for n in meta["notes"]:
         lines.append(f"> note: {n}\n")
     lines.append("Cells: median (p99) [min–max], n samples. `speedup` = torch/aiolaunch for times, "
@@ -562,8 +572,8 @@ def render_png(out: dict, path: str) -> None:
     panels = [
         ("launch_bin", "all_running_ms", "launch: call → all binaries run (ms)", True),
         ("launch_fn", "all_running_ms", "launch: call → all functions run (ms)", True),
-        ("exit_bin", "detect_ms", "exit → wait() returns, binaries (ms)", True),
-        ("exit_fn", "detect_ms", "exit → wait() returns, functions (ms)", True),
+        ("exit_bin", "user_exit_to_return_ms", "binaries: last instruction → wait() returns (ms)", True),
+        ("exit_fn", "detect_ms", "functions: process gone → wait() returns (ms)", True),
         ("shutdown", "close_ms", "close() duration (ms)", True),
         ("tee_latency", "line_ms", "tee line latency (ms)", True),
         ("throughput", "MB_per_s", "log throughput (MB/s, higher is better)", False),
@@ -593,7 +603,9 @@ def render_png(out: dict, path: str) -> None:
                     if s:
                         lab = r["label"].replace("binaries ", "").replace("functions ", "")
                         lab = lab.replace(" launched and reaped", "").replace("CLI ", "")
-                        bars.append((lab[:26], v, s["median"], s["p99"], v in r["errors"]))
+                        lab = lab.replace("well-behaved", "").replace(" ignore SIGTERM", " ign. TERM")
+                        lab = lab.split(", wait(")[0].replace(", trivial script", "").replace(" (--max-restarts 1)", "")
+                        bars.append((lab[:34], v, s["median"], s["p99"], v in r["errors"]))
         cases = list(dict.fromkeys(b[0] for b in bars))
         vs = [v for v in ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"] if any(b[1] == v for b in bars)]
         w = 0.8 / max(len(vs), 1)

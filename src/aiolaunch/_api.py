@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +34,7 @@ class _Starting:
         self._ctx: PContext | None = None
 
     async def _start(self) -> PContext:
+        _require_asyncio()  # before the log folder, pipes or any process exist
         ctx = self._make()
         await ctx._start()
         return ctx
@@ -51,6 +54,33 @@ class _Starting:
     ) -> None:
         assert self._ctx is not None
         await self._ctx.__aexit__(exc_type, exc, tb)
+
+
+def _require_asyncio() -> None:
+    """Fail clearly where there is no asyncio loop (trio, or no loop at all).
+
+    aiolaunch is built on asyncio (subprocess transports, ``loop.add_reader``,
+    ``loop.add_signal_handler``); under another event loop it would fail
+    half-way, deep in asyncio, after creating the log folder.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return
+    found = "no asyncio event loop"
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+            found = "trio"
+        except RuntimeError:
+            pass
+    raise RuntimeError(
+        f"aiolaunch needs an asyncio event loop, but it is running under {found}: "
+        "use asyncio.run(), anyio.run(..., backend='asyncio'), or a trio-asyncio loop"
+    )
 
 
 def start_processes(
@@ -99,9 +129,14 @@ def start_processes(
     :param restart: a :class:`RestartPolicy` for every rank, or
         ``{rank: policy}``: such a worker is started again on its own when it
         exits, within the policy's budget, instead of failing the group.
-    :raises ValueError, TypeError, FileNotFoundError, NotADirectoryError: for
-        bad input, before any process starts (the message names the argument
-        and the fix).
+    :raises ValueError: bad key sets, an empty ``args``, an unknown start
+        method, a non-empty ``log_dir`` - before any process starts (each
+        message names the argument and the fix).
+    :raises TypeError: a bad entrypoint, env key or value, or an unpicklable
+        function or argument.
+    :raises FileNotFoundError: a binary not on ``PATH``.
+    :raises NotADirectoryError: a ``log_dir`` that is a file.
+    :raises RuntimeError: not running in an asyncio event loop (e.g. trio).
     """
     if isinstance(log_dir, LogsSpecs) or (
         log_dir is not None

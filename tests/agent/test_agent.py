@@ -30,6 +30,13 @@ RECORDER = textwrap.dedent(
         json.dump(env, f)
     print(f"hello from rank {env['RANK']} attempt {attempt}", flush=True)
     if env["RANK"] == "1" and attempt < succeed_at:
+        # Fail only once rank 0 has recorded this attempt (fail-fast would stop it).
+        import time
+        peer = os.path.join(out, f"attempt{attempt}_rank0.json")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(peer) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
         print(f"rank 1 fails in attempt {attempt}", file=sys.stderr, flush=True)
         sys.exit(3)
     """

@@ -90,10 +90,6 @@ def test_trio_never_starts_a_worker(tmp_path: Path) -> None:
     assert out["children"] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the core patch of #8: a RuntimeError naming asyncio, before any side effect",
-)
 def test_trio_gets_a_clear_error_before_any_side_effect(tmp_path: Path) -> None:
     out, log_dir, marker = _run(tmp_path, "trio")
     assert out["raised"] == "RuntimeError"

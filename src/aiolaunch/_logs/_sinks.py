@@ -33,6 +33,8 @@ _HIGH_WATER = 16 * 1024 * 1024
 _LOW_WATER = 4 * 1024 * 1024
 # The longest console line; longer ones go out in pieces, each prefixed.
 _MAX_LINE = 64 * 1024
+# How long a partial line (a prompt without newline) may wait for its end.
+_PARTIAL_DELAY = 0.1
 
 _executor: ThreadPoolExecutor | None = None
 _executor_pid = 0
@@ -231,22 +233,38 @@ class PassthroughSink(Sink):
 
     Used where ``sys.stdout`` is not the process's fd 1 (a Jupyter kernel):
     there, inheriting the fd would send the worker's output to the server's
-    terminal instead of the cell.
+    terminal instead of the cell. Text is passed on up to the last ``\\n`` or
+    ``\\r``, so lines of different workers do not mix; a trailing partial
+    line (a prompt) follows after at most ``_PARTIAL_DELAY`` seconds.
     """
 
     def __init__(self, stream: str) -> None:
         self._stream = stream
         self._decoder = _LineDecoder()
+        self._partial = ""
+        self._timer: asyncio.TimerHandle | None = None
 
     def feed(self, data: bytes) -> None:
-        text = self._decoder.decode(data)
-        if text:
-            console().write(self._stream, text)
+        text = self._partial + self._decoder.decode(data)
+        cut = max(text.rfind("\n"), text.rfind("\r")) + 1
+        if cut:
+            console().write(self._stream, text[:cut])
+        self._partial = text[cut:]
+        if self._partial and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(_PARTIAL_DELAY, self._flush_partial)
+
+    def _flush_partial(self) -> None:
+        self._timer = None
+        if self._partial:
+            console().write(self._stream, self._partial)
+            self._partial = ""
 
     async def aclose(self) -> None:
-        text = self._decoder.decode(b"", final=True)
-        if text:
-            console().write(self._stream, text)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._partial += self._decoder.decode(b"", final=True)
+        self._flush_partial()
 
 
 class LineSink(Sink):
