@@ -138,7 +138,7 @@ class PContext:
                     fds.append(null)
                     plans.append((null, None, sinks))
                 else:
-                    sinks.append(LineSink(self._line_handler(rank, stream, watch)))
+                    sinks.append(self._line_sink(rank, stream, watch))
                     r, w = os.pipe()
                     fds += [r, w]
                     plans.append((w, r, sinks))
@@ -168,18 +168,24 @@ class PContext:
         if probe is not None and not isinstance(probe, ReadyLine):
             self._spawn_task(self._run_probe(rank, probe, handle))
 
-    def _line_handler(self, rank: int, stream: str, watch: bool) -> Callable[[str], None]:
+    def _line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
+        # Splits lines only while someone listens: a readiness probe not yet
+        # satisfied, or an events(lines=True) consumer.
         probe = self._probes.get(rank)
         matches = probe.matcher() if watch and isinstance(probe, ReadyLine) else None
+        ready = self._ready[rank]
+
+        def wanted() -> bool:
+            return bool(self._bus.wants_lines) or (matches is not None and not ready.is_set())
 
         def on_line(line: str) -> None:
-            if matches is not None and not self._ready[rank].is_set() and matches(line):
+            if matches is not None and not ready.is_set() and matches(line):
                 w = self._workers.get(rank)
                 self._mark_ready(rank, w.pid if w is not None else 0)
             if self._bus.wants_lines:
                 self._bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=line))
 
-        return on_line
+        return LineSink(on_line, wanted)
 
     def _mark_ready(self, rank: int, pid: int) -> None:
         if not self._ready[rank].is_set():

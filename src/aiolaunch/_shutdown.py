@@ -127,7 +127,8 @@ async def terminate(
     for w in alive:
         w.stopped_by_us = True
     leftovers = _leftover_candidates(workers)
-    table = ProcTable() if (alive or leftovers) else None
+    since = min((w.pid for w in workers), default=0)
+    table = ProcTable(since) if (alive or leftovers) else None
     extras: set[int] = set()
     for w in workers:
         tree = table.tree(w.pid) if table is not None else set()
@@ -156,7 +157,7 @@ async def terminate(
             )
     if survivors or extras:
         # Descendants may have been born during the grace period: look again.
-        table = ProcTable()
+        table = ProcTable(since)
         for w in workers:
             tree = table.tree(w.pid) | (extras & _alive_pids(extras))
             if w.alive:

@@ -179,6 +179,22 @@ class ConsoleSink(Sink):
         if not text:
             return
         text = self._partial + text
+        cut = text.rfind("\n")
+        if (
+            cut >= 0
+            and "\r" not in text
+            and len(text) - cut <= _MAX_LINE
+            and (cut <= _MAX_LINE or max(map(len, text[:cut].split("\n"))) <= _MAX_LINE)
+        ):
+            # Fast path (no progress bars, no over-long line): prefix with one
+            # C-level replace instead of a Python loop over the lines.
+            self._partial = text[cut + 1 :]
+            if self._status:
+                console().set_status(self._stream, self, None)
+                self._status = False
+            prefix = self._prefix
+            console().write(self._stream, prefix + text[:cut].replace("\n", "\n" + prefix) + "\n")
+            return
         lines = text.split("\n")
         self._partial = _latest_state(lines.pop())
         out: list[str] = []
@@ -270,16 +286,32 @@ class PassthroughSink(Sink):
 class LineSink(Sink):
     """Calls ``on_line(text)`` for each complete line, as the console would show it.
 
-    Feeds readiness probes and ``LogLine`` events. A final partial line is
+    Feeds readiness probes and ``LogLine`` events. While ``wanted()`` is false
+    (nobody listens) chunks are skipped at no cost, so a listener that starts
+    mid-stream sees lines from its next full line on. A final partial line is
     delivered at close.
     """
 
-    def __init__(self, on_line: Callable[[str], None]) -> None:
+    def __init__(self, on_line: Callable[[str], None], wanted: Callable[[], bool]) -> None:
         self._on_line = on_line
+        self._wanted = wanted
         self._decoder = _LineDecoder()
         self._partial = ""
+        self._synced = True
 
     def feed(self, data: bytes) -> None:
+        if not self._wanted():
+            self._synced = False
+            return
+        if not self._synced:
+            # Resume at a line boundary with a fresh decoder.
+            nl = data.find(b"\n")
+            if nl < 0:
+                return
+            data = data[nl + 1 :]
+            self._decoder = _LineDecoder()
+            self._partial = ""
+            self._synced = True
         text = self._decoder.decode(data)
         if not text:
             return
@@ -289,7 +321,9 @@ class LineSink(Sink):
             self._on_line(_latest_state(line).rstrip("\r"))
 
     async def aclose(self) -> None:
+        if not self._synced:
+            return
         tail = _latest_state(self._partial + self._decoder.decode(b"", final=True)).rstrip("\r")
         self._partial = ""
-        if tail:
+        if tail and self._wanted():
             self._on_line(tail)
