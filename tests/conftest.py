@@ -269,11 +269,24 @@ def _aiolaunch_lifeline() -> tuple[set[int], set[int]]:
     return set(), set()
 
 
+def _aiolaunch_guardian() -> tuple[set[int], set[int]]:
+    """aiolaunch's guardian process and our end of its pipe (``_workers/_guardian.py``).
+
+    It kills binary workers' groups if the supervisor dies; one per interpreter.
+    """
+    module = sys.modules.get("aiolaunch._workers._guardian")
+    guard = getattr(module, "_guardian", None)
+    if guard is None or getattr(guard, "owner", None) != os.getpid():
+        return set(), set()
+    return {guard.pid}, {guard.fd}
+
+
 #: Functions returning ``(pids, fds)`` of helpers legitimately started once per
 #: interpreter and kept until it exits; never reported as leaks.
 LONG_LIVED_HELPERS: list[Callable[[], tuple[set[int], set[int]]]] = [
     _multiprocessing_helpers,
     _aiolaunch_lifeline,
+    _aiolaunch_guardian,
 ]
 
 

@@ -36,10 +36,13 @@ SUPERVISOR = textwrap.dedent(
         kind, grace, logdir = sys.argv[1], float(sys.argv[2]), sys.argv[3]
         before = {s: signal.getsignal(s) for s in SIGS}
         if kind == "binary":
-            script = sys.argv[4] if len(sys.argv) > 4 else "exec sleep 60"
+            os.makedirs(logdir, exist_ok=True)
+            default = f"sleep 60 & echo $! > {logdir}/gc$RANK; wait"
+            script = sys.argv[4] if len(sys.argv) > 4 else default
             ctx = await aiolaunch.start_processes(
                 name="s", entrypoint="/bin/sh", args={0: ("-c", script), 1: ("-c", script)},
-                envs={0: {}, 1: {}}, log_dir=logdir, shutdown_timeout=grace)
+                envs={0: {"RANK": "0"}, 1: {"RANK": "1"}}, log_dir=logdir + "/logs",
+                shutdown_timeout=grace)
         else:
             os.makedirs(logdir, exist_ok=True)
             ctx = await aiolaunch.start_processes(
@@ -150,16 +153,20 @@ def test_inherited_sig_ign_stays_ignored(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["binary", "function"])
 def test_workers_die_with_a_sigkilled_supervisor(tmp_path: Path, kind: str) -> None:
+    """Workers *and their children* die with a SIGKILLed supervisor.
+
+    Binary workers: the guardian kills their process groups; function workers:
+    the lifeline thread does. Both reach grandchildren in the worker's group.
+    """
     proc, pids = _start(tmp_path, kind, "5", str(tmp_path / "w"))
     grandchildren: list[int] = []
-    if kind == "function":
-        deadline = time.monotonic() + 30
-        while len(grandchildren) < 2 and time.monotonic() < deadline:
-            grandchildren = [
-                int(p.read_text()) for p in (tmp_path / "w").glob("gc*") if p.read_text().strip()
-            ]
-            time.sleep(0.02)
-        assert len(grandchildren) == 2
+    deadline = time.monotonic() + 30
+    while len(grandchildren) < 2 and time.monotonic() < deadline:
+        grandchildren = [
+            int(p.read_text()) for p in (tmp_path / "w").glob("gc*") if p.read_text().strip()
+        ]
+        time.sleep(0.02)
+    assert len(grandchildren) == 2
     proc.kill()
     proc.communicate(timeout=30)
     _wait_dead([*pids.values(), *grandchildren])

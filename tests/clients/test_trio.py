@@ -49,6 +49,9 @@ def children():
         except OSError:
             continue
         if ppid == str(os.getpid()):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"aiolaunch-guardian" in f.read():
+                    continue  # the supervisor's guardian lives as long as it does
             found.append(int(pid))
     return found
 

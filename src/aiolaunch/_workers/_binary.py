@@ -1,14 +1,21 @@
-"""Binary workers: asyncio subprocesses in their own process group."""
+"""Binary workers: asyncio subprocesses in their own process group.
+
+No ``preexec_fn``: that would force CPython's slow ``fork()`` path (and run
+Python in the child), costing milliseconds per worker in a large supervisor.
+Process groups come from ``process_group=0`` (``start_new_session`` before
+Python 3.11) and supervisor-death protection from the guardian
+(``_guardian``), so spawning stays on the ``vfork`` path.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
+from ._guardian import guardian
 from ._handle import WorkerHandle
-from ._proc import binary_preexec
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -45,6 +52,9 @@ class BinaryWorker(WorkerHandle):
         if self.transport is not None and self.returncode is not None:
             self.transport.close()
             self.transport = None
+            g = guardian()
+            if g is not None:
+                g.unwatch(self.pid)
 
 
 async def spawn_binary(
@@ -57,6 +67,10 @@ async def spawn_binary(
     """Start one binary worker; ``stdout``/``stderr`` are fds, DEVNULL or None (inherit)."""
     loop = asyncio.get_running_loop()
     handle = BinaryWorker(local_rank)
+    group: dict[str, Any] = (
+        {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+    )
+    g = guardian()
     transport, _ = await loop.subprocess_exec(
         lambda: _ExitProtocol(handle),
         *argv,
@@ -65,10 +79,12 @@ async def spawn_binary(
         stderr=stderr,
         env=env,
         close_fds=True,
-        preexec_fn=binary_preexec(os.getpid()),
+        **group,
     )
     handle.transport = transport
     handle.pid = transport.get_pid()
+    if g is not None:
+        g.watch(handle.pid)
     return handle
 
 

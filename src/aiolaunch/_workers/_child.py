@@ -76,7 +76,7 @@ class ChildSpec:
         stderr: PassFd | None,
         result: PassFd,
         lifeline: PassFd | None,
-        lifeline_w: int,
+        close_after_fork: tuple[int, ...],
         error_file: str,
         supervisor_pid: int,
         check_parent: bool,
@@ -89,7 +89,7 @@ class ChildSpec:
         self.stderr = stderr
         self.result = result
         self.lifeline = lifeline
-        self.lifeline_w = lifeline_w
+        self.close_after_fork = close_after_fork
         self.error_file = error_file
         self.supervisor_pid = supervisor_pid
         self.check_parent = check_parent
@@ -134,9 +134,11 @@ def _protect(spec: ChildSpec) -> None:
     # and could kill the worker before it takes its own children down.
     if spec.check_parent and os.getppid() != spec.supervisor_pid:
         os._exit(1)  # the supervisor is already gone
-    if spec.lifeline_w >= 0:
-        try:  # inherited through fork: holding it would keep our own lifeline alive
-            os.close(spec.lifeline_w)
+    for fd in spec.close_after_fork:
+        # The supervisor's ends of the lifeline and guardian pipes, inherited
+        # through fork: holding them would keep those pipes from ever seeing EOF.
+        try:
+            os.close(fd)
         except OSError:
             pass
     if spec.lifeline is not None:

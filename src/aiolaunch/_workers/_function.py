@@ -173,6 +173,16 @@ def _lifeline_fds() -> tuple[int, int]:
     return _lifeline[1], _lifeline[2]
 
 
+def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
+    from . import _guardian
+
+    fds = [lifeline_w]
+    g = _guardian._guardian
+    if g is not None and g.owner == os.getpid():
+        fds.append(g.fd)
+    return tuple(fds)
+
+
 async def spawn_function(
     *,
     local_rank: int,
@@ -203,7 +213,7 @@ async def spawn_function(
         stderr=PassFd(stderr) if stderr is not None else None,
         result=PassFd(result_w),
         lifeline=PassFd(lifeline_r),
-        lifeline_w=lifeline_w if start_method == "fork" else -1,
+        close_after_fork=_supervisor_only_fds(lifeline_w) if start_method == "fork" else (),
         error_file=error_file,
         supervisor_pid=os.getpid(),
         check_parent=start_method != "forkserver",

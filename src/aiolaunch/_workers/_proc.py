@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ProcTable",
-    "binary_preexec",
     "open_exit_fd",
     "set_parent_death_signal",
     "signal_tree",
@@ -64,25 +63,6 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     if prctl is None:
         return False
     return prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-
-
-def binary_preexec(supervisor_pid: int) -> Callable[[], None]:
-    """Build the ``preexec_fn`` for binary workers.
-
-    In the child, between fork and exec: lead a new process group, arm the
-    parent-death signal, then re-check ``getppid()`` - if the supervisor died
-    between fork and prctl, the signal would never come, so die now.
-    """
-    prctl = _load_prctl()  # resolve before fork: no dlsym in the child
-
-    def preexec() -> None:
-        os.setpgid(0, 0)
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != supervisor_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 def open_exit_fd(pid: int) -> int | None:

@@ -1,0 +1,110 @@
+"""The guardian: kills binary workers' process groups if the supervisor dies.
+
+One tiny ``/bin/sh`` process per supervisor process, started on first use in a
+session of its own. It reads ``+PGID`` / ``-PGID`` lines from a pipe whose
+only writer is the supervisor; when the supervisor dies - even by SIGKILL - the
+pipe reaches EOF and the guardian SIGKILLs every process group still
+registered. Because it kills *groups*, a worker's own children in its group
+die too (``PR_SET_PDEATHSIG`` would reach the worker alone), and because it
+needs no code in the child between fork and exec, binary workers are spawned
+on CPython's fast ``vfork`` path.
+
+Limits: a worker registered within microseconds of the supervisor's death may
+be missed; a process the supervisor forks without exec (``os.fork``) keeps
+the pipe open and so delays the guardian until it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+__all__ = ["GUARDIAN_NAME", "Guardian", "guardian"]
+
+GUARDIAN_NAME = "aiolaunch-guardian"
+
+_SCRIPT = r"""
+trap '' INT HUP QUIT TERM
+g=" "
+while read -r l; do
+  case $l in
+    +*) g="$g${l#+} " ;;
+    -*) p=${l#-}
+        case $g in *" $p "*) g="${g%% $p *} ${g#* $p }" ;; esac ;;
+  esac
+done
+for p in $g; do kill -s KILL -- "-$p" 2>/dev/null; done
+"""
+
+
+class Guardian:
+    """Handle on the guardian process of this supervisor."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.groups: set[int] = set()
+        self.fd = -1
+        self.pid = 0
+        self._start()
+
+    def _start(self) -> None:
+        r, w = os.pipe()
+        try:
+            # posix_spawn, not Popen: a Popen alive at interpreter exit warns.
+            self.pid = os.posix_spawn(
+                "/bin/sh",
+                ["/bin/sh", "-c", _SCRIPT, GUARDIAN_NAME],
+                dict(os.environ),
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, r, 0),
+                    (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                    (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+                ],
+                setsid=True,  # not killed by signals aimed at our group or terminal
+            )
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        self.fd = w
+        if self.groups:  # a restarted guardian takes over the live registrations
+            self._send("".join(f"+{g}\n" for g in self.groups))
+
+    def _send(self, text: str) -> None:
+        try:
+            os.write(self.fd, text.encode())
+        except BrokenPipeError:
+            # The guardian was killed: start another one.
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)  # it is gone: reap it
+            self._start()
+
+    def watch(self, pgid: int) -> None:
+        """Kill process group ``pgid`` if the supervisor dies."""
+        self.groups.add(pgid)
+        self._send(f"+{pgid}\n")
+
+    def unwatch(self, pgid: int) -> None:
+        """Forget ``pgid`` (its processes are gone)."""
+        if pgid in self.groups:
+            self.groups.discard(pgid)
+            self._send(f"-{pgid}\n")
+
+
+_guardian: Guardian | None = None
+_lock = threading.Lock()
+
+
+def guardian() -> Guardian | None:
+    """The guardian of this process, started on first use; ``None`` without /bin/sh."""
+    global _guardian
+    with _lock:
+        if _guardian is None or _guardian.owner != os.getpid():
+            if not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
+                return None
+            _guardian = Guardian()
+        return _guardian
