@@ -98,6 +98,7 @@ def start_processes(
     shutdown_timeout: float = 30.0,
     ready: ReadinessProbe | Mapping[int, ReadinessProbe] | None = None,
     restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
+    console_dedup: float | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -129,6 +130,9 @@ def start_processes(
     :param restart: a :class:`RestartPolicy` for every rank, or
         ``{rank: policy}``: such a worker is started again on its own when it
         exits, within the policy's budget, instead of failing the group.
+    :param console_dedup: off by default; a window in seconds within which a
+        tee'd line printed by several ranks is shown once, as
+        ``[{name}0-3]:line`` (ranks with a custom prefix are never merged).
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
         method, a non-empty ``log_dir`` - before any process starts (each
         message names the argument and the fix).
@@ -159,6 +163,15 @@ def start_processes(
         log_line_prefixes=log_line_prefixes,
         shutdown_timeout=shutdown_timeout,
     )
+    if console_dedup is not None and (
+        isinstance(console_dedup, bool)
+        or not isinstance(console_dedup, int | float)
+        or not 0 <= console_dedup <= 60
+    ):
+        raise ValueError(
+            f"console_dedup={console_dedup!r} must be a window in seconds between 0 and 60 "
+            "(e.g. 0.05), or None to show every rank's lines"
+        )
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -192,6 +205,7 @@ def start_processes(
             "start_method": start_method,
             "ready": probes,
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
+            "console_dedup": console_dedup,
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)

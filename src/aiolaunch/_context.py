@@ -30,7 +30,16 @@ from ._events import (
     WorkerRestarting,
     WorkerStarted,
 )
-from ._logs import DEVNULL, INHERIT, LineSink, Sink, StreamPump, console, plan_stream
+from ._logs import (
+    DEVNULL,
+    INHERIT,
+    ConsoleDedup,
+    LineSink,
+    Sink,
+    StreamPump,
+    console,
+    plan_stream,
+)
 from ._ready import ReadinessProbe, ReadyLine
 from ._restart import RestartPolicy, RestartTracker
 from ._results import ProcessFailure, RunProcsResult
@@ -78,6 +87,7 @@ class PContext:
         start_method: str,
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
+        console_dedup: float | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -98,6 +108,7 @@ class PContext:
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
         self._bus = EventBus()
+        self._dedup = ConsoleDedup(name, console_dedup) if console_dedup else None
         self._probes = ready or {}
         self._ready: dict[int, asyncio.Event] = {r: asyncio.Event() for r in range(self.nprocs)}
         self._trackers = {r: RestartTracker(p) for r, p in (restart or {}).items()}
@@ -128,8 +139,9 @@ class PContext:
                 ("stderr", self.stderrs[rank], self._dest.tee_stderrs),
             ):
                 watch = isinstance(probe, ReadyLine) and probe.stream in (stream, "any")
+                dedup = self._dedup if rank not in self._prefixes else None
                 mode, sinks = plan_stream(
-                    path, rank in tees, stream, self._prefix(rank), need_pipe=watch
+                    path, rank in tees, stream, self._prefix(rank), watch, dedup, rank
                 )
                 if mode == INHERIT:
                     plans.append((None, None, sinks))
@@ -424,6 +436,8 @@ class PContext:
         await terminate(workers, death_sig, grace)
         if self._pumps:
             await asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in self._pumps))
+            if self._dedup is not None:
+                self._dedup.flush()
             # Tee'd lines are on the console before wait()/close() return - unless
             # the console is stuck, which must not hang the supervisor.
             with anyio.move_on_after(_CONSOLE_FLUSH_TIMEOUT):

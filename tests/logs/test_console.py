@@ -229,3 +229,82 @@ async def test_invalid_utf8_replaced_on_console_only(
     result = await _run(code, tmp_path, tee=Std.OUT)
     assert capsys.readouterr().out == "[w0]:ok \ufffd\ufffd bytes\n"
     assert Path(result.stdouts[0]).read_bytes() == b"ok \xff\xfe bytes\n"
+
+
+async def test_console_dedup_merges_identical_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = (
+        "import os, sys\n"
+        "r = os.environ['R']\n"
+        "print('loading data')\n"
+        "print(f'rank {r} shard')\n"
+        "print('epoch 1 done')\n"
+    )
+    async with aiolaunch.start_processes(
+        name="w", entrypoint=sys.executable, args={r: ("-c", code) for r in range(4)},
+        envs={r: {"R": str(r)} for r in range(4)}, log_dir=str(tmp_path), tee=Std.OUT,
+        console_dedup=5.0,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None
+    lines = capsys.readouterr().out.splitlines()
+    assert lines.count("[w0-3]:loading data") == 1
+    assert lines.count("[w0-3]:epoch 1 done") == 1
+    assert sorted(l for l in lines if "shard" in l) == [f"[w{r}]:rank {r} shard" for r in range(4)]
+    # each rank's own order is kept
+    assert lines.index("[w0-3]:loading data") < lines.index("[w0-3]:epoch 1 done")
+    for r in range(4):
+        assert Path(result.stdouts[r]).read_text() == f"loading data\nrank {r} shard\nepoch 1 done\n"
+
+
+def test_rank_ranges() -> None:
+    from aiolaunch._logs._sinks import _rank_ranges
+
+    assert _rank_ranges({0, 1, 2, 3, 6}) == "0-3,6"
+    assert _rank_ranges({5}) == "5"
+    assert _rank_ranges({1, 3, 4}) == "1,3-4"
+
+
+def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
+    # Property: whatever the interleaving, every rank's lines come out complete
+    # and in order, and a merged line names each of its ranks once.
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from aiolaunch._logs import _sinks
+
+    events = st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from(["a", "b", "c", "d"])), max_size=40
+    )
+
+    @settings(max_examples=200, deadline=None)
+    @given(events)
+    def check(seq: list[tuple[int, str]]) -> None:
+        written: list[str] = []
+
+        class Capture:
+            def write(self, stream: str, text: str) -> None:
+                written.append(text)
+
+        async def run() -> None:
+            dedup = _sinks.ConsoleDedup("w", 60)
+            for rank, line in seq:
+                dedup.add("stdout", rank, [line])
+            dedup.flush()
+
+        original = _sinks.console
+        _sinks.console = Capture  # type: ignore[assignment]
+        try:
+            asyncio.run(run())
+        finally:
+            _sinks.console = original
+        seen: dict[int, list[str]] = {r: [] for r in range(4)}
+        for text in "".join(written).splitlines():
+            head, line = text.split("]:", 1)
+            for part in head[len("[w") :].split(","):
+                lo, _, hi = part.partition("-")
+                for r in range(int(lo), int(hi or lo) + 1):
+                    seen[r].append(line)
+        for r in range(4):
+            assert seen[r] == [line for rank, line in seq if rank == r]
+
+    check()

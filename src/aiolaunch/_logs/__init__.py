@@ -12,9 +12,10 @@ import sys
 
 from ._console import console, set_console_hook
 from ._pump import StreamPump
-from ._sinks import ConsoleSink, FileSink, LineSink, PassthroughSink, Sink
+from ._sinks import ConsoleDedup, ConsoleSink, FileSink, LineSink, PassthroughSink, Sink
 
 __all__ = [
+    "ConsoleDedup",
     "ConsoleSink",
     "FileSink",
     "LineSink",
@@ -48,13 +49,20 @@ def console_is_fd(stream: str) -> bool:
 
 
 def plan_stream(
-    path: str, tee: bool, stream: str, prefix: str, need_pipe: bool = False
+    path: str,
+    tee: bool,
+    stream: str,
+    prefix: str,
+    need_pipe: bool = False,
+    dedup: ConsoleDedup | None = None,
+    rank: int = 0,
 ) -> tuple[str, list[Sink]]:
     """Decide how one worker stream is wired.
 
     :param path: the destination from ``LogsDest``: ``""`` for the console,
         ``os.devnull`` to discard, else a log file path.
     :param tee: also show the stream, prefixed, on the console.
+    :param dedup: merge identical console lines of several ranks.
     :param need_pipe: the supervisor must see the bytes (a readiness probe
         reads this stream): never inherit.
     :returns: ``(INHERIT | DEVNULL | PIPE, sinks)``; sinks are only built for
@@ -68,5 +76,5 @@ def plan_stream(
         return (PIPE, []) if need_pipe else (DEVNULL, [])
     sinks: list[Sink] = [FileSink(path)]
     if tee:
-        sinks.append(ConsoleSink(stream, prefix))
+        sinks.append(ConsoleSink(stream, prefix, dedup, rank))
     return PIPE, sinks

@@ -27,7 +27,15 @@ from ._console import console
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ConsoleSink", "FileSink", "LineSink", "PassthroughSink", "Sink", "open_log_file"]
+__all__ = [
+    "ConsoleDedup",
+    "ConsoleSink",
+    "FileSink",
+    "LineSink",
+    "PassthroughSink",
+    "Sink",
+    "open_log_file",
+]
 
 _HIGH_WATER = 16 * 1024 * 1024
 _LOW_WATER = 4 * 1024 * 1024
@@ -165,12 +173,25 @@ class ConsoleSink(Sink):
     - A final line without newline is flushed, with a newline, at EOF.
     """
 
-    def __init__(self, stream: str, prefix: str) -> None:
+    def __init__(
+        self, stream: str, prefix: str, dedup: ConsoleDedup | None = None, rank: int = 0
+    ) -> None:
         self._stream = stream
         self._prefix = prefix
         self._decoder = _LineDecoder()
         self._partial = ""
         self._status = False
+        self._dedup = dedup
+        self._rank = rank
+
+    def _write_lines(self, framed: str) -> None:
+        # ``framed``: whole lines, each already prefixed.
+        if self._dedup is None:
+            console().write(self._stream, framed)
+            return
+        cut = len(self._prefix)
+        lines = [line[cut:] for line in framed.split("\n")[:-1]]
+        self._dedup.add(self._stream, self._rank, lines)
 
     def feed(self, data: bytes) -> None:
         self._emit(self._decoder.decode(data))
@@ -193,7 +214,7 @@ class ConsoleSink(Sink):
                 console().set_status(self._stream, self, None)
                 self._status = False
             prefix = self._prefix
-            console().write(self._stream, prefix + text[:cut].replace("\n", "\n" + prefix) + "\n")
+            self._write_lines(prefix + text[:cut].replace("\n", "\n" + prefix) + "\n")
             return
         lines = text.split("\n")
         self._partial = _latest_state(lines.pop())
@@ -208,7 +229,7 @@ class ConsoleSink(Sink):
             if self._status:
                 writer.set_status(self._stream, self, None)
                 self._status = False
-            writer.write(self._stream, "".join(out))
+            self._write_lines("".join(out))
         if "\r" in self._partial:
             state = self._partial.rstrip("\r")
             if state:
@@ -230,7 +251,7 @@ class ConsoleSink(Sink):
             writer.set_status(self._stream, self, None)
             self._status = False
         if self._partial:
-            writer.write(self._stream, "".join(self._frame(self._partial)))
+            self._write_lines("".join(self._frame(self._partial)))
             self._partial = ""
 
 
@@ -242,6 +263,92 @@ def _latest_state(line: str) -> str:
     parts = [p for p in line.split("\r") if p]
     last = parts[-1] if parts else ""
     return last + "\r" if line.endswith("\r") else last
+
+
+class ConsoleDedup:
+    """Shows a line that several ranks print within ``window`` seconds once.
+
+    ``[trainer0-3,6]:epoch 1 done`` instead of five copies. Lines are held at
+    most ``window`` seconds; each rank's own lines keep their order (a line is
+    merged into an earlier copy only if that copy comes after the rank's
+    previous line). Off by default: ``start_processes(console_dedup=0.05)``.
+    """
+
+    def __init__(self, name: str, window: float) -> None:
+        self.name = name
+        self.window = window
+        self._entries: list[tuple[str, str, set[int]]] = []
+        self._index: dict[tuple[str, str], int] = {}
+        self._last: dict[tuple[int, str], int] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, stream: str, rank: int, lines: list[str]) -> None:
+        entries = self._entries
+        for line in lines:
+            key = (stream, line)
+            pos = self._index.get(key)
+            last = self._last.get((rank, stream), -1)
+            if pos is not None and rank not in entries[pos][2]:
+                ranks = entries[pos][2]
+                if pos < last:
+                    # Merging here would put this line before the rank's
+                    # previous one. Move the entry to the end instead - allowed
+                    # only if it is still the last line of every rank in it.
+                    if any(self._last.get((r, stream)) != pos for r in ranks):
+                        pos = None
+                    else:
+                        entries[pos] = (stream, "", set())  # tombstone
+                        pos = len(entries)
+                        entries.append((stream, line, ranks))
+                        self._index[key] = pos
+                        for r in ranks:
+                            self._last[(r, stream)] = pos
+                if pos is not None:
+                    ranks.add(rank)
+            else:
+                pos = None
+            if pos is None:
+                pos = len(entries)
+                entries.append((stream, line, {rank}))
+                self._index[key] = pos
+            self._last[(rank, stream)] = pos
+        if entries and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.window, self.flush)
+
+    def flush(self) -> None:
+        """Write everything held now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        entries, self._entries = self._entries, []
+        self._index.clear()
+        self._last.clear()
+        out: list[tuple[str, list[str]]] = []
+        for stream, line, ranks in entries:
+            if not ranks:
+                continue  # moved later
+            text = f"[{self.name}{_rank_ranges(ranks)}]:{line}\n"
+            if out and out[-1][0] == stream:
+                out[-1][1].append(text)
+            else:
+                out.append((stream, [text]))
+        for stream, texts in out:
+            console().write(stream, "".join(texts))
+
+
+def _rank_ranges(ranks: set[int]) -> str:
+    """``{0, 1, 2, 3, 6}`` -> ``"0-3,6"``."""
+    ordered = sorted(ranks)
+    parts: list[str] = []
+    start = prev = ordered[0]
+    for r in [*ordered[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)
 
 
 class PassthroughSink(Sink):
