@@ -20,6 +20,7 @@ import multiprocessing.spawn
 import os
 import signal
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
@@ -223,7 +224,11 @@ async def spawn_function(
         target=run_worker, args=(spec,), name=f"{name}{local_rank}"
     )
     try:
-        with _no_main_reimport():
+        with _no_main_reimport(), warnings.catch_warnings():
+            # Python 3.12+ warns about fork() in a process with threads (ours:
+            # the log and console writers). The user asked for fork; a warning
+            # turned into an error here would orphan the forked child.
+            warnings.filterwarnings("ignore", r".*multi-threaded.*fork", DeprecationWarning)
             proc.start()
     except BaseException:
         close_fd(result_r)
