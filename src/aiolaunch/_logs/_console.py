@@ -189,14 +189,16 @@ class ConsoleWriter:
                     time.sleep(wait)  # allowed: rate limit on the console thread
 
     def _emit(self, batch: list[tuple[str, str]], status_changed: bool) -> None:
-        # Merge consecutive writes to the same stream: fewer syscalls.
-        merged: list[tuple[str, str]] = []
+        # Merge consecutive writes to the same stream: fewer syscalls (one
+        # join per run, not repeated concatenation).
+        runs: list[tuple[str, list[str]]] = []
         for stream, text in batch:
-            if merged and merged[-1][0] == stream:
-                merged[-1] = (stream, merged[-1][1] + text)
+            if runs and runs[-1][0] == stream:
+                runs[-1][1].append(text)
             else:
-                merged.append((stream, text))
-        for stream, text in merged:
+                runs.append((stream, [text]))
+        for stream, parts in runs:
+            text = "".join(parts)
             if self._status_shown.get(stream):
                 text = _CLEAR_LINE + text
                 self._status_shown[stream] = False
