@@ -114,6 +114,8 @@ class PContext:
         self._trackers = {r: RestartTracker(p) for r, p in (restart or {}).items()}
         self._attempts: dict[int, int] = dict.fromkeys(range(self.nprocs), 0)
         self._restarting: set[int] = set()
+        self._pending_restarts: dict[int, int] = {}
+        self._restart_locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._old_pumps: dict[int, list[StreamPump]] = {}
 
@@ -177,7 +179,10 @@ class PContext:
             if w_end is not None:
                 _close_quietly(w_end)  # the child has its copy
             if r_end is not None:
-                self._pumps.append(await StreamPump.open(r_end, sinks, rank))
+                # Await first: `self._pumps.append(await ...)` would bind the list
+                # before the await, and a restart may replace it meanwhile.
+                pump = await StreamPump.open(r_end, sinks, rank)
+                self._pumps.append(pump)
         if probe is not None and not isinstance(probe, ReadyLine):
             self._spawn_task(self._run_probe(rank, probe, handle))
 
@@ -251,6 +256,7 @@ class PContext:
             delay = tracker.next_delay(1 if failed else 0, time.monotonic())
             if delay is not None:
                 self._restarting.add(rank)
+                self._pending_restarts[rank] = self._pending_restarts.get(rank, 0) + 1
                 self._ready[rank].clear()
                 self._bus.emit(
                     WorkerRestarting(
@@ -263,27 +269,34 @@ class PContext:
         self._changed.set()
 
     async def _restart(self, rank: int, delay: float) -> None:
-        # Finish the old incarnation's pipes first: its bytes precede the new one's.
-        old = [p for p in self._pumps if p.rank == rank]
-        self._pumps = [p for p in self._pumps if p.rank != rank]
-        if old:
-            await asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in old))
-        old_handle = self._workers[rank]
-        old_handle.release()
-        await asyncio.sleep(delay)  # allowed: the policy's backoff
-        if self._end is not None:
-            return
-        self._attempts[rank] += 1
         try:
-            await self._start_one(rank)
-        except Exception:
-            self._restarting.discard(rank)
-            old_handle.failure_reason = old_handle.failure_reason or "restart failed"
-            self._exit_order.append(rank)
+            # One restart of a rank at a time: a new incarnation that exits while
+            # it is still being wired up queues its own restart behind this one.
+            async with self._restart_locks.setdefault(rank, asyncio.Lock()):
+                # Finish the old incarnation's pipes first: its bytes precede the
+                # new one's. Shielded: a cancelled drain would lose bytes and fds.
+                old = [p for p in self._pumps if p.rank == rank]
+                self._pumps[:] = [p for p in self._pumps if p.rank != rank]
+                if old:
+                    await shielded(asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in old)))
+                old_handle = self._workers[rank]
+                old_handle.release()
+                await asyncio.sleep(delay)  # allowed: the policy's backoff
+                if self._end is not None:
+                    return
+                self._attempts[rank] += 1
+                try:
+                    # Shielded: once a process is spawned its pipes must be wired.
+                    await shielded(self._start_one(rank))
+                except Exception:
+                    old_handle.failure_reason = old_handle.failure_reason or "restart failed"
+                    self._exit_order.append(rank)
+                    raise
+        finally:
+            self._pending_restarts[rank] -= 1
+            if not self._pending_restarts[rank]:
+                self._restarting.discard(rank)
             self._changed.set()
-            raise
-        self._restarting.discard(rank)
-        self._changed.set()
 
     # -- queries ----------------------------------------------------------
     def pids(self) -> dict[int, int]:
