@@ -40,7 +40,7 @@ __all__ = [
     "wait_dead",
 ]
 
-SUBREAPER = r'''
+SUBREAPER = r"""
 import ctypes, json, os, signal, subprocess, sys, time
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -107,7 +107,7 @@ while time.monotonic() < end:
 with open(report_path + ".tmp", "w") as f:
     json.dump({"rc": rc, "leaked": leaked, "reaped": len(reaped)}, f)
 os.replace(report_path + ".tmp", report_path)
-'''
+"""
 
 
 @dataclass
@@ -172,11 +172,13 @@ class Supervised:
         """Wait for the subreaper's report (the supervisor must exit on its own)."""
         try:
             out, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             if self.pid:
                 os.kill(self.pid, signal.SIGKILL)
             out, err = self.proc.communicate(timeout=30)
-            raise AssertionError(f"supervisor did not exit in {timeout}s; stderr:\n{err!r}")
+            raise AssertionError(
+                f"supervisor did not exit in {timeout}s; stderr:\n{err!r}"
+            ) from exc
         data = json.loads(self.report_path.read_text())
         return Report(
             rc=data["rc"],
@@ -207,7 +209,16 @@ def start_supervised(
     reaper.write_text(SUBREAPER)
     report = tmp_path / (name + ".report.json")
     proc = subprocess.Popen(
-        [sys.executable, str(reaper), str(report), str(settle), "--", sys.executable, str(script), *argv],
+        [
+            sys.executable,
+            str(reaper),
+            str(report),
+            str(settle),
+            "--",
+            sys.executable,
+            str(script),
+            *argv,
+        ],
         stdout=stdout,
         stderr=subprocess.PIPE,
         env={**os.environ, **(env or {})},

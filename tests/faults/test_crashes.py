@@ -146,9 +146,7 @@ def dispatch(kind: str) -> Any:
 
 
 @pytest.mark.parametrize("kind", list(BINARY_CRASHES))
-async def test_binary_worker_crash_is_reported_and_peers_stopped(
-    kind: str, tmp_path: Path
-) -> None:
+async def test_binary_worker_crash_is_reported_and_peers_stopped(kind: str, tmp_path: Path) -> None:
     code, exitcode, signame = BINARY_CRASHES[kind]
     async with aiolaunch.start_processes(
         name="b",
@@ -196,7 +194,9 @@ async def test_sigterm_ignoring_function_worker_is_sigkilled_after_grace(
     assert result is not None and set(result.failures) == {0}
     assert result.failures[0].exitcode == 1
     assert 0.4 < took < 8, took
-    assert any(f"pid {pids[1]}" in r.getMessage() and "SIGKILL" in r.getMessage() for r in caplog.records)
+    assert any(
+        f"pid {pids[1]}" in r.getMessage() and "SIGKILL" in r.getMessage() for r in caplog.records
+    )
     assert not alive(pids[1])
 
 

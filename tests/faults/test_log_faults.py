@@ -126,9 +126,10 @@ async def test_log_dir_removed_mid_run(tmp_path: Path) -> None:
         log_dir=str(log_dir),
         redirects=Std.ALL,
     ) as ctx:
-        while not (log_dir / "0" / "stdout.log").exists() or not (
-            log_dir / "0" / "stdout.log"
-        ).stat().st_size:
+        while (
+            not (log_dir / "0" / "stdout.log").exists()
+            or not (log_dir / "0" / "stdout.log").stat().st_size
+        ):
             await asyncio.sleep(0.01)
         shutil.rmtree(log_dir)
         await asyncio.sleep(0.2)
@@ -199,9 +200,7 @@ async def test_full_disk_keeps_the_worker_running(tiny_disk: Path, tmp_path: Pat
     reason="core bug: FileSink stores a write error (ENOSPC, EIO) in .error and drops "
     "later bytes, but nothing reports it: no warning, nothing in the result",
 )
-async def test_full_disk_is_reported(
-    tiny_disk: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_full_disk_is_reported(tiny_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Silent loss of log bytes must at least be said: a warning naming the file."""
     import logging
 
@@ -263,7 +262,7 @@ async def test_symlink_planted_at_stdout_log_is_refused(tmp_path: Path) -> None:
     )
     (log_dir / "0").mkdir()
     (log_dir / "0" / "stdout.log").symlink_to(victim)
-    with pytest.raises(OSError, match="stdout.log") as info:
+    with pytest.raises(OSError, match=r"stdout\.log") as info:
         await starting
     assert info.value.errno in (40, 31)  # ELOOP (Linux), EMLINK (FreeBSD)
     assert victim.read_bytes() == b"precious\n"
@@ -290,7 +289,9 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize(("umask", "dmode", "fmode"), [("022", "0o755", "0o644"), ("077", "0o700", "0o600")])
+@pytest.mark.parametrize(
+    ("umask", "dmode", "fmode"), [("022", "0o755", "0o644"), ("077", "0o700", "0o600")]
+)
 def test_log_files_respect_the_umask(tmp_path: Path, umask: str, dmode: str, fmode: str) -> None:
     """Folders and files are created with 0o777/0o666 filtered by the user's
     umask (in a subprocess: the umask is process-wide)."""
@@ -337,4 +338,3 @@ async def test_strip_ansi_on_the_console_only(
     assert Path(result.stdouts[0]).read_text() == ANSI + "\n"
     assert capsys.readouterr().out == "[a0]:red plain bar\n"
     assert not re.search("\x1b", capsys.readouterr().out)
-

@@ -10,15 +10,16 @@ to the supervisor's pid only, never to the test runner.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from _faultkit import PRELUDE, alive, descendants, read_pids, start_supervised, wait_dead
+from _faultkit import PRELUDE, descendants, read_pids, start_supervised, wait_dead
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -56,7 +57,9 @@ asyncio.run(main())
 )
 
 
-def _kill_supervisor_and_report(tmp_path: Path, kind: str, setsid: bool) -> tuple[list[int], list[int], object]:
+def _kill_supervisor_and_report(
+    tmp_path: Path, kind: str, setsid: bool
+) -> tuple[list[int], list[int], object]:
     pid_dir = tmp_path / "w"
     pid_dir.mkdir()
     sup = start_supervised(tmp_path, KILLED, kind, str(pid_dir), "1" if setsid else "0", settle=3)
@@ -265,7 +268,9 @@ def test_sigterm_twice_in_quick_succession(tmp_path: Path) -> None:
     assert report.leaked == [], report.leaked_summary()
     assert wait_dead(workers, 1) == []
     # Both workers got the death signal and exited through their trap.
-    assert all((tmp_path / "logs" / str(r) / "stdout.log").read_bytes() == b"ready\n" for r in (0, 1))
+    assert all(
+        (tmp_path / "logs" / str(r) / "stdout.log").read_bytes() == b"ready\n" for r in (0, 1)
+    )
 
 
 LOW_FD = (
@@ -439,4 +444,3 @@ def test_full_pipe_while_the_console_is_stuck(tmp_path: Path) -> None:
     bad = [l for l in lines[:-1] if not (l.startswith("[w0]:line ") and l.endswith("y" * 80))]
     assert bad == [], bad[:5]
     assert lines[-1].startswith("[w0]:line ")
-

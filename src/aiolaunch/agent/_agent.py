@@ -238,7 +238,7 @@ class LocalElasticAgent:
                 )
                 self._state = WorkerState.STOPPED
                 if delay:
-                    await asyncio.sleep(delay)
+                    await asyncio.sleep(delay)  # allowed: the backoff between attempts
                 continue
             self._state = WorkerState.FAILED
             log.error(
@@ -350,7 +350,7 @@ class LocalElasticAgent:
         """Return when new agents wait to join (torch polls this each monitor tick)."""
         interval = max(self._spec.monitor_interval, _MEMBERSHIP_POLL_MIN)
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval)  # allowed: torch offers no event for joining nodes
             try:
                 waiting = await self._rdzv.num_nodes_waiting()
             except Exception:
