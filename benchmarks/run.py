@@ -318,13 +318,18 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
     ap.add_argument("--list", action="store_true", help="list benchmark groups and cases, then exit")
     ap.add_argument("--replot", action="store_true", help="re-render results.md/png from OUT/results.json")
+    ap.add_argument("--readme", action="store_true",
+                    help="also write the table into README.md between the bench markers")
     a = ap.parse_args()
     if a.replot:
         with open(os.path.join(a.out, "results.json")) as f:
             out = json.load(f)
+        md = render_md(out)
         with open(os.path.join(a.out, "results.md"), "w") as f:
-            f.write(render_md(out))
+            f.write(md)
         render_png(out, os.path.join(a.out, "results.png"))
+        if a.readme:
+            update_readme(md, a.out)
         return 0
 
     cases = plan(a.quick)
@@ -488,7 +493,31 @@ def main() -> int:
     else:
         print(f"worker logs and driver logs kept in {tmp}", file=sys.stderr)
     print(f"\n{md}\nwrote {a.out}/results.{{json,md,png}} in {meta['total_seconds']} s")
+    if a.readme:
+        update_readme(md, a.out)
     return 1 if any_fail else 0
+
+
+README_START = "<!-- bench:start (written by benchmarks/run.py --readme; do not edit) -->"
+README_END = "<!-- bench:end -->"
+
+
+def update_readme(md: str, out_dir: str) -> None:
+    """Put the results table (and the plot) into README.md between the markers."""
+    readme = os.path.join(os.path.dirname(HERE), "README.md")
+    with open(readme) as f:
+        text = f.read()
+    if README_START not in text or README_END not in text:
+        print("README.md has no bench markers; not updated", file=sys.stderr)
+        return
+    png = os.path.relpath(os.path.join(out_dir, "results.png"), os.path.dirname(readme))
+    body = "\n".join(line for line in md.strip().splitlines() if not line.startswith("# "))
+    block = f"{README_START}\n\n![benchmark results]({png})\n\n{body.strip()}\n\n{README_END}"
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(readme, "w") as f:
+        f.write(head + block + tail)
+    print(f"updated {readme}")
 
 
 # ------------------------------------------------------------- rendering
