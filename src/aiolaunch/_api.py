@@ -99,6 +99,7 @@ def start_processes(
     ready: ReadinessProbe | Mapping[int, ReadinessProbe] | None = None,
     restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
     console_dedup: float | None = None,
+    console_strip_ansi: bool = False,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -133,6 +134,9 @@ def start_processes(
     :param console_dedup: off by default; a window in seconds within which a
         tee'd line printed by several ranks is shown once, as
         ``[{name}0-3]:line`` (ranks with a custom prefix are never merged).
+    :param console_strip_ansi: remove ANSI escape sequences (colors, cursor
+        moves, window titles) from tee'd lines on the console; log files keep
+        every byte.
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
         method, a non-empty ``log_dir`` - before any process starts (each
         message names the argument and the fix).
@@ -206,6 +210,7 @@ def start_processes(
             "ready": probes,
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "console_dedup": console_dedup,
+            "console_strip_ansi": bool(console_strip_ansi),
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)

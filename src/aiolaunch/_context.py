@@ -10,6 +10,7 @@ into its sinks before returning. No step polls.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import os
 import signal
@@ -88,7 +89,9 @@ class PContext:
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
         console_dedup: float | None = None,
+        console_strip_ansi: bool = False,
     ) -> None:
+        self._strip_ansi = console_strip_ansi
         self.name = name
         self.entrypoint = entrypoint
         self.args = args
@@ -124,11 +127,14 @@ class PContext:
         return self._prefixes.get(rank, f"[{self.name}{rank}]:")
 
     async def _start(self) -> None:
+        rank = 0
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
-        except BaseException:
+        except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise _fd_limit_error(exc, rank, self.nprocs) from exc
             raise
 
     async def _start_one(self, rank: int) -> None:
@@ -143,7 +149,8 @@ class PContext:
                 watch = isinstance(probe, ReadyLine) and probe.stream in (stream, "any")
                 dedup = self._dedup if rank not in self._prefixes else None
                 mode, sinks = plan_stream(
-                    path, rank in tees, stream, self._prefix(rank), watch, dedup, rank
+                    path, rank in tees, stream, self._prefix(rank), watch, dedup, rank,
+                    self._strip_ansi,
                 )
                 if mode == INHERIT:
                     plans.append((None, None, sinks))
@@ -571,6 +578,21 @@ def _widen_pipe(fd: int) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
     except (OSError, ImportError):
         pass
+
+
+def _fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OSError(
+        exc.errno,
+        f"{exc.strerror} while starting local rank {rank} of {nprocs} (the {rank} "
+        f"started were stopped): the open-file limit RLIMIT_NOFILE is {soft} (hard "
+        f"{hard}), and each worker holds up to 4 fds (2 pipes, 2 log files) until the "
+        "group ends. Raise it (`ulimit -n 65536`, or resource.setrlimit("
+        "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
+        "streams",
+    )
 
 
 def _signal_name(exitcode: int) -> str | None:

@@ -195,11 +195,6 @@ async def test_full_disk_keeps_the_worker_running(tiny_disk: Path, tmp_path: Pat
     assert expected.startswith(data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: FileSink stores a write error (ENOSPC, EIO) in .error and drops "
-    "later bytes, but nothing reports it: no warning, nothing in the result",
-)
 async def test_full_disk_is_reported(tiny_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Silent loss of log bytes must at least be said: a warning naming the file."""
     import logging
@@ -314,12 +309,6 @@ def test_log_files_respect_the_umask(tmp_path: Path, umask: str, dmode: str, fmo
 ANSI = "\x1b[31mred\x1b[0m \x1b]0;title\x07plain \x1b[2K\x1b[1Gbar"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proposed core feature: start_processes(console_strip_ansi=True) / "
-    "ConsoleSink(strip_ansi=True) removes CSI/OSC escape sequences on the console "
-    "only (log files keep the bytes)",
-)
 async def test_strip_ansi_on_the_console_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -91,22 +91,10 @@ def test_sigkilled_supervisor_takes_workers_and_group_children_down(
 @pytest.mark.parametrize(
     "kind",
     [
-        pytest.param(
-            "binary",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="documented limit: the guardian kills the binary worker's process "
-                "group only; a child that called setsid() is outside it",
-            ),
-        ),
-        pytest.param(
-            "function",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="documented limit: the lifeline kills the function worker's group "
-                "(killpg(0)) only; a child that called setsid() is outside it",
-            ),
-        ),
+        # The guardian's token in the workers' environment reaches children
+        # that left the worker's group (setsid), for both kinds.
+        "binary",
+        "function",
     ],
 )
 def test_sigkilled_supervisor_and_setsid_grandchildren(tmp_path: Path, kind: str) -> None:
@@ -184,15 +172,7 @@ def test_ctrl_c_between_spawns_leaves_no_half_started_group(tmp_path: Path, kind
 @pytest.mark.parametrize(
     "kind",
     [
-        pytest.param(
-            "binary",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="core bug: spawn_binary registers the worker's group with the "
-                "guardian only after `await loop.subprocess_exec()` returns; a SIGKILL "
-                "in that window (fork -> exec -> loop iteration) orphans the worker",
-            ),
-        ),
+        "binary",
         "function",
     ],
 )
@@ -314,11 +294,6 @@ def test_low_fd_limit_gives_a_clear_error_and_no_half_started_group(tmp_path: Pa
     assert msg["fds"] < 20, f"{msg['fds']} fds still open after the failed start"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: EMFILE during start-up surfaces as a bare OSError "
-    "'[Errno 24] Too many open files' naming neither the rank nor the fix",
-)
 def test_low_fd_limit_error_names_the_limit_and_the_fix(tmp_path: Path) -> None:
     sup = start_supervised(tmp_path, LOW_FD, "40", str(tmp_path / "logs"), settle=2)
     msg = sup.read_json()

@@ -1,6 +1,6 @@
 """``aiolaunch.testing``: the leak-check plugin, run in inner pytest sessions.
 
-Each case writes a small suite and runs it with ``-p aiolaunch.testing`` in a
+Each case writes a small suite and runs it, with the plugin from its entry point, in a
 fresh ``python -m pytest`` (pytester's subprocess mode), under pytest-asyncio
 and under anyio's plugin. Tests that leak on purpose record what they leaked
 in ``$PIDS_DIR``; we kill those processes here afterwards.
@@ -108,8 +108,6 @@ def _run(
             sys.executable,
             "-m",
             "pytest",
-            "-p",
-            "aiolaunch.testing",
             *plugins,
             "-q",
             "-rA",

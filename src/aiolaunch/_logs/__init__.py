@@ -56,6 +56,7 @@ def plan_stream(
     need_pipe: bool = False,
     dedup: ConsoleDedup | None = None,
     rank: int = 0,
+    strip_ansi: bool = False,
 ) -> tuple[str, list[Sink]]:
     """Decide how one worker stream is wired.
 
@@ -76,5 +77,5 @@ def plan_stream(
         return (PIPE, []) if need_pipe else (DEVNULL, [])
     sinks: list[Sink] = [FileSink(path)]
     if tee:
-        sinks.append(ConsoleSink(stream, prefix, dedup, rank))
+        sinks.append(ConsoleSink(stream, prefix, dedup, rank, strip_ansi))
     return PIPE, sinks

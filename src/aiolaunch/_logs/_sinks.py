@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import logging
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -132,6 +134,13 @@ class FileSink(Sink):
             # A full disk or a removed directory: keep the worker running and
             # report it; later bytes for this file are dropped.
             self.error = exc
+            logging.getLogger("aiolaunch").warning(
+                "aiolaunch: cannot write log file %s (%s: %s); the rest of this "
+                "stream is dropped from the file",
+                self.path,
+                type(exc).__name__,
+                exc,
+            )
             self._pending.clear()
             self._pending_bytes = 0
         elif self._pending:
@@ -174,8 +183,14 @@ class ConsoleSink(Sink):
     """
 
     def __init__(
-        self, stream: str, prefix: str, dedup: ConsoleDedup | None = None, rank: int = 0
+        self,
+        stream: str,
+        prefix: str,
+        dedup: ConsoleDedup | None = None,
+        rank: int = 0,
+        strip_ansi: bool = False,
     ) -> None:
+        self._strip = strip_ansi
         self._stream = stream
         self._prefix = prefix
         self._decoder = _LineDecoder()
@@ -196,6 +211,11 @@ class ConsoleSink(Sink):
     def feed(self, data: bytes) -> None:
         self._emit(self._decoder.decode(data))
 
+    def _write_framed(self, framed: str) -> None:
+        # Escape sequences never span lines: strip whole framed lines only, so
+        # one cut by a read boundary is still complete here.
+        self._write_lines(_ANSI_RE.sub("", framed) if self._strip else framed)
+
     def _emit(self, text: str) -> None:
         if not text:
             return
@@ -214,7 +234,7 @@ class ConsoleSink(Sink):
                 console().set_status(self._stream, self, None)
                 self._status = False
             prefix = self._prefix
-            self._write_lines(prefix + text[:cut].replace("\n", "\n" + prefix) + "\n")
+            self._write_framed(prefix + text[:cut].replace("\n", "\n" + prefix) + "\n")
             return
         lines = text.split("\n")
         self._partial = _latest_state(lines.pop())
@@ -229,7 +249,7 @@ class ConsoleSink(Sink):
             if self._status:
                 writer.set_status(self._stream, self, None)
                 self._status = False
-            self._write_lines("".join(out))
+            self._write_framed("".join(out))
         if "\r" in self._partial:
             state = self._partial.rstrip("\r")
             if state:
@@ -251,8 +271,13 @@ class ConsoleSink(Sink):
             writer.set_status(self._stream, self, None)
             self._status = False
         if self._partial:
-            self._write_lines("".join(self._frame(self._partial)))
+            self._write_framed("".join(self._frame(self._partial)))
             self._partial = ""
+
+
+#: CSI (colors, cursor moves), OSC (titles, hyperlinks; BEL or ST ended) and
+#: two-byte escapes (ECMA-48). Used by ConsoleSink(strip_ansi=True).
+_ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
 
 def _latest_state(line: str) -> str:

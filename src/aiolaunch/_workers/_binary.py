@@ -14,7 +14,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ._guardian import guardian
+from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle
 
 if TYPE_CHECKING:
@@ -71,6 +71,10 @@ async def spawn_binary(
         {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
     )
     g = guardian()
+    if g is not None:
+        # Set before the fork: a worker the supervisor dies too early to
+        # register (or its setsid'd descendant) is still found by the guardian.
+        env = {**env, GUARDIAN_ENV: g.token}
     transport, _ = await loop.subprocess_exec(
         lambda: _ExitProtocol(handle),
         *argv,

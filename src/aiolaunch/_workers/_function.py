@@ -24,6 +24,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
+from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle, close_fd
 from ._proc import open_exit_fd
 
@@ -203,6 +204,11 @@ async def spawn_function(
     """
     loop = asyncio.get_running_loop()
     handle = FunctionWorker(local_rank)
+    g = guardian()
+    if g is not None:
+        # The lifeline kills the worker's group; the guardian's token also
+        # reaches descendants that left it (setsid) if the supervisor dies.
+        env = {**env, GUARDIAN_ENV: g.token}
     result_r, result_w = os.pipe()
     lifeline_r, lifeline_w = _lifeline_fds()
     spec = ChildSpec(

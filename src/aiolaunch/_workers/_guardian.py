@@ -20,7 +20,10 @@ import contextlib
 import os
 import threading
 
-__all__ = ["GUARDIAN_NAME", "Guardian", "guardian"]
+__all__ = ["GUARDIAN_ENV", "GUARDIAN_NAME", "Guardian", "guardian"]
+
+#: Environment variable carrying the guardian's token into binary workers.
+GUARDIAN_ENV = "AIOLAUNCH_GUARDIAN"
 
 GUARDIAN_NAME = "aiolaunch-guardian"
 
@@ -35,6 +38,16 @@ while read -r l; do
   esac
 done
 for p in $g; do kill -s KILL -- "-$p" 2>/dev/null; done
+# Workers spawned but not yet registered, and descendants that left their
+# group (setsid), carry our token in their environment: find them in /proc.
+[ -d /proc/self ] || exit 0
+for pass in 1 2; do
+  for f in /proc/[0-9]*/environ; do
+    if tr '\0' '\n' < "$f" 2>/dev/null | grep -qx "AIOLAUNCH_GUARDIAN=$1"; then
+      p=${f#/proc/}; kill -s KILL "${p%/environ}" 2>/dev/null
+    fi
+  done
+done
 """
 
 
@@ -43,6 +56,8 @@ class Guardian:
 
     def __init__(self) -> None:
         self.owner = os.getpid()
+        #: put in every binary worker's environment (GUARDIAN_ENV)
+        self.token = f"{os.getpid()}-{os.urandom(8).hex()}"
         self.groups: set[int] = set()
         self.fd = -1
         self.pid = 0
@@ -54,7 +69,7 @@ class Guardian:
             # posix_spawn, not Popen: a Popen alive at interpreter exit warns.
             self.pid = os.posix_spawn(
                 "/bin/sh",
-                ["/bin/sh", "-c", _SCRIPT, GUARDIAN_NAME],
+                ["/bin/sh", "-c", _SCRIPT, GUARDIAN_NAME, self.token],
                 dict(os.environ),
                 file_actions=[
                     (os.POSIX_SPAWN_DUP2, r, 0),
