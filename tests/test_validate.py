@@ -68,6 +68,7 @@ CASES = [
     (ValueError, r"tee has rank 7", {"tee": {7: Std.ALL}}),
     (ValueError, r"shutdown_timeout=-1", {"shutdown_timeout": -1}),
     (ValueError, r"log_line_prefixes has rank 9", {"log_line_prefixes": {9: "x"}}),
+    (ValueError, r"console_dedup=-1 must be a window in seconds", {"console_dedup": -1}),
     (
         ValueError,
         r"either logs_specs or log_dir",

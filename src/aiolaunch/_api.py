@@ -166,16 +166,8 @@ def start_processes(
         logs_specs=logs_specs,
         log_line_prefixes=log_line_prefixes,
         shutdown_timeout=shutdown_timeout,
+        console_dedup=console_dedup,
     )
-    if console_dedup is not None and (
-        isinstance(console_dedup, bool)
-        or not isinstance(console_dedup, int | float)
-        or not 0 <= console_dedup <= 60
-    ):
-        raise ValueError(
-            f"console_dedup={console_dedup!r} must be a window in seconds between 0 and 60 "
-            "(e.g. 0.05), or None to show every rank's lines"
-        )
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)

@@ -68,6 +68,7 @@ def check_start_inputs(
     logs_specs: Any,
     log_line_prefixes: Any,
     shutdown_timeout: Any,
+    console_dedup: Any = None,
 ) -> None:
     """Raise before anything starts if any argument of ``start_processes`` is bad."""
     if not isinstance(name, str):
@@ -178,6 +179,17 @@ def check_start_inputs(
         raise ValueError(
             f"shutdown_timeout={shutdown_timeout!r} must be a number of seconds >= 0 "
             "(the grace between the death signal and SIGKILL)"
+        )
+
+
+    if console_dedup is not None and (
+        isinstance(console_dedup, bool)
+        or not isinstance(console_dedup, int | float)
+        or not 0 <= console_dedup <= 60
+    ):
+        raise ValueError(
+            f"console_dedup={console_dedup!r} must be a window in seconds between 0 and 60 "
+            "(e.g. 0.05), or None to show every rank's lines"
         )
 
 

@@ -377,7 +377,7 @@ class Snapshot:
                 # released here, and shows up as a ResourceWarning instead.
                 gc.collect()
                 collected = True
-            time.sleep(_POLL_S)
+            time.sleep(_POLL_S)  # allowed: a bounded settle; a stranger process has no exit event
 
 
 def _checks_for(item: pytest.Item) -> tuple[str, ...]:
