@@ -6,6 +6,8 @@ import pickle
 import subprocess
 import sys
 
+import pytest
+
 import aiolaunch
 import aiolaunch.agent
 
@@ -48,9 +50,5 @@ def test_import_is_light_and_never_imports_torch() -> None:
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:
-    try:
+    with pytest.raises(AttributeError, match="no_such_name"):
         aiolaunch.no_such_name  # type: ignore[attr-defined]  # noqa: B018
-    except AttributeError as exc:
-        assert "no_such_name" in str(exc)
-    else:  # pragma: no cover
-        raise AssertionError("expected AttributeError")
