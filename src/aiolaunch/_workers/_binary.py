@@ -10,7 +10,6 @@ Python 3.11) and supervisor-death protection from the guardian
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +89,3 @@ async def spawn_binary(
     if g is not None:
         g.watch(handle.pid)
     return handle
-
-
-DEVNULL = subprocess.DEVNULL

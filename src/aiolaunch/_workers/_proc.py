@@ -1,9 +1,8 @@
-"""Platform bits behind a tiny interface: process groups, parent-death, exit fds.
+"""Platform bits behind a tiny interface: exit fds and the process tree.
 
 Supervisor code never branches on ``sys.platform``; it calls these functions,
 each of which degrades to a documented no-op where the OS lacks the feature.
 
-- :func:`set_parent_death_signal` - Linux ``prctl(PR_SET_PDEATHSIG)``; no-op elsewhere.
 - :func:`open_exit_fd` - a ``pidfd`` (Linux >= 5.3) that becomes readable when
   the process exits, or ``None``.
 - :func:`signal_tree` - signal a worker's process group *and* every descendant
@@ -15,54 +14,16 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
-import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Iterable
 
 __all__ = [
     "ProcTable",
     "open_exit_fd",
-    "set_parent_death_signal",
     "signal_tree",
 ]
-
-_PR_SET_PDEATHSIG = 1
-_prctl: Callable[..., int] | None = None
-_prctl_loaded = False
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    global _prctl, _prctl_loaded
-    if not _prctl_loaded:
-        _prctl_loaded = True
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                fn = libc.prctl
-                fn.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-                fn.restype = ctypes.c_int
-                _prctl = fn
-            except (OSError, AttributeError):  # pragma: no cover - exotic libc
-                _prctl = None
-    return _prctl
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent dies.
-
-    Linux only; returns ``False`` elsewhere. Note the kernel's definition of
-    "parent": the *thread* that created the child. aiolaunch always spawns
-    from the event-loop thread, which outlives every context it runs.
-    """
-    prctl = _load_prctl()
-    if prctl is None:
-        return False
-    return prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def open_exit_fd(pid: int) -> int | None:
