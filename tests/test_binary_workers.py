@@ -357,3 +357,27 @@ async def test_instant_failures_are_never_missed(tmp_path: Path) -> None:
             result = await asyncio.wait_for(ctx.wait(), 10)
         assert result is not None and result.is_failed()
         assert all(f.exitcode == 1 for f in result.failures.values())
+
+
+async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
+    from aiolaunch._workers import _guardian
+
+    async with aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=sh(1, "exit 0"), envs=no_env(1), log_dir=str(tmp_path / "a"),
+    ) as ctx:
+        await ctx.wait()
+    guard = _guardian.guardian()
+    assert guard is not None
+    old = guard.pid
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _alive(old) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    async with aiolaunch.start_processes(
+        name="t", entrypoint=SH, args=sh(1, "exit 0"), envs=no_env(1), log_dir=str(tmp_path / "b"),
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None and not result.is_failed()
+    assert guard.pid != old and _alive(guard.pid), "a new guardian took over"
+    with pytest.raises(ChildProcessError):
+        os.waitpid(old, os.WNOHANG)  # the old one was reaped, not left a zombie

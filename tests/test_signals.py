@@ -170,3 +170,29 @@ def test_workers_die_with_a_sigkilled_supervisor(tmp_path: Path, kind: str) -> N
     proc.kill()
     proc.communicate(timeout=30)
     _wait_dead([*pids.values(), *grandchildren])
+
+
+async def test_application_loop_signal_handler_is_restored(tmp_path: Path) -> None:
+    # An orchestration service that handles SIGHUP itself keeps its handler
+    # after a wait() borrowed the signal (no signal is sent here).
+    import asyncio
+
+    import aiolaunch
+
+    loop = asyncio.get_running_loop()
+    calls: list[str] = []
+
+    def on_hup() -> None:
+        calls.append("hup")
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    try:
+        async with aiolaunch.start_processes(
+            name="s", entrypoint="/bin/true", args={0: ()}, envs={0: {}}, log_dir=str(tmp_path),
+        ) as ctx:
+            await ctx.wait()
+        handle = loop._signal_handlers[signal.SIGHUP]  # type: ignore[attr-defined]
+        assert handle._callback is on_hup
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)

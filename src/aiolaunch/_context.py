@@ -120,7 +120,6 @@ class PContext:
         self._pending_restarts: dict[int, int] = {}
         self._restart_locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._old_pumps: dict[int, list[StreamPump]] = {}
 
     # -- start ------------------------------------------------------------
     def _prefix(self, rank: int) -> str:

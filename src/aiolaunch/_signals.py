@@ -45,7 +45,6 @@ class SignalWatch:
         self.received: signal.Signals | None = None
         self.consumed = False
         self._on_signal = on_signal
-        self.active = False
 
     def _deliver(self, sig: signal.Signals) -> None:
         if self.received is None:
@@ -142,7 +141,6 @@ def watch_signals(on_signal: Callable[[signal.Signals], None]) -> Iterator[Signa
             yield watch
             return
         _hubs[loop] = hub
-    watch.active = True
     hub.watches.append(watch)
     try:
         yield watch

@@ -41,8 +41,6 @@ class _ExitProtocol(asyncio.SubprocessProtocol):
 
 
 class BinaryWorker(WorkerHandle):
-    kind = "binary"
-
     def __init__(self, local_rank: int) -> None:
         super().__init__(local_rank)
         self.transport: asyncio.SubprocessTransport | None = None

@@ -75,8 +75,6 @@ class _ResultReader(asyncio.Protocol):
 
 
 class FunctionWorker(WorkerHandle):
-    kind = "function"
-
     def __init__(self, local_rank: int) -> None:
         super().__init__(local_rank)
         self.process: multiprocessing.process.BaseProcess | None = None
@@ -101,7 +99,6 @@ class FunctionWorker(WorkerHandle):
 
                 try:
                     self.return_value = cloudpickle.loads(data)
-                    self.has_value = True
                 except Exception as exc:
                     self.failure_reason = (
                         f"the return value of local rank {self.local_rank} could not be "

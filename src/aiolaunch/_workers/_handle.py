@@ -19,8 +19,6 @@ class WorkerHandle:
     as the exit is known - never later because a pipe is still open.
     """
 
-    kind = "worker"
-
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
         self.pid = 0
@@ -30,12 +28,9 @@ class WorkerHandle:
         self.stopped_by_us = False
         #: function workers: the value sent back before exit
         self.return_value: Any = None
-        self.has_value = False
         #: function workers: why a clean exit still counts as a failure
         self.failure_reason: str | None = None
         self.on_exit: Callable[[WorkerHandle], None] | None = None
-        #: monotonic time the exit was noticed
-        self.exit_time: float | None = None
         #: restart count of this rank when this process was started
         self.attempt = 0
 
@@ -47,7 +42,6 @@ class WorkerHandle:
         if self.returncode is not None:
             return
         self.returncode = returncode
-        self.exit_time = asyncio.get_running_loop().time()
         self.exited.set()
         if self.on_exit is not None:
             self.on_exit(self)
