@@ -13,6 +13,7 @@ never to the test runner.
 from __future__ import annotations
 
 import queue
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Iterator
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -100,6 +101,20 @@ class Kernel:
         run = await self.run(code)
         assert run.status == "ok", f"{run.ename}: {run.evalue}\n{run.streams}"
         return run
+
+
+@pytest.fixture(autouse=True)
+def _restore_sigint() -> Iterator[None]:
+    """Give pytest its SIGINT handler back (SIG_IGN in a background job).
+
+    Kernel managers and nbclient may install their own; the leak check would
+    report the change and a later Ctrl-C would not reach pytest.
+    """
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture
