@@ -299,12 +299,12 @@ def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
                 dedup.add("stdout", rank, [line])
             dedup.flush()
 
-        original = _sinks.console
-        _sinks.console = Capture  # type: ignore[assignment]
+        original = _sinks.console  # type: ignore[attr-defined]
+        _sinks.console = Capture  # type: ignore[attr-defined,assignment]
         try:
             asyncio.run(run())
         finally:
-            _sinks.console = original
+            _sinks.console = original  # type: ignore[attr-defined]
         seen: dict[int, list[str]] = {r: [] for r in range(4)}
         for text in "".join(written).splitlines():
             head, line = text.split("]:", 1)
