@@ -188,7 +188,11 @@ async def test_application_loop_signal_handler_is_restored(tmp_path: Path) -> No
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
         async with aiolaunch.start_processes(
-            name="s", entrypoint="/bin/true", args={0: ()}, envs={0: {}}, log_dir=str(tmp_path),
+            name="s",
+            entrypoint="/bin/true",
+            args={0: ()},
+            envs={0: {}},
+            log_dir=str(tmp_path),
         ) as ctx:
             await ctx.wait()
         handle = loop._signal_handlers[signal.SIGHUP]  # type: ignore[attr-defined]
