@@ -148,7 +148,7 @@ class ExitObserver:
             return {}
         try:
             self.proc.wait(timeout)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.proc.kill()
             self.proc.wait()
         rank = {pid: r for r, pid in self.pids.items()}
@@ -325,7 +325,8 @@ async def raw_spawn(argv_by_rank: dict[int, tuple], out_dir: str | None = None, 
         os.makedirs(d)
         fd = os.open(os.path.join(d, "stdout.log"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         _, proto = await loop.connect_read_pipe(
-            lambda: _Pipe(fd, f"[b{r}]:" if tee else None), os.fdopen(rd, "rb", 0)
+            lambda fd=fd, r=r: _Pipe(fd, f"[b{r}]:" if tee else None),
+            os.fdopen(rd, "rb", 0),
         )
         procs.append(p)
         pipes.append(proto)
@@ -532,7 +533,7 @@ def _exit_bench(variant: str, p: dict, fn: bool) -> dict:
         # the floor report the deciding failure only
         others = {r: c for r, c in failed.items() if r != 0}
         check(
-            IMPL == "torch" and set(others.values()) <= {-signal.SIGTERM} or not others,
+            (IMPL == "torch" and set(others.values()) <= {-signal.SIGTERM}) or not others,
             f"workers stopped on purpose reported as failures: {others}",
         )
         lat = t_end - exits[0]
@@ -819,7 +820,7 @@ def setup(impl: str) -> None:
     IMPL = impl
     WORKER = json.loads(os.environ["BENCH_WORKER"])
     TMP = os.environ["BENCH_TMP"]
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if impl == "aiolaunch":
         import aiolaunch  # noqa: F401
@@ -838,7 +839,7 @@ def main() -> None:
             reply = {"ok": True, "metrics": metrics}
         except Check as e:
             reply = {"ok": False, "error": f"check failed: {e}"}
-        except BaseException as e:  # noqa: BLE001 - report, keep serving
+        except BaseException as e:
             reply = {"ok": False, "error": "".join(traceback.format_exception(e))[-2000:]}
         # trials must not leak signal handlers into each other
         for s in (signal.SIGTERM, signal.SIGINT):

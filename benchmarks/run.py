@@ -165,7 +165,7 @@ def plan(quick: bool) -> list[Case]:
     cases.append(
         Case(
             "tee_latency",
-            "4 workers x {} lines, 5 ms apart".format(60 if q else 200),
+            f"4 workers x {60 if q else 200} lines, 5 ms apart",
             "tee_latency",
             {"n": 4, "lines": 60 if q else 200, "interval_us": 5000},
             {"aiolaunch": k, "torch": k, "raw": k},
@@ -272,7 +272,8 @@ class Driver:
     def start(self) -> None:
         r, w = os.pipe()
         env = dict(self.env, BENCH_RESULT_FD=str(w))
-        self.err = open(os.path.join(self.logdir, f"driver-{self.impl}.log"), "ab")
+        # Closed in stop(): the driver outlives this method.
+        self.err = open(os.path.join(self.logdir, f"driver-{self.impl}.log"), "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [PY, os.path.join(HERE, "_driver.py"), self.impl],
             stdin=subprocess.PIPE,
@@ -409,7 +410,8 @@ def versions(env: dict[str, str]) -> dict:
     code = (
         "import json, sys, importlib.metadata as md, aiolaunch; "
         "print(json.dumps({'python': sys.version.split()[0], 'torch': md.version('torch'), "
-        "'aiolaunch': getattr(aiolaunch, '__version__', '?'), 'aiolaunch_path': aiolaunch.__file__}))"
+        "'aiolaunch': getattr(aiolaunch, '__version__', '?'), "
+        "'aiolaunch_path': aiolaunch.__file__}))"
     )
     p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
@@ -491,7 +493,7 @@ def main() -> int:
     env["PYTHONUNBUFFERED"] = "1"
     try:
         vers = versions(env)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"setup error: cannot import aiolaunch and torch: {e}", file=sys.stderr)
         return 2
     worker = build_worker(tmp)
@@ -509,7 +511,8 @@ def main() -> int:
     }
     print(
         f"aiolaunch {vers['aiolaunch']} ({vers['aiolaunch_path']}), torch {vers['torch']}, "
-        f"python {vers['python']}; {meta['machine']['nproc']} x {meta['machine']['cpu']}; worker: {meta['worker']}"
+        f"python {vers['python']}; {meta['machine']['nproc']} x {meta['machine']['cpu']}; "
+        f"worker: {meta['worker']}"
     )
 
     drivers: dict[str, Driver] = {}
@@ -534,7 +537,7 @@ def main() -> int:
                 skipped["aiolaunch"] = f"skipped: CLI not available ({cli_why})"
                 variants.pop("aiolaunch")
 
-            def one(variant: str) -> dict:
+            def one(variant: str, case: Case = case) -> dict:
                 if case.bench == "e2e":
                     try:
                         return e2e_trial(variant, case.params, env, tmp)
@@ -647,7 +650,7 @@ def main() -> int:
         f.write(md)
     try:
         render_png(out, os.path.join(a.out, "results.png"))
-    except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
+    except Exception as e:
         print(f"warning: plot failed: {e}", file=sys.stderr)
     if not any_fail:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -700,7 +703,8 @@ def fmt(x: float | None) -> str:
 def caption(meta: dict) -> str:
     v, m = meta["versions"], meta["machine"]
     return (
-        f"{meta['date'][:16].replace('T', ' ')} | {m['nproc']} x {m['cpu']} | python {v['python']}, "
+        f"{meta['date'][:16].replace('T', ' ')} | {m['nproc']} x {m['cpu']} | "
+        f"python {v['python']}, "
         f"torch {v['torch']}, aiolaunch {v['aiolaunch']}{' | --quick' if meta['quick'] else ''}"
     )
 
@@ -711,8 +715,9 @@ def render_md(out: dict) -> str:
     load = ""
     if "loadavg_end" in meta:
         load = (
-            f"; 1-min load average {meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end "
-            f"(on {meta['machine']['nproc']} CPUs: above that, other processes competed for the CPU)"
+            f"; 1-min load average {meta['loadavg_start'][0]:.1f} at start, "
+            f"{meta['loadavg_end'][0]:.1f} at end (on {meta['machine']['nproc']} CPUs: "
+            "above that, other processes competed for the CPU)"
         )
     lines = [
         f"# aiolaunch benchmarks\n\n{caption(meta)}  \nworker binary: {meta['worker']}; "
@@ -721,7 +726,7 @@ def render_md(out: dict) -> str:
     for n in meta["notes"]:
         lines.append(f"> note: {n}\n")
     lines.append(
-        "Cells: median (p99) [min–max], n samples. `speedup` = torch/aiolaunch for times, "
+        "Cells: median (p99) [min-max], n samples. `speedup` = torch/aiolaunch for times, "
         "aiolaunch/torch for throughput (> 1: aiolaunch better).\n"
     )
     hdr = (
@@ -747,7 +752,8 @@ def render_md(out: dict) -> str:
                 elif s:
                     fl = " FAIL" if v in r["errors"] else ""
                     cells.append(
-                        f"{fmt(s['median'])} ({fmt(s['p99'])}) [{fmt(s['min'])}–{fmt(s['max'])}] n={s['n']}{fl}"
+                        f"{fmt(s['median'])} ({fmt(s['p99'])}) "
+                        f"[{fmt(s['min'])}-{fmt(s['max'])}] n={s['n']}{fl}"
                     )
                 else:
                     cells.append("")
@@ -820,7 +826,7 @@ def render_png(out: dict, path: str) -> None:
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.2 * ncol, 3.9 * nrow), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.axis("off")
-    for ax, (group, metric, title, logy) in zip(axes.flat, panels):
+    for ax, (group, metric, title, logy) in zip(axes.flat, panels, strict=False):
         rows = [r for r in res if r["group"] == group]
         bars = []  # (label, variant, median, p99)
         for r in rows:

@@ -29,16 +29,7 @@ from ._events import (
     WorkerRestarting,
     WorkerStarted,
 )
-from ._logs import (
-    DEVNULL,
-    INHERIT,
-    ConsoleDedup,
-    LineSink,
-    Sink,
-    StreamPump,
-    console,
-    plan_stream,
-)
+from ._logs import LineSink, LogWiring
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
@@ -53,12 +44,6 @@ if TYPE_CHECKING:
     from ._workers._handle import WorkerHandle
 
 __all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
-
-# After a worker is gone, how long its pipes may take to reach EOF before we
-# read what the kernel buffers and close our end (a surviving descendant in
-# another session may hold them).
-_DRAIN_TIMEOUT = 0.25
-_CONSOLE_FLUSH_TIMEOUT = 5.0
 
 
 class PContext:
@@ -89,7 +74,6 @@ class PContext:
         console_dedup: float | None = None,
         console_strip_ansi: bool = False,
     ) -> None:
-        self._strip_ansi = console_strip_ansi
         self.name = name
         self.entrypoint = entrypoint
         self.args = args
@@ -99,17 +83,20 @@ class PContext:
         self.stdouts = dict(logs_dest.stdouts)
         self.stderrs = dict(logs_dest.stderrs)
         self.error_files = dict(logs_dest.error_files)
-        self._dest = logs_dest
-        self._prefixes = log_line_prefixes or {}
+        self._logs = LogWiring(
+            name=name,
+            dest=logs_dest,
+            prefixes=log_line_prefixes,
+            dedup_window=console_dedup,
+            strip_ansi=console_strip_ansi,
+        )
         self._shutdown_timeout = shutdown_timeout
         self._workers: dict[int, WorkerHandle] = {}
-        self._pumps: list[StreamPump] = []
         self._changed = asyncio.Event()
         self._end: asyncio.Task[RunProcsResult] | None = None
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
         self._bus = EventBus()
-        self._dedup = ConsoleDedup(name, console_dedup) if console_dedup else None
         self._restarts = Restarts(restart or {}, self.nprocs, self._changed.set)
         self._readiness = Readiness(
             name,
@@ -122,9 +109,6 @@ class PContext:
         )
 
     # -- start ------------------------------------------------------------
-    def _prefix(self, rank: int) -> str:
-        return self._prefixes.get(rank, f"[{self.name}{rank}]:")
-
     async def _start(self) -> None:
         rank = 0
         try:
@@ -137,44 +121,16 @@ class PContext:
             raise
 
     async def _start_one(self, rank: int) -> None:
-        fds: list[int] = []
-        plans: list[tuple[int | None, int | None, list[Sink]]] = []
+        def watch(stream: str) -> bool:
+            return self._readiness.reads(rank, stream)
+
+        streams = await self._logs.open(
+            rank, watch=watch, line_sink=lambda stream: self._line_sink(rank, stream, watch(stream))
+        )
         try:
-            for stream, path, tees in (
-                ("stdout", self.stdouts[rank], self._dest.tee_stdouts),
-                ("stderr", self.stderrs[rank], self._dest.tee_stderrs),
-            ):
-                watch = self._readiness.reads(rank, stream)
-                dedup = self._dedup if rank not in self._prefixes else None
-                mode, sinks = plan_stream(
-                    path,
-                    rank in tees,
-                    stream,
-                    self._prefix(rank),
-                    watch,
-                    dedup,
-                    rank,
-                    self._strip_ansi,
-                )
-                if mode == INHERIT:
-                    plans.append((None, None, sinks))
-                elif mode == DEVNULL:
-                    null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-                    fds.append(null)
-                    plans.append((null, None, sinks))
-                else:
-                    sinks.append(self._line_sink(rank, stream, watch))
-                    r, w = os.pipe()
-                    fds += [r, w]
-                    _widen_pipe(w)
-                    plans.append((w, r, sinks))
-            handle = await self._spawn(rank, plans[0][0], plans[1][0])
+            handle = await self._spawn(rank, streams.stdout, streams.stderr)
         except BaseException:
-            for fd in fds:
-                _close_quietly(fd)
-            for _, _, sinks in plans:
-                for sink in sinks:
-                    await sink.aclose()
+            await self._logs.discard(streams)
             raise
         handle.attempt = self._restarts.attempts[rank]
         self._workers[rank] = handle
@@ -185,14 +141,7 @@ class PContext:
         handle.on_exit = self._on_exit
         if not handle.alive:  # it exited while we were still wiring it up
             self._on_exit(handle)
-        for w_end, r_end, sinks in plans:
-            if w_end is not None:
-                _close_quietly(w_end)  # the child has its copy
-            if r_end is not None:
-                # Await first: `self._pumps.append(await ...)` would bind the list
-                # before the await, and a restart may replace it meanwhile.
-                pump = await StreamPump.open(r_end, sinks, rank)
-                self._pumps.append(pump)
+        await self._logs.connect(streams)
 
     def _line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
         # Splits lines only while someone listens: a readiness probe not yet
@@ -254,10 +203,7 @@ class PContext:
     async def _restart(self, rank: int, delay: float) -> None:
         # Finish the old incarnation's pipes first: its bytes precede the new
         # one's. Shielded: a cancelled drain would lose bytes and fds.
-        old = [p for p in self._pumps if p.rank == rank]
-        self._pumps[:] = [p for p in self._pumps if p.rank != rank]
-        if old:
-            await shielded(asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in old)))
+        await shielded(self._logs.drain_rank(rank))
         old_handle = self._workers[rank]
         old_handle.release()
         await asyncio.sleep(delay)  # allowed: the policy's backoff
@@ -404,14 +350,7 @@ class PContext:
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
         await terminate(workers, death_sig, grace)
-        if self._pumps:
-            await asyncio.gather(*(p.drain(_DRAIN_TIMEOUT) for p in self._pumps))
-            if self._dedup is not None:
-                self._dedup.flush()
-            # Tee'd lines are on the console before wait()/close() return - unless
-            # the console is stuck, which must not hang the supervisor.
-            with anyio.move_on_after(_CONSOLE_FLUSH_TIMEOUT):
-                await console().flush()
+        await self._logs.aclose()
         for w in workers:
             w.release()
         self._result = build_result(
@@ -499,17 +438,6 @@ class MultiprocessContext(PContext):
         )
 
 
-def _widen_pipe(fd: int) -> None:
-    # 1 MiB instead of 64 KiB: bursts don't block the worker, and each wakeup
-    # of the reader moves more bytes (Linux; elsewhere a no-op).
-    try:
-        import fcntl
-
-        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
-    except (OSError, ImportError):
-        pass
-
-
 def _fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
     import resource
 
@@ -532,10 +460,3 @@ def _signal_name(exitcode: int) -> str | None:
         return signal.Signals(-exitcode).name
     except ValueError:
         return None
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass

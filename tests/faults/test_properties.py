@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 import aiolaunch
 from aiolaunch import Std
-from aiolaunch._logs import console, set_console_hook
-from aiolaunch._logs._sinks import ConsoleSink, FileSink, LineSink
+from aiolaunch._logs import ConsoleSink, FileSink, LineSink, console, set_console_hook
 
 if TYPE_CHECKING:
     from typing import TextIO
@@ -67,7 +66,12 @@ env_atoms = st.one_of(
 @given(env=st.dictionaries(env_atoms, env_atoms, max_size=4))
 def test_env_values_must_be_str_to_str(env: dict[Any, Any]) -> None:
     good = all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-    call = {"name": "p", "entrypoint": "/bin/true", "args": {0: ()}, "envs": {0: env}}
+    call: dict[str, Any] = {
+        "name": "p",
+        "entrypoint": "/bin/true",
+        "args": {0: ()},
+        "envs": {0: env},
+    }
     if good:
         aiolaunch.start_processes(**call)
     else:
@@ -82,7 +86,12 @@ def test_env_values_must_be_str_to_str(env: dict[Any, Any]) -> None:
     )
 )
 def test_per_rank_args_must_be_tuples_or_lists(args: Any) -> None:
-    call = {"name": "p", "entrypoint": "/bin/true", "args": {0: args}, "envs": {0: {}}}
+    call: dict[str, Any] = {
+        "name": "p",
+        "entrypoint": "/bin/true",
+        "args": {0: args},
+        "envs": {0: {}},
+    }
     if isinstance(args, list):
         aiolaunch.start_processes(**call)
     else:
@@ -192,7 +201,7 @@ utf8ish = st.lists(
     max_size=400,
 ).map(b"".join)
 prefixes = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r"), max_size=12
+    alphabet=st.characters(blacklist_categories=["Cs"], blacklist_characters="\n\r"), max_size=12
 )
 
 

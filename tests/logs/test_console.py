@@ -265,7 +265,7 @@ async def test_console_dedup_merges_identical_lines(
 
 
 def test_rank_ranges() -> None:
-    from aiolaunch._logs._sinks import _rank_ranges
+    from aiolaunch._logs._dedup import rank_ranges as _rank_ranges
 
     assert _rank_ranges({0, 1, 2, 3, 6}) == "0-3,6"
     assert _rank_ranges({5}) == "5"
@@ -278,7 +278,7 @@ def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from aiolaunch._logs import _sinks
+    from aiolaunch._logs import _dedup as _sinks
 
     events = st.lists(
         st.tuples(st.integers(0, 3), st.sampled_from(["a", "b", "c", "d"])), max_size=40
@@ -299,12 +299,12 @@ def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
                 dedup.add("stdout", rank, [line])
             dedup.flush()
 
-        original = _sinks.console
-        _sinks.console = Capture  # type: ignore[assignment]
+        original = _sinks.console  # type: ignore[attr-defined]
+        _sinks.console = Capture  # type: ignore[attr-defined,assignment]
         try:
             asyncio.run(run())
         finally:
-            _sinks.console = original
+            _sinks.console = original  # type: ignore[attr-defined]
         seen: dict[int, list[str]] = {r: [] for r in range(4)}
         for text in "".join(written).splitlines():
             head, line = text.split("]:", 1)
