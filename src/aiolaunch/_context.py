@@ -35,6 +35,7 @@ from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
 from ._signals import watch_signals
+from ._signames import exit_signal_name
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -175,7 +176,7 @@ class PContext:
                 time=time.monotonic(),
                 pid=handle.pid,
                 exitcode=rc,
-                signal=_signal_name(rc),
+                signal=exit_signal_name(rc),
                 stopped=handle.stopped_by_us,
             )
         )
@@ -451,12 +452,3 @@ def _fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
         "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
         "streams",
     )
-
-
-def _signal_name(exitcode: int) -> str | None:
-    if exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return None

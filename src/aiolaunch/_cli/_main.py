@@ -82,12 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = asyncio.run(_launch(cfg))
     except SignalException as exc:
-        import signal
+        from .._signames import describe_signal
 
-        try:
-            name = signal.Signals(exc.sigval).name
-        except ValueError:
-            name = f"signal {exc.sigval}"
+        name = describe_signal(exc.sigval)
         print(f"aiolaunch: received {name}; all workers were stopped", file=sys.stderr)
         return 1
     if result.is_failed():

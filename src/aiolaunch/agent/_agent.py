@@ -13,6 +13,7 @@ import anyio
 
 from .._api import start_processes
 from .._errors import SignalException
+from .._signames import describe_signal
 from ._env import omp_notice, substitute_local_rank, worker_envs
 from ._rendezvous import GroupAssignment, Rendezvous, resolve
 from ._spec import RunResult, WorkerSpec, WorkerState
@@ -165,7 +166,7 @@ class LocalElasticAgent:
         try:
             return await self._invoke_run()
         except SignalException as exc:
-            log.warning("received %s, stopped the workers", _signame(exc.sigval))
+            log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
             self._state = WorkerState.STOPPED
             raise
         except BaseException:
@@ -387,15 +388,6 @@ def _describe(failure: ProcessFailure) -> str:
         message = message.get("message", "")
     lines = str(message or "").strip().splitlines()
     return f"{what}: {lines[-1]}" if lines else what
-
-
-def _signame(sig: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def failure_summary(name: str, failures: dict[int, ProcessFailure]) -> str:
