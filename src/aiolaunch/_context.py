@@ -41,11 +41,13 @@ from ._logs import (
     console,
     plan_stream,
 )
+from ._logs_specs import prune_empty_dirs
 from ._ready import ReadinessProbe, ReadyLine
 from ._restart import RestartPolicy, RestartTracker
 from ._results import ProcessFailure, RunProcsResult
 from ._shutdown import shielded, terminate
 from ._signals import watch_signals
+from ._validate import check_seconds, check_signal
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -352,6 +354,7 @@ class PContext:
 
         :raises TimeoutError: ``timeout`` seconds passed first.
         """
+        check_seconds("wait_ready(timeout)", timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -405,6 +408,7 @@ class PContext:
         *Cancellation*: cancelling the task that awaits ``wait()`` stops the
         waiting only; the workers stop when the context is closed.
         """
+        check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
         if self._result is not None:
             return self._result
         if self._end is not None:
@@ -437,7 +441,13 @@ class PContext:
         rank and pid), reaps them, drains and closes every pipe and log file.
         Idempotent; shielded from cancellation (a cancel is re-raised after the
         cleanup finished).
+
+        :raises TypeError, ValueError: ``death_sig`` is not a signal number
+            (0 included) or ``timeout`` is not a number of seconds >= 0 -
+            before any worker is signalled.
         """
+        check_signal("close(death_sig)", death_sig)
+        check_seconds("close(timeout)", timeout)
         await shielded(self._finish(death_sig, timeout))
 
     def _finish(self, death_sig: int, grace: float) -> asyncio.Task[RunProcsResult]:
@@ -465,6 +475,8 @@ class PContext:
         for w in workers:
             w.release()
         self._result = self._build_result(failed_before)
+        # After the error files are written: a folder that holds one is kept.
+        prune_empty_dirs(getattr(self._dest, "temp_dirs", None) or (), self.name)
         self._bus.emit(
             GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
         )
