@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 import aiolaunch
 from aiolaunch import Std
-from aiolaunch._logs import console, set_console_hook
-from aiolaunch._logs._sinks import ConsoleSink, FileSink, LineSink
+from aiolaunch._logs import ConsoleSink, FileSink, LineSink, console, set_console_hook
 
 if TYPE_CHECKING:
     from typing import TextIO
