@@ -31,6 +31,7 @@ from ._events import (
     WorkerRestarting,
     WorkerStarted,
 )
+from ._forensics import Forensics
 from ._logs import (
     DEVNULL,
     INHERIT,
@@ -42,6 +43,7 @@ from ._logs import (
     plan_stream,
 )
 from ._ready import ReadinessProbe, ReadyLine
+from ._report import write_report
 from ._restart import RestartPolicy, RestartTracker
 from ._results import ProcessFailure, RunProcsResult
 from ._shutdown import shielded, terminate
@@ -51,7 +53,9 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
     from types import TracebackType
 
+    from ._control import WorkerStatus
     from ._logs_specs import LogsDest
+    from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
 __all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
@@ -90,6 +94,7 @@ class PContext:
         restart: dict[int, RestartPolicy] | None = None,
         console_dedup: float | None = None,
         console_strip_ansi: bool = False,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self._strip_ansi = console_strip_ansi
         self.name = name
@@ -120,6 +125,7 @@ class PContext:
         self._pending_restarts: dict[int, int] = {}
         self._restart_locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._forensics = Forensics(self, watchdog)
 
     # -- start ------------------------------------------------------------
     def _prefix(self, rank: int) -> str:
@@ -130,6 +136,7 @@ class PContext:
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
+            await self._forensics.start()
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
@@ -146,6 +153,7 @@ class PContext:
                 ("stderr", self.stderrs[rank], self._dest.tee_stderrs),
             ):
                 watch = isinstance(probe, ReadyLine) and probe.stream in (stream, "any")
+                watch = watch or self._forensics.needs_lines  # watchdog progress lines
                 dedup = self._dedup if rank not in self._prefixes else None
                 mode, sinks = plan_stream(
                     path, rank in tees, stream, self._prefix(rank), watch, dedup, rank,
@@ -238,6 +246,7 @@ class PContext:
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(self.envs[rank])
+        env.update(self._forensics.env())
         if rank in self._trackers:
             env["AIOLAUNCH_RESTART_COUNT"] = str(self._attempts[rank])
         return env
@@ -320,13 +329,40 @@ class PContext:
         return failed
 
     def _decided(self) -> bool:
-        if self._failed_ranks():
+        if self._failed_ranks() or self._forensics.failing:
             return True
         return (
             len(self._workers) == self.nprocs
             and not self._restarting
             and all(not w.alive for w in self._workers.values())
         )
+
+    def status(self) -> list[WorkerStatus]:
+        """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
+
+        Reads ``/proc`` of each live worker (a few microseconds each); CPU %
+        is measured since the previous sample (watchdog tick or call).
+        """
+        return self._forensics.status()
+
+    async def dump_stacks(
+        self, ranks: list[int] | None = None, timeout: float = 5.0
+    ) -> dict[int, str]:
+        """The Python stacks of every thread of each live worker, ``{rank: text}``.
+
+        Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n`` counts the
+        dumps of this group). Workers are signalled only if they registered
+        for it (function workers; Python programs run through the CLI or
+        ``python -m aiolaunch._bootstrap``); any other rank gets one line
+        saying why (or a ``py-spy dump`` where py-spy is installed) - never
+        a signal that would kill it. A worker that does not answer within
+        ``timeout`` seconds (stopped, D state) gets a line saying so. Use
+        :meth:`StackReport.from_dumps` for the verdict.
+        """
+        if timeout <= 0:
+            raise ValueError(f"dump_stacks(timeout={timeout!r}) must be > 0")
+        dumps, _ = await self._forensics.dump(ranks, float(timeout))
+        return dumps
 
     # -- orchestration ----------------------------------------------------
     def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
@@ -446,6 +482,7 @@ class PContext:
         return self._end
 
     async def _shutdown(self, death_sig: int, grace: float) -> RunProcsResult:
+        await self._forensics.stop()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -464,7 +501,10 @@ class PContext:
                 await console().flush()
         for w in workers:
             w.release()
-        self._result = self._build_result(failed_before)
+        self._result = self._forensics.amend(self._build_result(failed_before))
+        if self._result.is_failed():
+            self._forensics.reported = write_report(self._forensics, self._result)
+        self._forensics.cleanup()
         self._bus.emit(
             GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
         )
