@@ -14,7 +14,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def test_service_serves_then_exits_cleanly() -> None:
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "service.py"), "--requests", "20"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "servers ready on ports" in out.stdout
@@ -25,7 +27,9 @@ def test_service_serves_then_exits_cleanly() -> None:
 def test_service_stops_everything_on_ctrl_c() -> None:
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLES / "service.py"), "--requests", "1000000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import aiolaunch
 from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # -- workers ------------------------------------------------------------------
 
@@ -175,8 +177,8 @@ def test_bootstrap_exit_codes_and_module_mode(tmp_path: Path) -> None:
     (tmp_path / "exit3.py").write_text("import sys; sys.exit(3)")
     (tmp_path / "boom.py").write_text("raise KeyError('boom')")
     (tmp_path / "modx.py").write_text("import sys; print(sys.argv, __name__)")
-    r = subprocess.run([*boot, str(tmp_path / "exit3.py")], env=env, check=False)
-    assert r.returncode == 3
+    r0 = subprocess.run([*boot, str(tmp_path / "exit3.py")], env=env, check=False)
+    assert r0.returncode == 3
     r = subprocess.run(
         [*boot, str(tmp_path / "boom.py")], env=env, capture_output=True, text=True, check=False
     )
@@ -445,5 +447,3 @@ async def _wait_lines(log_dir: Path, n: int, needle: str, timeout: float = 30) -
         await asyncio.sleep(0.05)  # allowed: polling a log file the test reads
     pytest.fail(f"workers did not print {needle!r} within {timeout}s")
 
-
-_ = signal  # noqa: F841

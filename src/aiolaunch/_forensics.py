@@ -201,8 +201,8 @@ class Forensics:
             if w is None:
                 out.append(WorkerStatus(rank, 0, "starting", 0, None, 0.0, 0))
                 continue
-            restarts = ctx._attempts.get(rank, 0)
-            if rank in ctx._restarting:
+            restarts = ctx._restarts.attempts.get(rank, 0)
+            if rank in ctx._restarts.pending:
                 out.append(WorkerStatus(rank, w.pid, "restarting", restarts, None, 0.0, 0))
                 continue
             if not w.alive:
@@ -213,6 +213,9 @@ class Forensics:
             act = self._tracked(rank, w.pid, now)
             if self.watchdog is None or self._task is None:
                 act.sample(now, progress=False)  # no watchdog: sample on demand
+            age = ctx._logs.last_output(rank)
+            if age is not None:
+                act.seen(now - age)
             state = _STATES.get(act.state, act.state)
             if rank in self.flagged:
                 state = "stalled"
@@ -269,7 +272,7 @@ class Forensics:
             now = time.monotonic()
             newly: list[Stall] = []
             for rank, w in list(ctx._workers.items()):
-                if not w.alive or rank in ctx._restarting:
+                if not w.alive or rank in ctx._restarts.pending:
                     self.flagged.pop(rank, None)
                     continue
                 fresh = rank not in self._activity or self._activity[rank].pid != w.pid
@@ -278,6 +281,10 @@ class Forensics:
                     continue
                 if act.sample(now, progress=self._progress is not None) is None:
                     continue
+                if self._progress is None:
+                    age = ctx._logs.last_output(rank)  # bytes the pipe readers saw
+                    if age is not None:
+                        act.seen(now - age)
                 idle = now - act.last_active
                 d_for = 0.0 if act.d_since is None else now - act.d_since
                 if idle < wd.stall_after and d_for < wd.stall_after:
@@ -330,7 +337,12 @@ class Forensics:
             return
         for s in stalls:
             w = ctx._workers.get(s.rank)
-            if wd.action == "restart" and s.rank in ctx._trackers and w is not None and w.alive:
+            if (
+                wd.action == "restart"
+                and s.rank in ctx._restarts._trackers
+                and w is not None
+                and w.alive
+            ):
                 # The rank's restart policy takes it from here: a SIGKILLed
                 # worker is a failed exit (stacks are already on disk).
                 w.failure_reason = f"stalled: {s.reason}"

@@ -204,6 +204,12 @@ class RankActivity:
         self._t, self._cpu = now, s.cpu_s
         return s
 
+    def seen(self, when: float) -> None:
+        """Output was seen at ``when`` (monotonic) by other means (the pipe readers)."""
+        if self.last_output is None or when > self.last_output:
+            self.last_output = when
+        self.last_active = max(self.last_active, when)
+
     def rebase(self) -> None:
         """Forget writes made since the last sample (our own stack dump, say)."""
         wchar = _read_wchar(self.pid)

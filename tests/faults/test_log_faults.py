@@ -38,7 +38,7 @@ while i < len(data):
 
 def _garbage(seed: int, size: int, allow_cr: bool) -> bytes:
     rng = random.Random(seed)
-    parts = []
+    parts: list[bytes] = []
     while sum(map(len, parts)) < size:
         pick = rng.random()
         if pick < 0.3:
