@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -26,6 +27,9 @@ from aiolaunch import (
     WorkerRestarting,
     WorkerStarted,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 SH = "/bin/sh"
 
@@ -165,6 +169,53 @@ async def test_dying_before_ready_fails_the_wait(tmp_path: Path) -> None:
         with pytest.raises(aiolaunch.ChildFailedError) as info:
             await ctx.wait_ready(timeout=20)
     assert info.value.failures[0].exitcode == 4
+
+
+class _BrokenProbe(aiolaunch.ReadinessProbe):
+    async def wait_ready(self, rank: int, lines: object = None) -> None:
+        raise OSError(f"probe of rank {rank} is broken")
+
+
+def _no_port(rank: int) -> int:
+    raise LookupError(f"no port for rank {rank}")
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+async def test_a_probe_that_raises_fails_wait_ready_with_its_error(
+    tmp_path: Path, timeout: float | None
+) -> None:
+    # Rank 0's probe raises at once, rank 1's (a port callable) on its first
+    # call: wait_ready() raises the first probe error as the cause, long before
+    # the timeout - not a hang, and not "not ready".
+    async with aiolaunch.start_processes(
+        name="p",
+        entrypoint=SH,
+        args={0: ("-c", "sleep 60"), 1: ("-c", "sleep 60")},
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path),
+        ready={0: _BrokenProbe(), 1: ReadyPort(_no_port)},
+    ) as ctx:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(RuntimeError, match="readiness probe") as info:
+            await asyncio.wait_for(ctx.wait_ready(timeout=timeout), 20)
+        assert loop.time() - began < 10  # generous: it must not wait out the timeout
+        assert isinstance(info.value.__cause__, (OSError, LookupError))
+        assert "of rank" in str(info.value)
+
+
+async def test_ready_line_is_a_probe_fed_by_lines() -> None:
+    async def lines() -> AsyncIterator[str]:
+        for line in ("starting", "still starting", "listening on 80", "never read"):
+            yield line
+
+    probe = ReadyLine(r"listening on \d+")
+    assert probe.reads("stdout") and probe.reads("stderr")
+    assert ReadyLine("x", stream="stderr").reads("stderr")
+    assert not ReadyLine("x", stream="stderr").reads("stdout")
+    await asyncio.wait_for(probe.wait_ready(0, lines()), 5)
+    with pytest.raises(TypeError):
+        await probe.wait_ready(0)
 
 
 async def test_on_failure_restart_with_count_in_env(tmp_path: Path) -> None:
