@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import aiolaunch
+from _helpers import driver
 from aiolaunch import (
     EventsDropped,
     GroupStopped,
@@ -276,10 +276,15 @@ def test_a_signal_reaches_every_waiting_group(tmp_path: Path) -> None:
         textwrap.dedent(
             """
         import asyncio, json, signal, aiolaunch
+        waiting = {"server": asyncio.Event(), "client": asyncio.Event()}
         async def group(name):
             ctx = await aiolaunch.start_processes(
                 name=name, entrypoint="/bin/sh", args={0: ("-c", "exec sleep 60")}, envs={0: {}})
             try:
+                # wait() takes the signals before its first suspension, and
+                # nothing suspends between set() and it: once main() sees the
+                # event, this group is in the signal race.
+                waiting[name].set()
                 await ctx.wait()
                 return "returned"
             except aiolaunch.SignalException as exc:
@@ -287,8 +292,7 @@ def test_a_signal_reaches_every_waiting_group(tmp_path: Path) -> None:
         async def main():
             before = signal.getsignal(signal.SIGTERM)
             tasks = [asyncio.ensure_future(group(n)) for n in ("server", "client")]
-            for _ in range(20):
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in waiting.values())), 60)
             print("ready", flush=True)
             results = await asyncio.gather(*tasks)
             print(json.dumps({"results": results, "restored": signal.getsignal(signal.SIGTERM) == before}))
@@ -296,10 +300,10 @@ def test_a_signal_reaches_every_waiting_group(tmp_path: Path) -> None:
         """
         )
     )
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    with driver([sys.executable, str(script)], stderr=None) as proc:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
     assert json.loads(out) == {"results": ["SIGTERM", "SIGTERM"], "restored": True}
 
 

@@ -32,6 +32,7 @@ import anyio
 
 from ._errors import ChildFailedError
 from ._events import WorkerReady
+from ._validate import check_port
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Container, Mapping
@@ -81,6 +82,11 @@ class ReadyLine(ReadinessProbe):
     stream: str = "any"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise TypeError(
+                f"ReadyLine(pattern={self.pattern!r}) must be a str regular expression, "
+                f"e.g. ReadyLine(r'listening on port \\d+')"
+            )
         if self.stream not in ("stdout", "stderr", "any"):
             raise ValueError(
                 f"ReadyLine(stream={self.stream!r}) must be 'stdout', 'stderr' or 'any'"
@@ -112,6 +118,13 @@ class ReadyPort(ReadinessProbe):
     host: str = "127.0.0.1"
     interval: float = 0.02
 
+    def __post_init__(self) -> None:
+        if not callable(self.port):
+            check_port("ReadyPort(port)", self.port)
+        if not isinstance(self.host, str) or not self.host:
+            raise TypeError(f"ReadyPort(host={self.host!r}) must be a non-empty str")
+        _check_interval("ReadyPort", self.interval)
+
     async def wait_ready(self, rank: int, lines: AsyncIterator[str] | None = None) -> None:
         """Return once a connection to the rank's port succeeds."""
         port = self.port(rank) if callable(self.port) else self.port
@@ -136,11 +149,32 @@ class ReadyFile(ReadinessProbe):
     path: str | os.PathLike[str] | Callable[[int], str | os.PathLike[str]]
     interval: float = 0.02
 
+    def __post_init__(self) -> None:
+        if not (callable(self.path) or isinstance(self.path, str | os.PathLike)) or (
+            isinstance(self.path, str) and not self.path
+        ):
+            raise TypeError(
+                f"ReadyFile(path={self.path!r}) must be a file path (str or os.PathLike) or a "
+                "callable of the local rank returning one, e.g. ReadyFile('/tmp/ready')"
+            )
+        _check_interval("ReadyFile", self.interval)
+
     async def wait_ready(self, rank: int, lines: AsyncIterator[str] | None = None) -> None:
         """Return once the rank's path exists."""
         path = self.path(rank) if callable(self.path) else self.path
         while not os.path.exists(path):  # noqa: ASYNC240 - one stat() call, no I/O wait
             await asyncio.sleep(self.interval)  # allowed: nothing to wait on but time
+
+
+def _check_interval(cls: str, interval: object) -> None:
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, int | float)
+        or not 0 < interval < float("inf")
+    ):
+        raise ValueError(
+            f"{cls}(interval={interval!r}) must be a number of seconds > 0 between tries, e.g. 0.02"
+        )
 
 
 class _Lines:

@@ -55,6 +55,19 @@ class RestartPolicy:
             raise ValueError(
                 f"RestartPolicy(mode={self.mode!r}) must be one of {', '.join(_MODES)}"
             )
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
+            raise TypeError(
+                f"RestartPolicy(max_restarts={self.max_restarts!r}) must be an int >= 0, "
+                "e.g. max_restarts=3"
+            )
+        for what in ("window", "backoff", "max_backoff", "jitter"):
+            value = getattr(self, what)
+            # NaN passes no comparison below, so refuse it with the wrong types.
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+                raise TypeError(
+                    f"RestartPolicy({what}={value!r}) must be a number of seconds "
+                    f"(a fraction for jitter), e.g. {what}={getattr(RestartPolicy, what)!r}"
+                )
         if self.max_restarts < 0 or self.window <= 0:
             raise ValueError("RestartPolicy needs max_restarts >= 0 and window > 0")
         if self.backoff < 0 or self.max_backoff < self.backoff or not 0 <= self.jitter < 1:
