@@ -316,6 +316,7 @@ class LocalElasticAgent:
             start_method=self._start_method,
             log_line_prefixes=prefixes,
             shutdown_timeout=self._shutdown_timeout,
+            watchdog=spec.watchdog,
             **logs,
         )
         self._state = WorkerState.HEALTHY

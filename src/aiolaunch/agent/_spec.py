@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .._results import ProcessFailure
+    from .._watchdog import Watchdog
 
 __all__ = ["RunResult", "WorkerSpec", "WorkerState"]
 
@@ -62,6 +63,8 @@ class WorkerSpec:
         :class:`~aiolaunch.agent.StaticRendezvous` to fix its run id, address
         or port, or a torch ``RendezvousHandler`` (e.g. c10d) for several
         machines.
+    :param watchdog: a :class:`aiolaunch.Watchdog` for every attempt's group
+        (a restarted group is watched again from scratch).
     """
 
     role: str
@@ -76,6 +79,7 @@ class WorkerSpec:
     master_port: int | None = None
     local_addr: str | None = None
     rdzv_handler: Any = None
+    watchdog: Watchdog | None = None
 
     def __post_init__(self) -> None:
         # Validate here, before anything starts: each message names the field
@@ -116,6 +120,11 @@ class WorkerSpec:
                 f"master_port={self.master_port!r} must be an int in 1..65535, "
                 "or None to let the rendezvous choose"
             )
+        if self.watchdog is not None:
+            from .._watchdog import Watchdog
+
+            if not isinstance(self.watchdog, Watchdog):
+                raise TypeError(f"watchdog={self.watchdog!r} must be an aiolaunch.Watchdog or None")
         for what, value in (("redirects", self.redirects), ("tee", self.tee)):
             if isinstance(value, dict):
                 bad = [r for r in value if not isinstance(r, int) or r >= self.local_world_size]
@@ -143,7 +152,10 @@ def entrypoint_name(entrypoint: Callable[..., Any] | str, args: tuple[Any, ...])
 
     if isinstance(entrypoint, str):
         if entrypoint == sys.executable:
-            return next((str(a) for a in args if not str(a).startswith("-")), "")
+            names = [str(a) for a in args if not str(a).startswith("-")]
+            if names[:1] == ["aiolaunch._bootstrap"]:  # the CLI's `-m aiolaunch._bootstrap`
+                names = names[1:]
+            return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", type(entrypoint).__name__))
 
