@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from _helpers import driver
-
 from aiolaunch._cli import config_from_args, parse_args
 
 HANG = textwrap.dedent(
@@ -73,16 +72,17 @@ def test_cli_stall_fails_the_job_and_names_the_outlier(tmp_path: Path) -> None:
     script.write_text(HANG)
     logs = tmp_path / "logs"
     t0 = time.monotonic()
-    r = subprocess.run(
-        _cli("--nproc-per-node", "4", "--stall-timeout", "2", "--log-dir", str(logs), str(script)),
-        env=_env(), capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    argv = _cli(
+        "--nproc-per-node", "4", "--stall-timeout", "2", "--log-dir", str(logs), str(script)
+    )
+    with driver(argv, env=_env()) as proc:
+        _, stderr = proc.communicate(timeout=60)
     elapsed = time.monotonic() - t0
-    assert r.returncode == 1, r.stderr
+    assert proc.returncode == 1, stderr
     assert elapsed < 2 + 3 + 6  # stall_after + 3 s + interpreter start-up under load
-    assert "stalled" in r.stderr and "stuck_here" in r.stderr and "outlier" in r.stderr
-    assert "report: " in r.stderr
-    attempt = Path(r.stderr.split("report: ")[1].split()[0]).parent
+    assert "stalled" in stderr and "stuck_here" in stderr and "outlier" in stderr
+    assert "report: " in stderr
+    attempt = Path(stderr.split("report: ")[1].split()[0]).parent
     report = json.loads((attempt / "report.json").read_text())
     assert report["verdict"]["outliers"] == [2]
     for rank in range(4):
