@@ -298,6 +298,9 @@ class PContext:
         consumers may iterate at once, each with its own buffer of ``maxsize``
         events: one that falls behind loses its oldest events and receives an
         :class:`EventsDropped` with the count.
+
+        :raises TypeError, ValueError: ``maxsize`` is not an int >= 1 (at the
+            call, not at the first iteration).
         """
         return self._bus.iterate(lines=lines, maxsize=maxsize)
 
