@@ -408,7 +408,8 @@ class PContext:
         survivors get SIGKILL after ``shutdown_timeout``; then
         :class:`SignalException` is raised. A handler the application had
         installed for that signal (``loop.add_signal_handler`` or a
-        ``signal.signal`` function; not ``SIG_DFL``/``default_int_handler``)
+        ``signal.signal`` function other than a SIGINT one, which stands for
+        ``KeyboardInterrupt``)
         is called once the workers were sent it; ``SIG_IGN`` stays ignored. A
         second such signal during the shutdown SIGKILLs the survivors at once
         (a one-line warning). Previous handlers are restored on return.

@@ -15,8 +15,9 @@ The application keeps its own handlers: a handler it installed before
 ``wait()`` (``loop.add_signal_handler`` or a Python-level ``signal.signal``
 callable) is called for every signal aiolaunch takes, after the workers were
 signalled (:meth:`SignalWatch.signalled`). ``SIG_DFL``,
-``default_int_handler`` and ``asyncio.run``'s SIGINT handler are not called:
-their meaning is carried by ``wait()`` raising ``SignalException``.
+``default_int_handler`` and any Python-level SIGINT handler (``asyncio.run``'s,
+ipykernel's: they stand for ``KeyboardInterrupt``) are not called: their
+meaning is carried by ``wait()`` raising ``SignalException``.
 
 A signal that arrives after its waiter decided to return is re-delivered to the
 process once the previous handler is back, so it is never swallowed.
@@ -217,7 +218,11 @@ class _Hub:
             call_handle_soon(self.loop, slot.previous_loop)
             return
         prev = slot.previous
-        if callable(prev) and not is_default_handler(prev):
+        # A Python-level SIGINT handler stands for KeyboardInterrupt in the
+        # frameworks that install one (asyncio.run, ipykernel cancelling the
+        # cell): SignalException already carries that meaning, and calling it
+        # too would cancel the very task that waits for the workers.
+        if callable(prev) and not is_default_handler(prev) and sig != signal.SIGINT:
             # Its own loop callback, as the loop runs signal handlers: an
             # exception it raises is reported by the loop, not by wait();
             # KeyboardInterrupt/SystemExit propagate out of the loop as usual.
