@@ -18,6 +18,7 @@ from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._types import Std
 from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
+from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -135,6 +136,7 @@ def start_processes(
     restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
     console_dedup: float | None = None,
     console_strip_ansi: bool = False,
+    watchdog: Watchdog | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -172,6 +174,8 @@ def start_processes(
     :param console_strip_ansi: remove ANSI escape sequences (colors, cursor
         moves, window titles) from tee'd lines on the console; log files keep
         every byte.
+    :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
+        no CPU), dump every rank's stacks, then observe, fail or restart.
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
         method, a non-empty ``log_dir`` - before any process starts (each
         message names the argument and the fix).
@@ -203,6 +207,8 @@ def start_processes(
         shutdown_timeout=shutdown_timeout,
         console_dedup=console_dedup,
     )
+    if watchdog is not None and not isinstance(watchdog, Watchdog):
+        raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -247,6 +253,7 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "console_dedup": console_dedup,
             "console_strip_ansi": bool(console_strip_ansi),
+            "watchdog": watchdog,
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)
