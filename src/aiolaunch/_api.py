@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
@@ -100,6 +101,8 @@ def start_processes(
     restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
     console_dedup: float | None = None,
     console_strip_ansi: bool = False,
+    duplicate_stdout_filters: list[str] | None = None,
+    duplicate_stderr_filters: list[str] | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -137,6 +140,12 @@ def start_processes(
     :param console_strip_ansi: remove ANSI escape sequences (colors, cursor
         moves, window titles) from tee'd lines on the console; log files keep
         every byte.
+    :param duplicate_stdout_filters: torch 2.9+: lines of tee'd stdouts that
+        contain any of these substrings are also written, prefixed, to one
+        ``filtered_stdout.log`` (in ``log_dir``, or the attempt folder of
+        ``logs_specs``); ``ctx.filtered_stdout`` is that open file (``None``
+        without filters). An empty list makes no file.
+    :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
         method, a non-empty ``log_dir`` - before any process starts (each
         message names the argument and the fix).
@@ -168,6 +177,8 @@ def start_processes(
         shutdown_timeout=shutdown_timeout,
         console_dedup=console_dedup,
     )
+    dup_out = check_filters("duplicate_stdout_filters", duplicate_stdout_filters)
+    dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -203,6 +214,8 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "console_dedup": console_dedup,
             "console_strip_ansi": bool(console_strip_ansi),
+            "duplicate_stdout_filters": dup_out,
+            "duplicate_stderr_filters": dup_err,
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)

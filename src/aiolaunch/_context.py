@@ -41,6 +41,7 @@ from ._logs import (
     console,
     plan_stream,
 )
+from ._logs._filters import open_duplicate_filters
 from ._ready import ReadinessProbe, ReadyLine
 from ._restart import RestartPolicy, RestartTracker
 from ._results import ProcessFailure, RunProcsResult
@@ -48,8 +49,9 @@ from ._shutdown import shielded, terminate
 from ._signals import watch_signals
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
     from types import TracebackType
+    from typing import TextIO
 
     from ._logs_specs import LogsDest
     from ._workers._handle import WorkerHandle
@@ -90,6 +92,8 @@ class PContext:
         restart: dict[int, RestartPolicy] | None = None,
         console_dedup: float | None = None,
         console_strip_ansi: bool = False,
+        duplicate_stdout_filters: Sequence[str] | None = None,
+        duplicate_stderr_filters: Sequence[str] | None = None,
     ) -> None:
         self._strip_ansi = console_strip_ansi
         self.name = name
@@ -120,6 +124,13 @@ class PContext:
         self._pending_restarts: dict[int, int] = {}
         self._restart_locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # torch's duplicate filters: tee'd lines matching a filter, copied
+        # into one file per stream (``filtered_stdout`` is torch's attribute).
+        self._filters = open_duplicate_filters(
+            logs_dest, duplicate_stdout_filters, duplicate_stderr_filters
+        )
+        self.filtered_stdout: TextIO | None = getattr(self._filters.get("stdout"), "file", None)
+        self.filtered_stderr: TextIO | None = getattr(self._filters.get("stderr"), "file", None)
 
     # -- start ------------------------------------------------------------
     def _prefix(self, rank: int) -> str:
@@ -159,6 +170,8 @@ class PContext:
                     plans.append((null, None, sinks))
                 else:
                     sinks.append(self._line_sink(rank, stream, watch))
+                    if stream in self._filters and rank in tees:
+                        sinks.append(self._filters[stream].sink(self._prefix(rank)))
                     r, w = os.pipe()
                     fds += [r, w]
                     _widen_pipe(w)
@@ -462,6 +475,8 @@ class PContext:
             # the console is stuck, which must not hang the supervisor.
             with anyio.move_on_after(_CONSOLE_FLUSH_TIMEOUT):
                 await console().flush()
+        for dup in self._filters.values():
+            dup.close()
         for w in workers:
             w.release()
         self._result = self._build_result(failed_before)
