@@ -8,9 +8,23 @@ through the ``pytest11`` entry point of the installed package.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
+
+from _helpers import run_teardowns
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 @pytest.fixture(autouse=True)
-def _leak_check(no_leaks: None) -> None:
-    """Autouse, so it is set up before a test's event loop and checked after it."""
+def _leak_check(no_leaks: None) -> Iterator[None]:
+    """Autouse, so it is set up before a test's event loop and checked after it.
+
+    Before the check, processes a helper registered with
+    ``_helpers.on_teardown`` are stopped (a test that failed early must not
+    leave a supervisor behind to disturb the next test).
+    """
+    yield
+    run_teardowns()

@@ -7,17 +7,18 @@ import os
 import socket
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
 from ._logs._filters import check_filters
-from ._logs_specs import LogsSpecs, plain_logs_dest
+from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._types import Std
-from ._validate import check_start_inputs, pickle_payloads
+from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -28,11 +29,19 @@ T = TypeVar("T")
 
 
 class _Starting:
-    """What :func:`start_processes` returns: await it, or use it with ``async with``."""
+    """What :func:`start_processes` returns: await it, or use it with ``async with``.
 
-    def __init__(self, make: Callable[[], PContext]) -> None:
+    Nothing starts until then. Using it as if it were the context (a
+    forgotten ``await``) raises an ``AttributeError`` that says to await it;
+    one that is dropped without ever being awaited warns (``RuntimeWarning``,
+    as a never-awaited coroutine does).
+    """
+
+    def __init__(self, make: Callable[[], PContext], name: str) -> None:
         self._make = make
+        self._name = name
         self._ctx: PContext | None = None
+        self._used = False
 
     async def _start(self) -> PContext:
         _require_asyncio()  # before the log folder, pipes or any process exist
@@ -41,9 +50,11 @@ class _Starting:
         return ctx
 
     def __await__(self) -> Generator[Any, None, PContext]:
+        self._used = True
         return self._start().__await__()
 
     async def __aenter__(self) -> PContext:
+        self._used = True
         self._ctx = await self._start()
         return self._ctx
 
@@ -55,6 +66,30 @@ class _Starting:
     ) -> None:
         assert self._ctx is not None
         await self._ctx.__aexit__(exc_type, exc, tb)
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only called for names the class lacks: private and dunder lookups
+        # (pickle, copy, hasattr probes) get the plain error.
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        if hasattr(PContext, attr):
+            raise AttributeError(
+                f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
+                f"context: nothing has started yet. Await it before using .{attr}: "
+                "`ctx = await aiolaunch.start_processes(...)` or "
+                "`async with aiolaunch.start_processes(...) as ctx:`"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+
+    def __del__(self) -> None:
+        if not getattr(self, "_used", True):
+            warnings.warn(
+                f"start_processes(name={getattr(self, '_name', '?')!r}, ...) was never "
+                "awaited, so no worker started; use `ctx = await start_processes(...)` "
+                "or `async with start_processes(...) as ctx:`",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _require_asyncio() -> None:
@@ -194,12 +229,21 @@ def start_processes(
     def make() -> PContext:
         if logs_specs is not None:
             dest = logs_specs.reify(envs_)
+        elif log_dir is None:
+            folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
+            try:
+                dest = plain_logs_dest(folder, envs_, redirects, tee)
+            except BaseException:
+                prune_empty_dirs([folder])
+                raise
+            dest.temp_dirs = [folder]
         else:
-            if log_dir is None:
-                folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
-            else:
-                folder = os.fspath(log_dir)
+            folder = os.fspath(log_dir)
+            try:
                 os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                # e.g. a read-only or virtual filesystem that access() misses (root)
+                raise log_dir_error("log_dir", folder, exc) from exc
             dest = plain_logs_dest(folder, envs_, redirects, tee)
         common: dict[str, Any] = {
             "name": name,
@@ -221,7 +265,7 @@ def start_processes(
             return SubprocessContext(**common)
         return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
 
-    return _Starting(make)
+    return _Starting(make, name)
 
 
 def _per_rank(what: str, value: Any, cls: type[T], nprocs: int) -> dict[int, T]:
@@ -266,6 +310,12 @@ async def launch(
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be an int >= 1 (the number of workers)")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise TypeError(
+            f"master_addr={master_addr!r} must be a non-empty str host, e.g. 'localhost'"
+        )
+    if master_port is not None:
+        check_port("master_port", master_port)
     port = master_port if master_port is not None else free_port()
     envs = {
         rank: {

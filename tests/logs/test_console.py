@@ -265,7 +265,7 @@ async def test_console_dedup_merges_identical_lines(
 
 
 def test_rank_ranges() -> None:
-    from aiolaunch._logs._sinks import _rank_ranges
+    from aiolaunch._logs._dedup import rank_ranges as _rank_ranges
 
     assert _rank_ranges({0, 1, 2, 3, 6}) == "0-3,6"
     assert _rank_ranges({5}) == "5"
@@ -278,7 +278,7 @@ def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from aiolaunch._logs import _sinks
+    from aiolaunch._logs import _dedup as _sinks
 
     events = st.lists(
         st.tuples(st.integers(0, 3), st.sampled_from(["a", "b", "c", "d"])), max_size=40

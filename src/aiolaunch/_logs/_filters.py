@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ._sinks import LineSink
+from ._line import LineSink
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ._sinks import FileSink, Sink
+from ._file import FileSink
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
+
+    from ._sink import Sink
 
 __all__ = ["StreamPump"]
 
@@ -28,8 +30,15 @@ class StreamPump(asyncio.Protocol):
     closes our end.
     """
 
-    def __init__(self, sinks: Sequence[Sink], fd: int, rank: int = -1) -> None:
+    def __init__(
+        self,
+        sinks: Sequence[Sink],
+        fd: int,
+        rank: int = -1,
+        on_data: Callable[[int], None] | None = None,
+    ) -> None:
         self.sinks = list(sinks)
+        self._on_data = on_data
         self.fd = fd
         self.rank = rank
         self.transport: asyncio.ReadTransport | None = None
@@ -40,9 +49,18 @@ class StreamPump(asyncio.Protocol):
                 sink.flow_control = self._flow_control
 
     @classmethod
-    async def open(cls, read_fd: int, sinks: Sequence[Sink], rank: int = -1) -> StreamPump:
-        """Start reading ``read_fd`` (ownership passes to the pump)."""
-        pump = cls(sinks, read_fd, rank)
+    async def open(
+        cls,
+        read_fd: int,
+        sinks: Sequence[Sink],
+        rank: int = -1,
+        on_data: Callable[[int], None] | None = None,
+    ) -> StreamPump:
+        """Start reading ``read_fd`` (ownership passes to the pump).
+
+        ``on_data(rank)`` is called for every chunk read (the output age).
+        """
+        pump = cls(sinks, read_fd, rank, on_data)
         loop = asyncio.get_running_loop()
         pipe = os.fdopen(read_fd, "rb", buffering=0)
         try:
@@ -58,6 +76,8 @@ class StreamPump(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self._on_data is not None:
+            self._on_data(self.rank)
         for sink in self.sinks:
             sink.feed(data)
 

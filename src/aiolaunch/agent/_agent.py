@@ -15,6 +15,7 @@ import anyio
 
 from .._api import start_processes
 from .._errors import SignalException
+from .._logs_specs import prune_empty_dirs
 from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
 from ._numa import numa_cpus, wrap_for_numa
@@ -159,7 +160,11 @@ class LocalElasticAgent:
 
     @property
     def run_log_dir(self) -> str | None:
-        """``{log_dir}/{run_id}_<unique>`` once :meth:`run` started (not with ``logs_specs``)."""
+        """``{log_dir}/{run_id}_<unique>`` once :meth:`run` started (not with ``logs_specs``).
+
+        With ``log_dir=None`` it is a temporary folder: at the end of
+        :meth:`run` it is removed if it holds no file (then this is ``None``).
+        """
         return self._run_log_dir
 
     async def run(self) -> RunResult:
@@ -190,6 +195,19 @@ class LocalElasticAgent:
             raise
         finally:
             self._running = False
+            self._prune_temp_logs()
+
+    def _prune_temp_logs(self) -> None:
+        # log_dir=None: the folders are ours; drop what holds nothing (empty
+        # rank and attempt folders), keep and log what holds logs/error files.
+        if self._log_dir is not None or self._logs_specs is not None:
+            return
+        run_dir = self._run_log_dir
+        if run_dir is None:
+            return
+        prune_empty_dirs([run_dir, os.path.dirname(run_dir)], self._spec.role)
+        if not os.path.isdir(run_dir):
+            self._run_log_dir = None  # a later run() makes fresh ones
 
     async def _invoke_run(self) -> RunResult:
         spec = self._spec
