@@ -19,6 +19,7 @@ from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._types import Std
 from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
+from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -138,6 +139,7 @@ def start_processes(
     console_strip_ansi: bool = False,
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
+    watchdog: Watchdog | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -181,6 +183,8 @@ def start_processes(
         ``logs_specs``); ``ctx.filtered_stdout`` is that open file (``None``
         without filters). An empty list makes no file.
     :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
+    :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
+        no CPU), dump every rank's stacks, then observe, fail or restart.
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
         method, a non-empty ``log_dir`` - before any process starts (each
         message names the argument and the fix).
@@ -214,6 +218,8 @@ def start_processes(
     )
     dup_out = check_filters("duplicate_stdout_filters", duplicate_stdout_filters)
     dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
+    if watchdog is not None and not isinstance(watchdog, Watchdog):
+        raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -260,6 +266,7 @@ def start_processes(
             "console_strip_ansi": bool(console_strip_ansi),
             "duplicate_stdout_filters": dup_out,
             "duplicate_stderr_filters": dup_err,
+            "watchdog": watchdog,
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)

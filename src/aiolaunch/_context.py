@@ -29,10 +29,12 @@ from ._events import (
     WorkerRestarting,
     WorkerStarted,
 )
+from ._forensics import Forensics
 from ._logs import LineSink, LogWiring
 from ._logs._filters import open_duplicate_filters
 from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
+from ._report import write_report
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
@@ -44,7 +46,9 @@ if TYPE_CHECKING:
     from types import TracebackType
     from typing import TextIO
 
+    from ._control import WorkerStatus
     from ._logs_specs import LogsDest
+    from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
 __all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
@@ -79,6 +83,7 @@ class PContext:
         console_strip_ansi: bool = False,
         duplicate_stdout_filters: Sequence[str] | None = None,
         duplicate_stderr_filters: Sequence[str] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -123,6 +128,7 @@ class PContext:
             restarting=self._restarts.pending,
             failure=self._not_ready_failure,
         )
+        self._forensics = Forensics(self, watchdog)
 
     # -- start ------------------------------------------------------------
     async def _start(self) -> None:
@@ -130,6 +136,7 @@ class PContext:
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
+            await self._forensics.start()
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
@@ -138,7 +145,8 @@ class PContext:
 
     async def _start_one(self, rank: int) -> None:
         def watch(stream: str) -> bool:
-            return self._readiness.reads(rank, stream)
+            # Lines are needed by a readiness probe or the watchdog's progress regex.
+            return self._readiness.reads(rank, stream) or self._forensics.needs_lines
 
         streams = await self._logs.open(
             rank, watch=watch, line_sink=lambda stream: self._line_sink(rank, stream, watch(stream))
@@ -179,7 +187,7 @@ class PContext:
         raise NotImplementedError
 
     def _env(self, rank: int) -> dict[str, str]:
-        return {**self.envs[rank], **self._restarts.env(rank)}
+        return {**self.envs[rank], **self._restarts.env(rank), **self._forensics.env()}
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         rank = handle.local_rank
@@ -250,13 +258,45 @@ class PContext:
         return failed
 
     def _decided(self) -> bool:
-        if self._failed_ranks():
+        if self._failed_ranks() or self._forensics.failing:
             return True
         return (
             len(self._workers) == self.nprocs
             and not self._restarts.pending
             and all(not w.alive for w in self._workers.values())
         )
+
+    def status(self) -> list[WorkerStatus]:
+        """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
+
+        Reads ``/proc`` of each live worker (a few microseconds each); CPU %
+        is measured since the previous sample (watchdog period or call).
+        """
+        return self._forensics.status()
+
+    async def dump_stacks(
+        self, ranks: list[int] | None = None, timeout: float = 5.0
+    ) -> dict[int, str]:
+        """The Python stacks of every thread of each live worker, ``{rank: text}``.
+
+        Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n`` counts the
+        dumps of this group). Workers are signalled only if they registered
+        for it (function workers; Python programs run through the CLI or
+        ``python -m aiolaunch._bootstrap``); any other rank gets one line
+        saying why (or a ``py-spy dump`` where py-spy is installed) - never
+        a signal that would kill it. A worker that does not answer within
+        ``timeout`` seconds (stopped, D state) gets a line saying so. Use
+        :meth:`StackReport.from_dumps` for the verdict.
+
+        :raises ValueError: an unknown rank, or ``timeout`` not > 0.
+        """
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"dump_stacks(timeout={timeout!r}) must be a number of seconds > 0")
+        bad = [r for r in ranks or () if r not in range(self.nprocs)]
+        if bad:
+            raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{self.nprocs - 1}")
+        dumps, _ = await self._forensics.dump(ranks, float(timeout))
+        return dumps
 
     # -- orchestration ----------------------------------------------------
     def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
@@ -370,6 +410,7 @@ class PContext:
         return self._end
 
     async def _shutdown(self, death_sig: int, grace: float) -> RunProcsResult:
+        await self._forensics.stop()
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
@@ -384,6 +425,10 @@ class PContext:
             self.stdouts,
             self.stderrs,
         )
+        self._result = self._forensics.amend(self._result)
+        if self._result.is_failed():
+            self._forensics.reported = write_report(self._forensics, self._result)
+        self._forensics.cleanup()
         # After the error files are written: a folder that holds one is kept.
         prune_empty_dirs(self._temp_dirs, self.name)
         self._bus.emit(

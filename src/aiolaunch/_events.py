@@ -33,6 +33,7 @@ __all__ = [
     "WorkerExited",
     "WorkerReady",
     "WorkerRestarting",
+    "WorkerStalled",
     "WorkerStarted",
 ]
 
@@ -78,6 +79,19 @@ class WorkerRestarting(Event):
 
     attempt: int
     delay: float
+
+
+@dataclass(frozen=True)
+class WorkerStalled(Event):
+    """The watchdog found a worker stalled (see :class:`aiolaunch.Watchdog`).
+
+    Emitted once per stall, before any stack dump or action: ``idle_s`` is
+    how long it had no activity, ``reason`` says which kind (no output and
+    no CPU, no progress line, or D state).
+    """
+
+    idle_s: float
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     root cause is summarised on stderr) or a signal stopped it (the workers
     were stopped first), as with torchrun. 2: bad options.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("status", "stacks"):
+        # `aiolaunch status|stacks LOG_DIR`: talk to a running job's control
+        # socket (a script named "status" still runs as `aiolaunch ./status`).
+        from .._control import stacks_main, status_main
+
+        return (status_main if argv[0] == "status" else stacks_main)(argv[1:])
     args = parse_args(argv)
     _setup_logging()
     try:
