@@ -16,6 +16,7 @@ import anyio
 from .._api import start_processes
 from .._errors import SignalException
 from .._logs_specs import prune_empty_dirs
+from .._validate import log_dir_error
 from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
 from ._numa import numa_cpus, wrap_for_numa
@@ -403,7 +404,10 @@ class LocalElasticAgent:
             if self._log_dir is None:
                 root = tempfile.mkdtemp(prefix="aiolaunch_")
             else:
-                os.makedirs(self._log_dir, exist_ok=True)
+                try:
+                    os.makedirs(self._log_dir, exist_ok=True)
+                except OSError as exc:
+                    raise log_dir_error("log_dir", self._log_dir, exc) from exc
                 root = self._log_dir
             # a unique folder per run, so a log_dir can be reused (torch's layout)
             self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
