@@ -154,7 +154,9 @@ def start_processes(
     :param envs: ``{local_rank: {str: str}}``, same keys; applied on top of the
         parent's environment (functions: before the entrypoint is unpickled).
     :param log_dir: folder for ``{rank}/stdout.log|stderr.log|error.json``;
-        must be empty or missing; ``None``: a fresh temporary folder. (torch's
+        must be empty or missing; ``None``: a fresh temporary folder, from
+        which what holds nothing is removed when the group ends (the folder
+        too if it ends empty; log files are kept even when empty). (torch's
         positional ``logs_specs`` is accepted here too.)
     :param start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (function
         workers; checked for binaries too).
@@ -185,13 +187,21 @@ def start_processes(
     :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
     :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
         no CPU), dump every rank's stacks, then observe, fail or restart.
+    Every argument is checked before anything starts or any folder is made;
+    each message names the argument and the fix.
+
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
-        method, a non-empty ``log_dir`` - before any process starts (each
-        message names the argument and the fix).
+        method, a non-empty ``log_dir``, an env name that is empty or holds
+        ``=``, a NUL byte in an env value or a binary's argument, a ``name``
+        with ``/`` when ``log_dir=None``, a ``Std`` outside 0-3.
     :raises TypeError: a bad entrypoint, env key or value, or an unpicklable
         function or argument.
-    :raises FileNotFoundError: a binary not on ``PATH``.
-    :raises NotADirectoryError: a ``log_dir`` that is a file.
+    :raises FileNotFoundError: a binary not on ``PATH`` (or a command line
+        given as ``entrypoint``: its arguments go in ``args``).
+    :raises IsADirectoryError: an ``entrypoint`` path that is a directory.
+    :raises NotADirectoryError: a ``log_dir`` that is a file or lies under one.
+    :raises PermissionError: a ``log_dir`` that cannot be created or written
+        (at the ``await`` where only the attempt can tell, e.g. as root).
     :raises RuntimeError: not running in an asyncio event loop (e.g. trio).
     """
     if isinstance(log_dir, LogsSpecs) or (
