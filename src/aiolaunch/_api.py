@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
@@ -137,6 +138,8 @@ def start_processes(
     restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
     console_dedup: float | None = None,
     console_strip_ansi: bool = False,
+    duplicate_stdout_filters: list[str] | None = None,
+    duplicate_stderr_filters: list[str] | None = None,
     watchdog: Watchdog | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
@@ -177,6 +180,12 @@ def start_processes(
     :param console_strip_ansi: remove ANSI escape sequences (colors, cursor
         moves, window titles) from tee'd lines on the console; log files keep
         every byte.
+    :param duplicate_stdout_filters: torch 2.9+: lines of tee'd stdouts that
+        contain any of these substrings are also written, prefixed, to one
+        ``filtered_stdout.log`` (in ``log_dir``, or the attempt folder of
+        ``logs_specs``); ``ctx.filtered_stdout`` is that open file (``None``
+        without filters). An empty list makes no file.
+    :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
     :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
         no CPU), dump every rank's stacks, then observe, fail or restart.
     Every argument is checked before anything starts or any folder is made;
@@ -218,6 +227,8 @@ def start_processes(
         shutdown_timeout=shutdown_timeout,
         console_dedup=console_dedup,
     )
+    dup_out = check_filters("duplicate_stdout_filters", duplicate_stdout_filters)
+    dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
     if watchdog is not None and not isinstance(watchdog, Watchdog):
         raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
     nprocs = len(args)
@@ -264,6 +275,8 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "console_dedup": console_dedup,
             "console_strip_ansi": bool(console_strip_ansi),
+            "duplicate_stdout_filters": dup_out,
+            "duplicate_stderr_filters": dup_err,
             "watchdog": watchdog,
         }
         if isinstance(entrypoint, str):

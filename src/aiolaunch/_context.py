@@ -33,6 +33,7 @@ from ._events import (
 )
 from ._forensics import Forensics
 from ._logs import LineSink, LogWiring
+from ._logs._filters import open_duplicate_filters
 from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
 from ._report import write_report
@@ -43,8 +44,9 @@ from ._signals import watch_signals
 from ._validate import check_seconds, check_signal
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
     from types import TracebackType
+    from typing import TextIO
 
     from ._control import WorkerStatus
     from ._logs_specs import LogsDest
@@ -83,6 +85,8 @@ class PContext:
         restart: dict[int, RestartPolicy] | None = None,
         console_dedup: float | None = None,
         console_strip_ansi: bool = False,
+        duplicate_stdout_filters: Sequence[str] | None = None,
+        duplicate_stderr_filters: Sequence[str] | None = None,
         watchdog: Watchdog | None = None,
     ) -> None:
         self.name = name
@@ -96,12 +100,20 @@ class PContext:
         self.error_files = dict(logs_dest.error_files)
         # Folders made for this run only (log_dir=None); torch's LogsDest has none.
         self._temp_dirs: list[str] = list(getattr(logs_dest, "temp_dirs", None) or ())
+        # torch's duplicate filters: tee'd lines matching a filter, copied
+        # into one file per stream (``filtered_stdout`` is torch's attribute).
+        filters = open_duplicate_filters(
+            logs_dest, duplicate_stdout_filters, duplicate_stderr_filters
+        )
+        self.filtered_stdout: TextIO | None = getattr(filters.get("stdout"), "file", None)
+        self.filtered_stderr: TextIO | None = getattr(filters.get("stderr"), "file", None)
         self._logs = LogWiring(
             name=name,
             dest=logs_dest,
             prefixes=log_line_prefixes,
             dedup_window=console_dedup,
             strip_ansi=console_strip_ansi,
+            filters=filters,
         )
         self._shutdown_timeout = shutdown_timeout
         self._workers: dict[int, WorkerHandle] = {}

@@ -252,7 +252,11 @@ def _layout(
 ) -> LogsDest:
     redirs = to_map(redirects, nprocs)
     tees = to_map(tee, nprocs)
-    dest = LogsDest()
+    # torch 2.9+'s place for the duplicate filters' files (made only when used)
+    dest = LogsDest(
+        filtered_stdout=os.path.join(base, "filtered_stdout.log"),
+        filtered_stderr=os.path.join(base, "filtered_stderr.log"),
+    )
     for rank in range(nprocs):
         rank_dir = os.path.join(base, str(rank))
         _mkdir_nofollow(rank_dir)
