@@ -8,6 +8,7 @@ through the ``pytest11`` entry point of the installed package.
 
 from __future__ import annotations
 
+import tempfile
 from typing import TYPE_CHECKING
 
 import pytest
@@ -16,6 +17,7 @@ from _helpers import run_teardowns
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from pathlib import Path
 
 
 @pytest.fixture(autouse=True)
@@ -28,3 +30,14 @@ def _leak_check(no_leaks: None) -> Iterator[None]:
     """
     yield
     run_teardowns()
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty folder that ``tempfile`` uses for this test, so that a temporary
+    folder aiolaunch leaves behind can be seen (and listed exactly).
+    """
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder

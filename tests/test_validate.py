@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import aiolaunch
+from _helpers import proc_state
 from aiolaunch import DefaultLogsSpecs, ReadyFile, ReadyLine, ReadyPort, RestartPolicy, Std
 
 if TYPE_CHECKING:
@@ -109,15 +109,6 @@ CASES += [
     (ValueError, r"tee=8 is not a Std", {"tee": Std(8)}),
     (ValueError, r"redirects\[1\]=12 is not a Std", {"redirects": {1: Std(12)}}),
 ]
-
-
-@pytest.fixture
-def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private ``tempfile`` folder, so a leftover temp folder of this test can be seen."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 @pytest.mark.parametrize(("exc", "match", "override"), CASES)
@@ -232,22 +223,13 @@ async def test_bad_method_arguments_raise_before_any_signal(private_tmp: Path) -
         for exc, match, call in bad:
             with pytest.raises(exc, match=match):
                 await call()
-            assert _state(pid) not in ("Z", "X", None), f"worker signalled by {match}"
+            assert proc_state(pid) not in ("Z", "X", None), f"worker signalled by {match}"
         for maxsize, exc in ((0, ValueError), (-1, ValueError), ("5", TypeError)):
             with pytest.raises(exc, match=rf"events\(maxsize={maxsize!r}\) must be"):
                 ctx.events(maxsize=_any(maxsize))
         assert await ctx.wait(timeout=0) is None  # still running
         await ctx.close(timeout=5)
-        assert _state(pid) is None
-
-
-def _state(pid: int) -> str | None:
-    """The /proc state letter of ``pid``, ``None`` once it is reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
+        assert proc_state(pid) is None
 
 
 async def test_unwritable_log_dir_names_the_argument(private_tmp: Path) -> None:
@@ -274,8 +256,8 @@ async def test_forgotten_await_says_to_await(private_tmp: Path) -> None:
         AttributeError, match=r"returned an awaitable.*Await it before using \.wait"
     ):
         starting.wait()  # type: ignore[attr-defined]
-    with pytest.raises(AttributeError, match="has no attribute 'nonsense'"):
-        starting.nonsense  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(AttributeError, match=r"no attribute 'nprocs'.*Await it before using"):
+        starting.nprocs  # type: ignore[attr-defined]  # noqa: B018
     assert not hasattr(starting, "__fspath__")  # probes get the plain error
     with pytest.warns(
         RuntimeWarning, match=r"start_processes\(name='v', \.\.\.\) was never awaited"
@@ -325,3 +307,16 @@ async def test_missing_log_dir_is_created(tmp_path: Path) -> None:
         result = await ctx.wait()
     assert result is not None and result.return_values == {0: 1, 1: 2}
     assert (log_dir / "0" / "stdout.log").exists()
+
+
+async def test_agent_with_unwritable_log_dir_names_the_argument() -> None:
+    from aiolaunch.agent import LocalElasticAgent, WorkerSpec
+
+    before = _children()
+    agent = LocalElasticAgent(
+        WorkerSpec(role="w", local_world_size=1, entrypoint="/bin/true"),
+        log_dir="/sys/aiolaunch_x",
+    )
+    with pytest.raises(PermissionError, match=r"log_dir='/sys/aiolaunch_x' could not be created"):
+        await agent.run()
+    assert _children() == before

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
@@ -72,14 +73,15 @@ class _Starting:
         # (pickle, copy, hasattr probes) get the plain error.
         if attr.startswith("_"):
             raise AttributeError(attr)
-        if hasattr(PContext, attr):
-            raise AttributeError(
-                f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
-                f"context: nothing has started yet. Await it before using .{attr}: "
-                "`ctx = await aiolaunch.start_processes(...)` or "
-                "`async with aiolaunch.start_processes(...) as ctx:`"
-            )
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        # Any public name - a method (wait, pids) or an attribute (nprocs,
+        # stdouts) - means the caller took this for the context.
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {attr!r}: "
+            f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
+            f"context, and nothing has started yet. Await it before using .{attr}: "
+            "`ctx = await aiolaunch.start_processes(...)` or "
+            "`async with aiolaunch.start_processes(...) as ctx:`"
+        )
 
     def __del__(self) -> None:
         if not getattr(self, "_used", True):
@@ -136,6 +138,8 @@ def start_processes(
     restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
     console_dedup: float | None = None,
     console_strip_ansi: bool = False,
+    duplicate_stdout_filters: list[str] | None = None,
+    duplicate_stderr_filters: list[str] | None = None,
     watchdog: Watchdog | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
@@ -151,7 +155,9 @@ def start_processes(
     :param envs: ``{local_rank: {str: str}}``, same keys; applied on top of the
         parent's environment (functions: before the entrypoint is unpickled).
     :param log_dir: folder for ``{rank}/stdout.log|stderr.log|error.json``;
-        must be empty or missing; ``None``: a fresh temporary folder. (torch's
+        must be empty or missing; ``None``: a fresh temporary folder, from
+        which what holds nothing is removed when the group ends (the folder
+        too if it ends empty; log files are kept even when empty). (torch's
         positional ``logs_specs`` is accepted here too.)
     :param start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (function
         workers; checked for binaries too).
@@ -174,15 +180,29 @@ def start_processes(
     :param console_strip_ansi: remove ANSI escape sequences (colors, cursor
         moves, window titles) from tee'd lines on the console; log files keep
         every byte.
+    :param duplicate_stdout_filters: torch 2.9+: lines of tee'd stdouts that
+        contain any of these substrings are also written, prefixed, to one
+        ``filtered_stdout.log`` (in ``log_dir``, or the attempt folder of
+        ``logs_specs``); ``ctx.filtered_stdout`` is that open file (``None``
+        without filters). An empty list makes no file.
+    :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
     :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
         no CPU), dump every rank's stacks, then observe, fail or restart.
+    Every argument is checked before anything starts or any folder is made;
+    each message names the argument and the fix.
+
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
-        method, a non-empty ``log_dir`` - before any process starts (each
-        message names the argument and the fix).
+        method, a non-empty ``log_dir``, an env name that is empty or holds
+        ``=``, a NUL byte in an env value or a binary's argument, a ``name``
+        with ``/`` when ``log_dir=None``, a ``Std`` outside 0-3.
     :raises TypeError: a bad entrypoint, env key or value, or an unpicklable
         function or argument.
-    :raises FileNotFoundError: a binary not on ``PATH``.
-    :raises NotADirectoryError: a ``log_dir`` that is a file.
+    :raises FileNotFoundError: a binary not on ``PATH`` (or a command line
+        given as ``entrypoint``: its arguments go in ``args``).
+    :raises IsADirectoryError: an ``entrypoint`` path that is a directory.
+    :raises NotADirectoryError: a ``log_dir`` that is a file or lies under one.
+    :raises PermissionError: a ``log_dir`` that cannot be created or written
+        (at the ``await`` where only the attempt can tell, e.g. as root).
     :raises RuntimeError: not running in an asyncio event loop (e.g. trio).
     """
     if isinstance(log_dir, LogsSpecs) or (
@@ -207,6 +227,8 @@ def start_processes(
         shutdown_timeout=shutdown_timeout,
         console_dedup=console_dedup,
     )
+    dup_out = check_filters("duplicate_stdout_filters", duplicate_stdout_filters)
+    dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
     if watchdog is not None and not isinstance(watchdog, Watchdog):
         raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
     nprocs = len(args)
@@ -253,6 +275,8 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "console_dedup": console_dedup,
             "console_strip_ansi": bool(console_strip_ansi),
+            "duplicate_stdout_filters": dup_out,
+            "duplicate_stderr_filters": dup_err,
             "watchdog": watchdog,
         }
         if isinstance(entrypoint, str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import math
 import os
 import signal
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._compat import task_cancelling
 from ._errors import SignalException
 from ._events import (
     Event,
@@ -31,9 +33,9 @@ from ._events import (
 )
 from ._forensics import Forensics
 from ._logs import LineSink, LogWiring
+from ._logs._filters import open_duplicate_filters
 from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
-from ._report import write_report
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
@@ -42,8 +44,9 @@ from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
     from types import TracebackType
+    from typing import TextIO
 
     from ._control import WorkerStatus
     from ._logs_specs import LogsDest
@@ -51,6 +54,8 @@ if TYPE_CHECKING:
     from ._workers._handle import WorkerHandle
 
 __all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
+
+logger = logging.getLogger("aiolaunch")
 
 
 class PContext:
@@ -80,6 +85,8 @@ class PContext:
         restart: dict[int, RestartPolicy] | None = None,
         console_dedup: float | None = None,
         console_strip_ansi: bool = False,
+        duplicate_stdout_filters: Sequence[str] | None = None,
+        duplicate_stderr_filters: Sequence[str] | None = None,
         watchdog: Watchdog | None = None,
     ) -> None:
         self.name = name
@@ -93,17 +100,28 @@ class PContext:
         self.error_files = dict(logs_dest.error_files)
         # Folders made for this run only (log_dir=None); torch's LogsDest has none.
         self._temp_dirs: list[str] = list(getattr(logs_dest, "temp_dirs", None) or ())
+        # torch's duplicate filters: tee'd lines matching a filter, copied
+        # into one file per stream (``filtered_stdout`` is torch's attribute).
+        filters = open_duplicate_filters(
+            logs_dest, duplicate_stdout_filters, duplicate_stderr_filters
+        )
+        self.filtered_stdout: TextIO | None = getattr(filters.get("stdout"), "file", None)
+        self.filtered_stderr: TextIO | None = getattr(filters.get("stderr"), "file", None)
         self._logs = LogWiring(
             name=name,
             dest=logs_dest,
             prefixes=log_line_prefixes,
             dedup_window=console_dedup,
             strip_ansi=console_strip_ansi,
+            filters=filters,
         )
         self._shutdown_timeout = shutdown_timeout
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
         self._end: asyncio.Task[RunProcsResult] | None = None
+        # Set once the death signal went out; set to end the grace period now.
+        self._sent = asyncio.Event()
+        self._kill_now = asyncio.Event()
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
         self._bus = EventBus()
@@ -299,6 +317,9 @@ class PContext:
         consumers may iterate at once, each with its own buffer of ``maxsize``
         events: one that falls behind loses its oldest events and receives an
         :class:`EventsDropped` with the count.
+
+        :raises TypeError, ValueError: ``maxsize`` is not an int >= 1 (at the
+            call, not at the first iteration).
         """
         return self._bus.iterate(lines=lines, maxsize=maxsize)
 
@@ -344,8 +365,14 @@ class PContext:
         While it runs in the main thread, SIGTERM, SIGINT, SIGHUP and SIGQUIT
         sent to the supervisor are forwarded to every worker's process group;
         survivors get SIGKILL after ``shutdown_timeout``; then
-        :class:`SignalException` is raised. Previous handlers are restored on
-        return. Outside the main thread there is no such race (logged once).
+        :class:`SignalException` is raised. A handler the application had
+        installed for that signal (``loop.add_signal_handler`` or a
+        ``signal.signal`` function other than a SIGINT one, which stands for
+        ``KeyboardInterrupt``)
+        is called once the workers were sent it; ``SIG_IGN`` stays ignored. A
+        second such signal during the shutdown SIGKILLs the survivors at once
+        (a one-line warning). Previous handlers are restored on return.
+        Outside the main thread there is no such race (a warning, once).
 
         *Cancellation*: cancelling the task that awaits ``wait()`` stops the
         waiting only; the workers stop when the context is closed.
@@ -357,13 +384,20 @@ class PContext:
             return await shielded(self._end)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
-        with watch_signals(lambda sig: self._changed.set()) as watch:
+        with watch_signals(
+            lambda sig: self._changed.set(),
+            on_repeat=lambda sig: self._escalate(f"second {sig.name}"),
+        ) as watch:
             while True:
                 self._changed.clear()
                 if watch.received is not None:
                     watch.consumed = True
                     sig = watch.received
-                    await shielded(self._finish(sig, self._shutdown_timeout))
+                    end = self._finish(sig, self._shutdown_timeout)
+                    await shielded(self._death_signal_sent(end))
+                    # The application's own handler for ``sig`` runs now.
+                    watch.signalled()
+                    await shielded(end)
                     raise SignalException(
                         f"Process {os.getpid()} got signal: {sig.value}", sigval=sig
                     )
@@ -382,7 +416,10 @@ class PContext:
         SIGKILLs survivors after ``timeout`` seconds (logging a warning naming
         rank and pid), reaps them, drains and closes every pipe and log file.
         Idempotent; shielded from cancellation (a cancel is re-raised after the
-        cleanup finished).
+        cleanup finished). A *second* cancellation - counting the one that
+        made an ``async with`` block call ``close()`` - ends the grace period
+        at once: the survivors get SIGKILL (as a second Ctrl-C does in
+        ``wait()``), with a warning in the log.
 
         :raises TypeError, ValueError: ``death_sig`` is not a signal number
             (0 included) or ``timeout`` is not a number of seconds >= 0 -
@@ -390,7 +427,29 @@ class PContext:
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)
-        await shielded(self._finish(death_sig, timeout))
+        # Cancellations the task already had when close() began (leaving
+        # ``async with`` because of one): the next one is the second.
+        before = task_cancelling(asyncio.current_task())
+
+        def on_cancel(count: int) -> None:
+            if before + count >= 2:
+                self._escalate("second cancellation of close()")
+
+        await shielded(self._finish(death_sig, timeout), on_cancel)
+
+    def _escalate(self, why: str) -> None:
+        """End the grace period of the shutdown (now or once it starts): SIGKILL."""
+        if self._kill_now.is_set() or self._result is not None:
+            return
+        self._kill_now.set()
+        logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
+
+    async def _death_signal_sent(self, end: asyncio.Task[RunProcsResult]) -> None:
+        sent = asyncio.ensure_future(self._sent.wait())
+        try:
+            await asyncio.wait({sent, end}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sent.cancel()
 
     def _finish(self, death_sig: int, grace: float) -> asyncio.Task[RunProcsResult]:
         if self._end is None:
@@ -403,7 +462,7 @@ class PContext:
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
-        await terminate(workers, death_sig, grace)
+        await terminate(workers, death_sig, grace, on_sent=self._sent.set, escalate=self._kill_now)
         await self._logs.aclose()
         for w in workers:
             w.release()
@@ -414,10 +473,7 @@ class PContext:
             self.stdouts,
             self.stderrs,
         )
-        self._result = self._forensics.amend(self._result)
-        if self._result.is_failed():
-            self._forensics.reported = write_report(self._forensics, self._result)
-        self._forensics.cleanup()
+        self._result = self._forensics.finish(self._result)
         # After the error files are written: a folder that holds one is kept.
         prune_empty_dirs(self._temp_dirs, self.name)
         self._bus.emit(

@@ -87,9 +87,11 @@ class DefaultLogsSpecs(LogsSpecs):
 
     ``run_id`` and ``k`` come from ``TORCHELASTIC_RUN_ID`` and
     ``TORCHELASTIC_RESTART_COUNT`` in ``envs[0]``. A ``log_dir`` of ``None``
-    is a fresh temporary folder; an existing, non-empty one is fine (each run
-    gets its own unique sub-folder). Log folders are created without following
-    symlinks planted in a shared temporary directory.
+    is a fresh temporary folder, from which what holds nothing is removed when
+    a run ends (a later run gets fresh folders); an existing, non-empty one is
+    fine (each run gets its own unique sub-folder) and is never pruned. Log
+    folders are created without following symlinks planted in a shared
+    temporary directory. The arguments are checked before any folder is made.
     """
 
     def __init__(
@@ -250,7 +252,11 @@ def _layout(
 ) -> LogsDest:
     redirs = to_map(redirects, nprocs)
     tees = to_map(tee, nprocs)
-    dest = LogsDest()
+    # torch 2.9+'s place for the duplicate filters' files (made only when used)
+    dest = LogsDest(
+        filtered_stdout=os.path.join(base, "filtered_stdout.log"),
+        filtered_stderr=os.path.join(base, "filtered_stderr.log"),
+    )
     for rank in range(nprocs):
         rank_dir = os.path.join(base, str(rank))
         _mkdir_nofollow(rank_dir)
