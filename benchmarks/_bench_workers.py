@@ -1,4 +1,5 @@
 """Function-worker entrypoints (stdlib only: importable by spawn/forkserver children)."""
+
 import os
 import signal
 import time

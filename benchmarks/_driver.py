@@ -148,7 +148,7 @@ class ExitObserver:
             return {}
         try:
             self.proc.wait(timeout)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.proc.kill()
             self.proc.wait()
         rank = {pid: r for r, pid in self.pids.items()}
@@ -215,7 +215,9 @@ class StampWriter(io.TextIOBase):
 
 
 BLOCK_LINES = 8192
-FILL = bytes(((ord("a") + (i % 128) % 26) if i % 128 != 127 else 10) for i in range(128)) * BLOCK_LINES
+FILL = (
+    bytes(((ord("a") + (i % 128) % 26) if i % 128 != 127 else 10) for i in range(128)) * BLOCK_LINES
+)
 
 
 def verify_bulk(path: str, rank: int, mib: int) -> None:
@@ -241,7 +243,9 @@ def bin_args(n: int, f) -> dict[int, tuple]:
 
 
 # --- aiolaunch ---------------------------------------------------------
-async def al_start(entry, args, *, method="spawn", redirects=None, tee=None, log_dir=None, shutdown_timeout=30.0):
+async def al_start(
+    entry, args, *, method="spawn", redirects=None, tee=None, log_dir=None, shutdown_timeout=30.0
+):
     import aiolaunch
 
     kw = {}
@@ -271,7 +275,12 @@ def torch_start(entry, args, *, method="spawn", redirects=None, tee=None, log_di
         tee=getattr(Std, tee) if tee else Std.NONE,
     )
     return start_processes(
-        name="b", entrypoint=entry, args=args, envs={r: {} for r in args}, logs_specs=specs, start_method=method
+        name="b",
+        entrypoint=entry,
+        args=args,
+        envs={r: {} for r in args},
+        logs_specs=specs,
+        start_method=method,
     )
 
 
@@ -292,7 +301,9 @@ class _Pipe(asyncio.Protocol):
             self.buf += data
             *lines, self.buf = self.buf.split(b"\n")
             if lines:
-                sys.stdout.write("".join(f"{self.prefix}{ln.decode(errors='replace')}\n" for ln in lines))
+                sys.stdout.write(
+                    "".join(f"{self.prefix}{ln.decode(errors='replace')}\n" for ln in lines)
+                )
 
     def connection_lost(self, exc) -> None:
         if self.fd is not None:
@@ -313,7 +324,10 @@ async def raw_spawn(argv_by_rank: dict[int, tuple], out_dir: str | None = None, 
         d = os.path.join(out_dir, str(r))
         os.makedirs(d)
         fd = os.open(os.path.join(d, "stdout.log"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        _, proto = await loop.connect_read_pipe(lambda: _Pipe(fd, f"[b{r}]:" if tee else None), os.fdopen(rd, "rb", 0))
+        _, proto = await loop.connect_read_pipe(
+            lambda fd=fd, r=r: _Pipe(fd, f"[b{r}]:" if tee else None),
+            os.fdopen(rd, "rb", 0),
+        )
         procs.append(p)
         pipes.append(proto)
     return procs, pipes
@@ -518,8 +532,10 @@ def _exit_bench(variant: str, p: dict, fn: bool) -> dict:
         # torch also lists the workers it stopped (exit code -15); aiolaunch and
         # the floor report the deciding failure only
         others = {r: c for r, c in failed.items() if r != 0}
-        check(IMPL == "torch" and set(others.values()) <= {-signal.SIGTERM} or not others,
-              f"workers stopped on purpose reported as failures: {others}")
+        check(
+            (IMPL == "torch" and set(others.values()) <= {-signal.SIGTERM}) or not others,
+            f"workers stopped on purpose reported as failures: {others}",
+        )
         lat = t_end - exits[0]
         det = t_end - gone[0]
     for r, pid in pids.items():
@@ -580,7 +596,9 @@ def bench_shutdown(variant: str, p: dict) -> dict:
         check(proc_gone(pid), f"rank {r} pid {pid} still present after close()")
     out = {"close_ms": dt * 1e3}
     if mode == "ignore":
-        check(dt >= timeout - 0.005, f"close() returned after {dt:.3f}s, before the {timeout}s grace")
+        check(
+            dt >= timeout - 0.005, f"close() returned after {dt:.3f}s, before the {timeout}s grace"
+        )
         out["overshoot_ms"] = (dt - timeout) * 1e3
     return out
 
@@ -625,7 +643,9 @@ def bench_tee_latency(variant: str, p: dict) -> dict:
             pre, _, ts = line.partition("]:")
             seen[int(pre[2:])] += 1
             lat.append((t - float(ts)) * 1e3)
-    check(all(v == lines for v in seen.values()), f"lines received per rank {seen}, expected {lines}")
+    check(
+        all(v == lines for v in seen.values()), f"lines received per rank {seen}, expected {lines}"
+    )
     return {"line_ms": lat}
 
 
@@ -713,7 +733,9 @@ def bench_idle_cpu(variant: str, p: dict) -> dict:
             await wait_stamps(stamp, n)
             await asyncio.sleep(0.3)
             c0, t0 = cpu_s(), mono()
-            done, _ = await asyncio.wait([asyncio.ensure_future(pr.wait()) for pr in procs], timeout=secs)
+            done, _ = await asyncio.wait(
+                [asyncio.ensure_future(pr.wait()) for pr in procs], timeout=secs
+            )
             c1, t1 = cpu_s(), mono()
             check(not done, "workers exited")
             for pr in procs:
@@ -798,7 +820,7 @@ def setup(impl: str) -> None:
     IMPL = impl
     WORKER = json.loads(os.environ["BENCH_WORKER"])
     TMP = os.environ["BENCH_TMP"]
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if impl == "aiolaunch":
         import aiolaunch  # noqa: F401
@@ -817,7 +839,7 @@ def main() -> None:
             reply = {"ok": True, "metrics": metrics}
         except Check as e:
             reply = {"ok": False, "error": f"check failed: {e}"}
-        except BaseException as e:  # noqa: BLE001 - report, keep serving
+        except BaseException as e:
             reply = {"ok": False, "error": "".join(traceback.format_exception(e))[-2000:]}
         # trials must not leak signal handlers into each other
         for s in (signal.SIGTERM, signal.SIGINT):

@@ -1,10 +1,11 @@
 """The trivial training script of the end-to-end benchmark (launched by aiolaunch / torchrun).
 
-    _e2e_script.py trivial   every rank stamps "RANK start0 T" and exits 0
-    _e2e_script.py restart   attempt 0: rank 0 waits until all ranks run, stamps
-                             "0 fail T" and exits 1 (the others sleep); attempt 1:
-                             every rank stamps "RANK start1 T" and exits 0
+_e2e_script.py trivial   every rank stamps "RANK start0 T" and exits 0
+_e2e_script.py restart   attempt 0: rank 0 waits until all ranks run, stamps
+                         "0 fail T" and exits 1 (the others sleep); attempt 1:
+                         every rank stamps "RANK start1 T" and exits 0
 """
+
 import os
 import sys
 import time

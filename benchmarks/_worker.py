@@ -1,4 +1,5 @@
 """Python fallback of _worker.c (used when no C compiler is found); same modes."""
+
 import os
 import signal
 import sys
@@ -41,12 +42,15 @@ def main(argv):
         os._exit(0)
     if mode == "bulk":
         rank, mib = int(argv[2]), int(argv[3])
-        block = bytearray(bytes(((ord("a") + (i % 128) % 26) if i % 128 != 127 else 10) for i in range(128)) * 8192)
+        block = bytearray(
+            bytes(((ord("a") + (i % 128) % 26) if i % 128 != 127 else 10) for i in range(128))
+            * 8192
+        )
         for k in range(mib):
             block[:15] = b"%03d %010d " % (rank, k)
             view = memoryview(block)
             while view:
-                view = view[os.write(1, view):]
+                view = view[os.write(1, view) :]
         os._exit(0)
     os._exit(3)
 

@@ -36,6 +36,9 @@ VARIANT_LABEL = {
     "torchrun": "torchrun",
 }
 
+#: Variants that need torch: dropped (with their targets) when it is not installed.
+TORCH_VARIANTS = ("torch", "torch-p0.1", "torchrun")
+
 
 # ------------------------------------------------------------------ plan
 @dataclass
@@ -76,17 +79,31 @@ def plan(quick: bool) -> list[Case]:
     for n in (1, 4, 16, 64):
         k = 3 if q else 12
         cases.append(
-            Case("launch_bin", f"binaries N={n}", "launch_bin", {"n": n},
-                 {"aiolaunch": k, "torch": k, "raw": k}, ["all_running_ms", "call_returned_ms"], warmup=1)
+            Case(
+                "launch_bin",
+                f"binaries N={n}",
+                "launch_bin",
+                {"n": n},
+                {"aiolaunch": k, "torch": k, "raw": k},
+                ["all_running_ms", "call_returned_ms"],
+                warmup=1,
+            )
         )
     for method in ("spawn", "forkserver"):
         for n in ((1, 4) if method == "spawn" else (1,)) if q else (1, 4, 16):
             k = {1: 6, 4: 4, 16: 3}[n] if not q else 2
             kt = {1: 4, 4: 3, 16: 2}[n] if not q else 1
             cases.append(
-                Case("launch_fn", f"functions {method} N={n}", "launch_fn", {"n": n, "method": method},
-                     {"aiolaunch": k, "torch": kt, "raw": k}, ["all_running_ms", "call_returned_ms"],
-                     warmup=1 if n == 1 else 0, timeout=300)
+                Case(
+                    "launch_fn",
+                    f"functions {method} N={n}",
+                    "launch_fn",
+                    {"n": n, "method": method},
+                    {"aiolaunch": k, "torch": kt, "raw": k},
+                    ["all_running_ms", "call_returned_ms"],
+                    warmup=1 if n == 1 else 0,
+                    timeout=300,
+                )
             )
     # exit detection --------------------------------------------------------
     for n in (1, 8, 64):
@@ -95,65 +112,167 @@ def plan(quick: bool) -> list[Case]:
             kt = 1 if q else 8
             tgt = [Target("user_exit_to_return_ms", "p99", "<=", 5.0)] if n <= 8 else []
             cases.append(
-                Case("exit_bin", f"binaries N={n} exit {code}", "exit_bin", {"n": n, "code": code},
-                     {"aiolaunch": k, "torch": kt, "torch-p0.1": 2 * kt, "raw": k}, ["detect_ms", "user_exit_to_return_ms"],
-                     warmup=1, targets=tgt)
+                Case(
+                    "exit_bin",
+                    f"binaries N={n} exit {code}",
+                    "exit_bin",
+                    {"n": n, "code": code},
+                    {"aiolaunch": k, "torch": kt, "torch-p0.1": 2 * kt, "raw": k},
+                    ["detect_ms", "user_exit_to_return_ms"],
+                    warmup=1,
+                    targets=tgt,
+                )
             )
     for n in (1,) if q else (1, 4):
         for code in (0, 1):
             k = 5 if q else 20
             kt = 1 if q else 3
             cases.append(
-                Case("exit_fn", f"functions spawn N={n} exit {code}", "exit_fn", {"n": n, "code": code},
-                     {"aiolaunch": k, "torch": kt, "torch-p0.1": kt, "raw": k}, ["detect_ms", "user_exit_to_return_ms"],
-                     warmup=1 if (n, code) == (1, 0) else 0, targets=[Target("detect_ms", "p99", "<=", 10.0)],
-                     timeout=300)
+                Case(
+                    "exit_fn",
+                    f"functions spawn N={n} exit {code}",
+                    "exit_fn",
+                    {"n": n, "code": code},
+                    {"aiolaunch": k, "torch": kt, "torch-p0.1": kt, "raw": k},
+                    ["detect_ms", "user_exit_to_return_ms"],
+                    warmup=1 if (n, code) == (1, 0) else 0,
+                    targets=[Target("detect_ms", "p99", "<=", 10.0)],
+                    timeout=300,
+                )
             )
     # shutdown ------------------------------------------------------------
     k = 3 if q else 10
-    cases.append(Case("shutdown", "close() N=8 well-behaved", "shutdown", {"n": 8, "mode": "sleep", "timeout": 30},
-                      {"aiolaunch": k, "torch": k, "raw": k}, ["close_ms"]))
+    cases.append(
+        Case(
+            "shutdown",
+            "close() N=8 well-behaved",
+            "shutdown",
+            {"n": 8, "mode": "sleep", "timeout": 30},
+            {"aiolaunch": k, "torch": k, "raw": k},
+            ["close_ms"],
+        )
+    )
     k = 2 if q else 4
-    cases.append(Case("shutdown", "close(timeout=1) N=8 ignore SIGTERM", "shutdown",
-                      {"n": 8, "mode": "ignore", "timeout": 1},
-                      {"aiolaunch": k, "torch": k, "raw": k}, ["close_ms", "overshoot_ms"]))
+    cases.append(
+        Case(
+            "shutdown",
+            "close(timeout=1) N=8 ignore SIGTERM",
+            "shutdown",
+            {"n": 8, "mode": "ignore", "timeout": 1},
+            {"aiolaunch": k, "torch": k, "raw": k},
+            ["close_ms", "overshoot_ms"],
+        )
+    )
     # tee latency and throughput ---------------------------------------------
     k = 2 if q else 5
-    cases.append(Case("tee_latency", "4 workers x {} lines, 5 ms apart".format(60 if q else 200), "tee_latency",
-                      {"n": 4, "lines": 60 if q else 200, "interval_us": 5000},
-                      {"aiolaunch": k, "torch": k, "raw": k}, ["line_ms"],
-                      targets=[Target("line_ms", "p50", "<=", 1.0), Target("line_ms", "p99", "<=", 5.0)]))
+    cases.append(
+        Case(
+            "tee_latency",
+            f"4 workers x {60 if q else 200} lines, 5 ms apart",
+            "tee_latency",
+            {"n": 4, "lines": 60 if q else 200, "interval_us": 5000},
+            {"aiolaunch": k, "torch": k, "raw": k},
+            ["line_ms"],
+            targets=[Target("line_ms", "p50", "<=", 1.0), Target("line_ms", "p99", "<=", 5.0)],
+        )
+    )
     mib = 8 if q else 64
     k = 2 if q else 4
-    cases.append(Case("throughput", f"redirect 8 x {mib} MiB", "throughput", {"n": 8, "mib": mib, "tee": False},
-                      {"aiolaunch": k, "torch-p0.1": k, "raw": k}, ["MB_per_s", "cpu_ms_per_MB"], higher_better=True,
-                      targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=0.5)], timeout=300))
+    cases.append(
+        Case(
+            "throughput",
+            f"redirect 8 x {mib} MiB",
+            "throughput",
+            {"n": 8, "mib": mib, "tee": False},
+            {"aiolaunch": k, "torch-p0.1": k, "raw": k},
+            ["MB_per_s", "cpu_ms_per_MB"],
+            higher_better=True,
+            targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=0.5)],
+            timeout=300,
+        )
+    )
     mib = 2 if q else 16
     k = 2 if q else 3
-    cases.append(Case("throughput", f"tee 8 x {mib} MiB", "throughput", {"n": 8, "mib": mib, "tee": True},
-                      {"aiolaunch": k, "torch-p0.1": k, "raw": k}, ["MB_per_s", "cpu_ms_per_MB"], higher_better=True,
-                      targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=3.0)], timeout=300))
+    cases.append(
+        Case(
+            "throughput",
+            f"tee 8 x {mib} MiB",
+            "throughput",
+            {"n": 8, "mib": mib, "tee": True},
+            {"aiolaunch": k, "torch-p0.1": k, "raw": k},
+            ["MB_per_s", "cpu_ms_per_MB"],
+            higher_better=True,
+            targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=3.0)],
+            timeout=300,
+        )
+    )
     # idle CPU --------------------------------------------------------------
     secs = 3 if q else 10
     k = 1 if q else 2
-    cases.append(Case("idle_cpu", f"16 sleeping workers, wait(timeout={secs})", "idle_cpu", {"n": 16, "secs": secs},
-                      {"aiolaunch": k, "torch": k, "raw": k} if q else
-                      {"aiolaunch": k, "torch": k, "torch-p0.1": k, "raw": k}, ["cpu_ms_per_s"],
-                      targets=[Target("cpu_ms_per_s", "median", "<=", 1.0)]))
+    cases.append(
+        Case(
+            "idle_cpu",
+            f"16 sleeping workers, wait(timeout={secs})",
+            "idle_cpu",
+            {"n": 16, "secs": secs},
+            {"aiolaunch": k, "torch": k, "raw": k}
+            if q
+            else {"aiolaunch": k, "torch": k, "torch-p0.1": k, "raw": k},
+            ["cpu_ms_per_s"],
+            targets=[Target("cpu_ms_per_s", "median", "<=", 1.0)],
+        )
+    )
     # scale -----------------------------------------------------------------
     for n in (256,) if q else (256, 1024):
         k = 1 if q else (3 if n == 256 else 2)
-        cases.append(Case("scale", f"{n} binaries launched and reaped", "scale", {"n": n},
-                          {"aiolaunch": k, "torch-p0.1": k, "raw": k},
-                          ["wall_ms", "launch_ms", "reap_ms", "peak_rss_MB", "fds", "threads"], timeout=300))
+        cases.append(
+            Case(
+                "scale",
+                f"{n} binaries launched and reaped",
+                "scale",
+                {"n": n},
+                {"aiolaunch": k, "torch-p0.1": k, "raw": k},
+                ["wall_ms", "launch_ms", "reap_ms", "peak_rss_MB", "fds", "threads"],
+                timeout=300,
+            )
+        )
+    # startup: `import aiolaunch` and `aiolaunch --help` (fresh interpreters) -
+    k = 3 if q else 10
+    cases.append(
+        Case(
+            "startup",
+            "import, --help (fresh interpreter)",
+            "startup",
+            {},
+            {"aiolaunch": k, "torch": 1 if q else 3},  # torch imports for seconds
+            ["import_ms", "help_ms"],
+            targets=[Target("import_ms", "median", "<=", 1000.0)],
+        )
+    )
     # end to end ------------------------------------------------------------
     k = 1 if q else 5
-    cases.append(Case("e2e", "CLI, 4 workers, trivial script", "e2e", {"mode": "trivial"},
-                      {"aiolaunch": k, "torchrun": k}, ["wall_ms"],
-                      targets=[Target("wall_ms", "median", ">=", vs="torchrun", factor=2.0)]))
-    cases.append(Case("e2e", "CLI restart turnaround (--max-restarts 1)", "e2e", {"mode": "restart"},
-                      {"aiolaunch": k, "torchrun": k}, ["turnaround_ms", "wall_ms"],
-                      targets=[Target("turnaround_ms", "median", ">=", vs="torchrun", factor=2.0)]))
+    cases.append(
+        Case(
+            "e2e",
+            "CLI, 4 workers, trivial script",
+            "e2e",
+            {"mode": "trivial"},
+            {"aiolaunch": k, "torchrun": k},
+            ["wall_ms"],
+            targets=[Target("wall_ms", "median", ">=", vs="torchrun", factor=2.0)],
+        )
+    )
+    cases.append(
+        Case(
+            "e2e",
+            "CLI restart turnaround (--max-restarts 1)",
+            "e2e",
+            {"mode": "restart"},
+            {"aiolaunch": k, "torchrun": k},
+            ["turnaround_ms", "wall_ms"],
+            targets=[Target("turnaround_ms", "median", ">=", vs="torchrun", factor=2.0)],
+        )
+    )
     return cases
 
 
@@ -169,11 +288,17 @@ class Driver:
     def start(self) -> None:
         r, w = os.pipe()
         env = dict(self.env, BENCH_RESULT_FD=str(w))
-        self.err = open(os.path.join(self.logdir, f"driver-{self.impl}.log"), "ab")
+        # Closed in stop(): the driver outlives this method.
+        self.err = open(os.path.join(self.logdir, f"driver-{self.impl}.log"), "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [PY, os.path.join(HERE, "_driver.py"), self.impl],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
-            pass_fds=(w,), env=env, cwd=HERE, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=self.err,
+            pass_fds=(w,),
+            env=env,
+            cwd=HERE,
+            start_new_session=True,
         )
         os.close(w)
         self.rfile = os.fdopen(r, "r")
@@ -205,13 +330,18 @@ class Driver:
             self.start()
         assert self.proc is not None and self.proc.stdin is not None
         try:
-            self.proc.stdin.write((json.dumps({"bench": bench, "variant": variant, "params": params}) + "\n").encode())
+            self.proc.stdin.write(
+                (json.dumps({"bench": bench, "variant": variant, "params": params}) + "\n").encode()
+            )
             self.proc.stdin.flush()
             reply = self._read(timeout)
         except (BrokenPipeError, ValueError, OSError) as e:
             reply = {"ok": False, "error": f"driver died: {e}"}
         if reply is None:
-            reply = {"ok": False, "error": f"no answer within {timeout:.0f}s (driver killed; see {self.err.name})"}
+            reply = {
+                "ok": False,
+                "error": f"no answer within {timeout:.0f}s (driver killed; see {self.err.name})",
+            }
             self.stop()  # kills the driver's whole session: its workers too
             self.restarts += 1
         return reply
@@ -228,10 +358,15 @@ def e2e_trial(variant: str, params: dict, env: dict[str, str], tmp: str) -> dict
         argv += ["--max-restarts", "1"]
     argv += [os.path.join(HERE, "_e2e_script.py"), mode]
     t0 = mono()
-    p = subprocess.run(argv, env=dict(env, BENCH_STAMP=stamp), cwd=d, capture_output=True, timeout=120)
+    p = subprocess.run(
+        argv, env=dict(env, BENCH_STAMP=stamp), cwd=d, capture_output=True, timeout=120
+    )
     wall = mono() - t0
     if p.returncode != 0:
-        return {"ok": False, "error": f"exit status {p.returncode}: {p.stderr.decode(errors='replace')[-800:]}"}
+        return {
+            "ok": False,
+            "error": f"exit status {p.returncode}: {p.stderr.decode(errors='replace')[-800:]}",
+        }
     st: dict[str, dict[int, float]] = {}
     with open(stamp) as f:
         for line in f:
@@ -244,6 +379,26 @@ def e2e_trial(variant: str, params: dict, env: dict[str, str], tmp: str) -> dict
         if 0 not in st.get("fail", {}) or len(st.get("start1", {})) != 4:
             return {"ok": False, "error": f"restart did not run 4 workers in attempt 1: {st}"}
         out["turnaround_ms"] = (max(st["start1"].values()) - st["fail"][0]) * 1e3
+    return {"ok": True, "metrics": out}
+
+
+def startup_trial(variant: str, env: dict[str, str]) -> dict:
+    """Wall time of a fresh interpreter importing the package, and of the CLI's ``--help``.
+
+    torch: ``import torch.distributed.run`` and ``python -m torch.distributed.run --help``
+    (torchrun). Each includes the interpreter's own start-up (a few tens of ms).
+    """
+    mod = "aiolaunch" if variant == "aiolaunch" else "torch.distributed.run"
+    out = {}
+    for metric, argv in (
+        ("import_ms", [PY, "-c", f"import {mod}"]),
+        ("help_ms", [PY, "-m", mod, "--help"]),
+    ):
+        t0 = mono()
+        p = subprocess.run(argv, env=env, capture_output=True, timeout=120)
+        if p.returncode != 0:
+            return {"ok": False, "error": f"{argv[1:]}: {p.stderr.decode(errors='replace')[-400:]}"}
+        out[metric] = (mono() - t0) * 1e3
     return {"ok": True, "metrics": out}
 
 
@@ -290,12 +445,17 @@ def cpu_model() -> str:
 def versions(env: dict[str, str]) -> dict:
     code = (
         "import json, sys, importlib.metadata as md, aiolaunch; "
-        "print(json.dumps({'python': sys.version.split()[0], 'torch': md.version('torch'), "
-        "'aiolaunch': getattr(aiolaunch, '__version__', '?'), 'aiolaunch_path': aiolaunch.__file__}))"
+        "t = [d for d in md.distributions() if d.metadata['Name'] == 'torch']; "
+        "print(json.dumps({'python': sys.version.split()[0], "
+        "'torch': t[0].version if t else None, "
+        "'aiolaunch': getattr(aiolaunch, '__version__', '?'), "
+        "'aiolaunch_path': aiolaunch.__file__}))"
     )
     p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
-        raise RuntimeError(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "import failed")
+        raise RuntimeError(
+            p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "import failed"
+        )
     return json.loads(p.stdout)
 
 
@@ -303,23 +463,38 @@ def build_worker(tmp: str) -> list[str]:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc:
         exe = os.path.join(tmp, "bench_worker")
-        p = subprocess.run([cc, "-O2", "-o", exe, os.path.join(HERE, "_worker.c")], capture_output=True)
+        p = subprocess.run(
+            [cc, "-O2", "-o", exe, os.path.join(HERE, "_worker.c")], capture_output=True
+        )
         if p.returncode == 0:
             return [exe]
-        print(f"note: cc failed ({p.stderr.decode()[:200]}); using the Python worker", file=sys.stderr)
+        print(
+            f"note: cc failed ({p.stderr.decode()[:200]}); using the Python worker", file=sys.stderr
+        )
     return [PY, "-S", "-I", os.path.join(HERE, "_worker.py")]
 
 
 # ------------------------------------------------------------------ main
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer trials and sizes (CI smoke run, < 2 min)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer trials and sizes (CI smoke run, < 2 min)"
+    )
     ap.add_argument("--only", default="", help="comma-separated benchmark groups (see --list)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
-    ap.add_argument("--list", action="store_true", help="list benchmark groups and cases, then exit")
-    ap.add_argument("--replot", action="store_true", help="re-render results.md/png from OUT/results.json")
-    ap.add_argument("--readme", action="store_true",
-                    help="also write the table into README.md between the bench markers")
+    ap.add_argument(
+        "--list", action="store_true", help="list benchmark groups and cases, then exit"
+    )
+    ap.add_argument(
+        "--replot", action="store_true", help="re-render results.md/png from OUT/results.json"
+    )
+    ap.add_argument(
+        "--readme",
+        action="store_true",
+        help="also write the table into README.md between the bench markers",
+    )
     a = ap.parse_args()
     if a.replot:
         with open(os.path.join(a.out, "results.json")) as f:
@@ -356,9 +531,15 @@ def main() -> int:
     env["PYTHONUNBUFFERED"] = "1"
     try:
         vers = versions(env)
-    except Exception as e:  # noqa: BLE001
-        print(f"setup error: cannot import aiolaunch and torch: {e}", file=sys.stderr)
+    except Exception as e:
+        print(f"setup error: cannot import aiolaunch: {e}", file=sys.stderr)
         return 2
+    if vers["torch"] is None:
+        # The no-torch CI job: aiolaunch against the raw floor only.
+        for c in cases:
+            c.trials = {v: k for v, k in c.trials.items() if v not in TORCH_VARIANTS}
+            c.targets = [t for t in c.targets if t.vs not in TORCH_VARIANTS]
+        cases = [c for c in cases if c.trials]
     worker = build_worker(tmp)
     env["BENCH_WORKER"] = json.dumps(worker)
     meta = {
@@ -366,12 +547,17 @@ def main() -> int:
         "machine": {"nproc": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform()},
         "versions": vers,
         "quick": a.quick,
-        "worker": "C (benchmarks/_worker.c)" if len(worker) == 1 else "Python fallback (benchmarks/_worker.py)",
-        "notes": [],
+        "worker": "C (benchmarks/_worker.c)"
+        if len(worker) == 1
+        else "Python fallback (benchmarks/_worker.py)",
+        "notes": [] if vers["torch"] else ["torch not installed: torch rows left out"],
         "loadavg_start": os.getloadavg(),
     }
-    print(f"aiolaunch {vers['aiolaunch']} ({vers['aiolaunch_path']}), torch {vers['torch']}, "
-          f"python {vers['python']}; {meta['machine']['nproc']} x {meta['machine']['cpu']}; worker: {meta['worker']}")
+    print(
+        f"aiolaunch {vers['aiolaunch']} ({vers['aiolaunch_path']}), torch {vers['torch']}, "
+        f"python {vers['python']}; {meta['machine']['nproc']} x {meta['machine']['cpu']}; "
+        f"worker: {meta['worker']}"
+    )
 
     drivers: dict[str, Driver] = {}
     warmed: set[tuple[str, str]] = set()
@@ -382,7 +568,9 @@ def main() -> int:
     if any(c.bench == "e2e" for c in cases):
         cli_ok, cli_why = cli_available(env)
         if not cli_ok:
-            meta["notes"].append(f"aiolaunch CLI skipped: `python -m aiolaunch --help` fails ({cli_why})")
+            meta["notes"].append(
+                f"aiolaunch CLI skipped: `python -m aiolaunch --help` fails ({cli_why})"
+            )
             print(f"note: aiolaunch CLI not available yet, e2e runs torchrun only ({cli_why})")
     try:
         for case in cases:
@@ -393,7 +581,9 @@ def main() -> int:
                 skipped["aiolaunch"] = f"skipped: CLI not available ({cli_why})"
                 variants.pop("aiolaunch")
 
-            def one(variant: str) -> dict:
+            def one(variant: str, case: Case = case) -> dict:
+                if case.bench == "startup":
+                    return startup_trial(variant, env)
                 if case.bench == "e2e":
                     try:
                         return e2e_trial(variant, case.params, env, tmp)
@@ -426,9 +616,15 @@ def main() -> int:
                     for m, x in r["metrics"].items():
                         samples[v].setdefault(m, []).extend(x if isinstance(x, list) else [x])
             row = {
-                "group": case.group, "label": case.label, "bench": case.bench, "params": case.params,
-                "higher_better": case.higher_better, "main_metrics": case.metrics,
-                "stats": {v: {m: summarize(xs) for m, xs in ms.items()} for v, ms in samples.items()},
+                "group": case.group,
+                "label": case.label,
+                "bench": case.bench,
+                "params": case.params,
+                "higher_better": case.higher_better,
+                "main_metrics": case.metrics,
+                "stats": {
+                    v: {m: summarize(xs) for m, xs in ms.items()} for v, ms in samples.items()
+                },
                 "errors": {v: e for v, e in errors.items() if e},
                 "skipped": skipped,
                 "trials": variants,
@@ -461,16 +657,30 @@ def main() -> int:
                 met = None
                 if val is not None and bound is not None and not errors.get("aiolaunch"):
                     met = val <= bound if t.op == "<=" else val >= bound
-                tres.append({"target": t.describe(), "metric": t.metric, "value": val, "bound": bound, "met": met})
+                tres.append(
+                    {
+                        "target": t.describe(),
+                        "metric": t.metric,
+                        "value": val,
+                        "bound": bound,
+                        "met": met,
+                    }
+                )
             row["targets"] = tres
             fail = any(errors.values())
             any_fail |= fail
             row["status"] = "FAIL" if fail else "ok"
             results.append(row)
-            print(f"[{mono() - t_start:6.1f}s] {case.group:11s} {case.label:42s} {row['status']:4s} "
-                  + "  ".join(f"{v}={row['stats'][v][case.metrics[0]]['median']:.3g}"
-                              for v in variants if case.metrics[0] in row["stats"][v])
-                  + "".join(f"\n      FAIL {v}: {e[0][-300:]}" for v, e in row["errors"].items()), flush=True)
+            print(
+                f"[{mono() - t_start:6.1f}s] {case.group:11s} {case.label:42s} {row['status']:4s} "
+                + "  ".join(
+                    f"{v}={row['stats'][v][case.metrics[0]]['median']:.3g}"
+                    for v in variants
+                    if case.metrics[0] in row["stats"][v]
+                )
+                + "".join(f"\n      FAIL {v}: {e[0][-300:]}" for v, e in row["errors"].items()),
+                flush=True,
+            )
     finally:
         for d in drivers.values():
             d.restarts += 0
@@ -486,7 +696,7 @@ def main() -> int:
         f.write(md)
     try:
         render_png(out, os.path.join(a.out, "results.png"))
-    except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
+    except Exception as e:
         print(f"warning: plot failed: {e}", file=sys.stderr)
     if not any_fail:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -538,8 +748,11 @@ def fmt(x: float | None) -> str:
 
 def caption(meta: dict) -> str:
     v, m = meta["versions"], meta["machine"]
-    return (f"{meta['date'][:16].replace('T', ' ')} | {m['nproc']} x {m['cpu']} | python {v['python']}, "
-            f"torch {v['torch']}, aiolaunch {v['aiolaunch']}{' | --quick' if meta['quick'] else ''}")
+    return (
+        f"{meta['date'][:16].replace('T', ' ')} | {m['nproc']} x {m['cpu']} | "
+        f"python {v['python']}, "
+        f"torch {v['torch']}, aiolaunch {v['aiolaunch']}{' | --quick' if meta['quick'] else ''}"
+    )
 
 
 def render_md(out: dict) -> str:
@@ -547,21 +760,35 @@ def render_md(out: dict) -> str:
     variants = ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]
     load = ""
     if "loadavg_end" in meta:
-        load = (f"; 1-min load average {meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end "
-                f"(on {meta['machine']['nproc']} CPUs: above that, other processes competed for the CPU)")
-    lines = [f"# aiolaunch benchmarks\n\n{caption(meta)}  \nworker binary: {meta['worker']}; "
-             f"total {meta['total_seconds']} s{load}\n"]
+        load = (
+            f"; 1-min load average {meta['loadavg_start'][0]:.1f} at start, "
+            f"{meta['loadavg_end'][0]:.1f} at end (on {meta['machine']['nproc']} CPUs: "
+            "above that, other processes competed for the CPU)"
+        )
+    lines = [
+        f"# aiolaunch benchmarks\n\n{caption(meta)}  \nworker binary: {meta['worker']}; "
+        f"total {meta['total_seconds']} s{load}\n"
+    ]
     for n in meta["notes"]:
         lines.append(f"> note: {n}\n")
-    lines.append("Cells: median (p99) [min–max], n samples. `speedup` = torch/aiolaunch for times, "
-                 "aiolaunch/torch for throughput (> 1: aiolaunch better).\n")
-    hdr = ["benchmark", "case", "metric"] + [VARIANT_LABEL[v] for v in variants] + ["speedup vs torch", "target", "met"]
+    lines.append(
+        "Cells: median (p99) [min-max], n samples. `speedup` = torch/aiolaunch for times, "
+        "aiolaunch/torch for throughput (> 1: aiolaunch better).\n"
+    )
+    hdr = (
+        ["benchmark", "case", "metric"]
+        + [VARIANT_LABEL[v] for v in variants]
+        + ["speedup vs torch", "target", "met"]
+    )
     lines.append("| " + " | ".join(hdr) + " |")
     lines.append("|" + "---|" * len(hdr))
     for r in out["results"]:
         for mi, m in enumerate(r["main_metrics"]):
-            cells = [r["group"] if mi == 0 else "", (r["label"] + (" **FAIL**" if r["status"] == "FAIL" else ""))
-                     if mi == 0 else "", m]
+            cells = [
+                r["group"] if mi == 0 else "",
+                (r["label"] + (" **FAIL**" if r["status"] == "FAIL" else "")) if mi == 0 else "",
+                m,
+            ]
             for v in variants:
                 s = r["stats"].get(v, {}).get(m)
                 if v in r.get("skipped", {}) and mi == 0:
@@ -570,23 +797,37 @@ def render_md(out: dict) -> str:
                     cells.append("FAIL")
                 elif s:
                     fl = " FAIL" if v in r["errors"] else ""
-                    cells.append(f"{fmt(s['median'])} ({fmt(s['p99'])}) [{fmt(s['min'])}–{fmt(s['max'])}] n={s['n']}{fl}")
+                    cells.append(
+                        f"{fmt(s['median'])} ({fmt(s['p99'])}) "
+                        f"[{fmt(s['min'])}-{fmt(s['max'])}] n={s['n']}{fl}"
+                    )
                 else:
                     cells.append("")
             rat = r["ratios"].get(m, {})
-            cells.append(", ".join(f"{fmt(x)}x vs {VARIANT_LABEL[v].split(' (')[0]}"
-                                   + (f"{' p0.1' if v == 'torch-p0.1' else ''}")
-                                   for v, x in rat.items() if v != "raw"))
+            cells.append(
+                ", ".join(
+                    f"{fmt(x)}x vs {VARIANT_LABEL[v].split(' (')[0]}"
+                    + (f"{' p0.1' if v == 'torch-p0.1' else ''}")
+                    for v, x in rat.items()
+                    if v != "raw"
+                )
+            )
             ts = [t for t in r["targets"] if t["metric"] == m]
             cells.append("; ".join(t["target"] for t in ts))
-            cells.append("; ".join({True: "met", False: "NOT met", None: "n/a"}[t["met"]] + f" ({fmt(t['value'])})"
-                                   for t in ts))
+            cells.append(
+                "; ".join(
+                    {True: "met", False: "NOT met", None: "n/a"}[t["met"]] + f" ({fmt(t['value'])})"
+                    for t in ts
+                )
+            )
             lines.append("| " + " | ".join(cells) + " |")
     errs = [(r, v, e) for r in out["results"] for v, es in r["errors"].items() for e in es[:1]]
     if errs:
         lines.append("\n## Failures\n")
         for r, v, e in errs:
-            lines.append(f"- {r['group']} / {r['label']} / {v}: `{e.strip().splitlines()[-1][:300]}`")
+            lines.append(
+                f"- {r['group']} / {r['label']} / {v}: `{e.strip().splitlines()[-1][:300]}`"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -596,12 +837,22 @@ def render_png(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"aiolaunch": "#1f77b4", "torch": "#d62728", "torch-p0.1": "#ff9896", "torchrun": "#d62728",
-              "raw": "#7f7f7f"}
+    colors = {
+        "aiolaunch": "#1f77b4",
+        "torch": "#d62728",
+        "torch-p0.1": "#ff9896",
+        "torchrun": "#d62728",
+        "raw": "#7f7f7f",
+    }
     panels = [
         ("launch_bin", "all_running_ms", "launch: call → all binaries run (ms)", True),
         ("launch_fn", "all_running_ms", "launch: call → all functions run (ms)", True),
-        ("exit_bin", "user_exit_to_return_ms", "binaries: last instruction → wait() returns (ms)", True),
+        (
+            "exit_bin",
+            "user_exit_to_return_ms",
+            "binaries: last instruction → wait() returns (ms)",
+            True,
+        ),
         ("exit_fn", "detect_ms", "functions: process gone → wait() returns (ms)", True),
         ("shutdown", "close_ms", "close() duration (ms)", True),
         ("tee_latency", "line_ms", "tee line latency (ms)", True),
@@ -619,24 +870,39 @@ def render_png(out: dict, path: str) -> None:
     ncol = 3
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.2 * ncol, 3.9 * nrow), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
-    for ax, (group, metric, title, logy) in zip(axes.flat, panels):
+    for ax, (group, metric, title, logy) in zip(axes.flat, panels, strict=False):
         rows = [r for r in res if r["group"] == group]
         bars = []  # (label, variant, median, p99)
         for r in rows:
-            for m in ([metric] if metric else r["main_metrics"][:1] if r["params"].get("mode") == "trivial"
-                      else ["turnaround_ms"]):
+            for m in (
+                [metric]
+                if metric
+                else r["main_metrics"][:1]
+                if r["params"].get("mode") == "trivial"
+                else ["turnaround_ms"]
+            ):
                 for v in ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]:
                     s = r["stats"].get(v, {}).get(m)
                     if s:
                         lab = r["label"].replace("binaries ", "").replace("functions ", "")
                         lab = lab.replace(" launched and reaped", "").replace("CLI ", "")
-                        lab = lab.replace("well-behaved", "").replace(" ignore SIGTERM", " ign. TERM")
-                        lab = lab.split(", wait(")[0].replace(", trivial script", "").replace(" (--max-restarts 1)", "")
+                        lab = lab.replace("well-behaved", "").replace(
+                            " ignore SIGTERM", " ign. TERM"
+                        )
+                        lab = (
+                            lab.split(", wait(")[0]
+                            .replace(", trivial script", "")
+                            .replace(" (--max-restarts 1)", "")
+                        )
                         bars.append((lab[:34], v, s["median"], s["p99"], v in r["errors"]))
         cases = list(dict.fromkeys(b[0] for b in bars))
-        vs = [v for v in ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"] if any(b[1] == v for b in bars)]
+        vs = [
+            v
+            for v in ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]
+            if any(b[1] == v for b in bars)
+        ]
         w = 0.8 / max(len(vs), 1)
         for j, v in enumerate(vs):
             xs, ys, errs = [], [], []
@@ -646,8 +912,16 @@ def render_png(out: dict, path: str) -> None:
                         xs.append(i + (j - (len(vs) - 1) / 2) * w)
                         ys.append(b[2])
                         errs.append(max(b[3] - b[2], 0))
-            ax.bar(xs, ys, w, yerr=[[0] * len(errs), errs], capsize=2, color=colors[v], label=VARIANT_LABEL[v],
-                   error_kw={"elinewidth": 0.8})
+            ax.bar(
+                xs,
+                ys,
+                w,
+                yerr=[[0] * len(errs), errs],
+                capsize=2,
+                color=colors[v],
+                label=VARIANT_LABEL[v],
+                error_kw={"elinewidth": 0.8},
+            )
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(cases, rotation=20, ha="right", fontsize=7)
         ax.set_title(title, fontsize=10)
@@ -656,7 +930,10 @@ def render_png(out: dict, path: str) -> None:
         ax.grid(axis="y", alpha=0.3, which="both")
         ax.tick_params(axis="y", labelsize=8)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle("aiolaunch vs torch.distributed.elastic — median, whisker = p99\n" + caption(out["meta"]), fontsize=11)
+    fig.suptitle(
+        "aiolaunch vs torch.distributed.elastic — median, whisker = p99\n" + caption(out["meta"]),
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=90)
     plt.close(fig)

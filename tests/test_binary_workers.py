@@ -363,7 +363,11 @@ async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
     from aiolaunch._workers import _guardian
 
     async with aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=sh(1, "exit 0"), envs=no_env(1), log_dir=str(tmp_path / "a"),
+        name="t",
+        entrypoint=SH,
+        args=sh(1, "exit 0"),
+        envs=no_env(1),
+        log_dir=str(tmp_path / "a"),
     ) as ctx:
         await ctx.wait()
     guard = _guardian.guardian()
@@ -374,7 +378,11 @@ async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
     while _alive(old) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     async with aiolaunch.start_processes(
-        name="t", entrypoint=SH, args=sh(1, "exit 0"), envs=no_env(1), log_dir=str(tmp_path / "b"),
+        name="t",
+        entrypoint=SH,
+        args=sh(1, "exit 0"),
+        envs=no_env(1),
+        log_dir=str(tmp_path / "b"),
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()

@@ -5,9 +5,9 @@ Signals go to a supervisor we start, never to the test runner.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from _helpers import alive, driver, wait_dead
+
 if TYPE_CHECKING:
+    import subprocess
+    from collections.abc import Iterator
     from pathlib import Path
 
 SUPERVISOR = textwrap.dedent(
@@ -28,8 +32,9 @@ SUPERVISOR = textwrap.dedent(
     def sleeper(path):
         import subprocess, time
         p = subprocess.Popen(["sleep", "60"])
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.write(str(p.pid))
+        os.replace(path + ".tmp", path)  # atomic: never read empty
         time.sleep(60)
 
     async def main():
@@ -37,7 +42,12 @@ SUPERVISOR = textwrap.dedent(
         before = {s: signal.getsignal(s) for s in SIGS}
         if kind == "binary":
             os.makedirs(logdir, exist_ok=True)
-            default = f"sleep 60 & echo $! > {logdir}/gc$RANK; wait"
+            # Exits cleanly on any forwarded signal (a background child of a
+            # non-interactive sh ignores SIGINT/SIGQUIT, so stop it explicitly).
+            default = (
+                "trap 'kill $c; exit 0' INT QUIT HUP TERM; "
+                f"sleep 60 & c=$!; echo $c > {logdir}/gc$RANK.tmp; mv {logdir}/gc$RANK.tmp {logdir}/gc$RANK; wait"
+            )
             script = sys.argv[4] if len(sys.argv) > 4 else default
             ctx = await aiolaunch.start_processes(
                 name="s", entrypoint="/bin/sh", args={0: ("-c", script), 1: ("-c", script)},
@@ -50,8 +60,12 @@ SUPERVISOR = textwrap.dedent(
                 args={0: (logdir + "/gc0",), 1: (logdir + "/gc1",)},
                 envs={0: {}, 1: {}}, log_dir=logdir + "/logs", shutdown_timeout=grace)
         task = asyncio.ensure_future(ctx.wait())
-        for _ in range(3):
-            await asyncio.sleep(0)
+        # Handshake: wait() has taken SIGTERM over (its handler is installed)
+        # before the test is told to signal us.
+        deadline = time.monotonic() + 30
+        while signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]:
+            assert time.monotonic() < deadline and not task.done(), "wait() took no signals"
+            await asyncio.sleep(0.001)
         print(json.dumps({"pids": ctx.pids()}), flush=True)
         try:
             await task
@@ -69,54 +83,33 @@ SUPERVISOR = textwrap.dedent(
 )
 
 
+@contextlib.contextmanager
 def _start(
     tmp_path: Path, *argv: str, ignore_hup: bool = False
-) -> tuple[subprocess.Popen[str], dict[str, int]]:
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+    """The supervisor script as a driver: default dispositions, killed and reaped at the end.
+
+    ``ignore_hup``: start it with SIGHUP ignored, as ``nohup`` does.
+    """
     script = tmp_path / "supervisor.py"
     script.write_text(SUPERVISOR)
-
-    def preexec() -> None:
-        if ignore_hup:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-    proc = subprocess.Popen(
-        [sys.executable, str(script), *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=preexec,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        _, err = proc.communicate()
-        pytest.fail(f"supervisor died early: {err}")
-    return proc, {k: int(v) for k, v in json.loads(line)["pids"].items()}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait_dead(pids: list[int], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return
-        time.sleep(0.01)
-    pytest.fail(f"processes still alive: {[p for p in pids if _alive(p)]}")
+    ignore = (signal.SIGHUP,) if ignore_hup else ()
+    with driver([sys.executable, str(script), *argv], ignore=ignore) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            _, err = proc.communicate()
+            pytest.fail(f"supervisor died early: {err}")
+        yield proc, {k: int(v) for k, v in json.loads(line)["pids"].items()}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_signal_is_forwarded_then_raised(tmp_path: Path, sig: signal.Signals) -> None:
-    proc, pids = _start(tmp_path, "binary", "5", str(tmp_path / "logs"))
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=30)
+    # A grace far above the communicate() bound: the workers must stop on the
+    # forwarded signal itself, not on the SIGKILL that ends the grace.
+    with _start(tmp_path, "binary", "300", str(tmp_path / "logs")) as (proc, pids):
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
     report = json.loads(out.strip().splitlines()[-1])
     assert report == {
         "outcome": "signal",
@@ -125,28 +118,31 @@ def test_signal_is_forwarded_then_raised(tmp_path: Path, sig: signal.Signals) ->
         "hup_ignored": False,
     }, err
     assert proc.returncode == 0
-    assert not any(_alive(p) for p in pids.values())
+    assert "SIGKILL" not in err, err
+    assert not any(alive(p) for p in pids.values())
 
 
 def test_signal_ignoring_workers_get_sigkill_after_grace(tmp_path: Path) -> None:
     script = "trap '' TERM; while :; do sleep 0.05; done"
-    proc, pids = _start(tmp_path, "binary", "0.3", str(tmp_path / "logs"), script)
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 10
+    with _start(tmp_path, "binary", "0.3", str(tmp_path / "logs"), script) as (proc, pids):
+        proc.send_signal(signal.SIGTERM)
+        # Bounded by the 0.3 s grace, not by the workers (they ignore SIGTERM).
+        out, err = proc.communicate(timeout=30)
     assert json.loads(out.strip().splitlines()[-1])["sigval"] == "SIGTERM"
     assert "SIGKILL" in err
-    assert not any(_alive(p) for p in pids.values())
+    assert not any(alive(p) for p in pids.values())
 
 
 def test_inherited_sig_ign_stays_ignored(tmp_path: Path) -> None:
-    proc, pids = _start(tmp_path, "binary", "5", str(tmp_path / "logs"), ignore_hup=True)
-    proc.send_signal(signal.SIGHUP)  # ignored, as nohup asked: workers keep running
-    time.sleep(0.3)
-    assert proc.poll() is None and all(_alive(p) for p in pids.values())
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    logs = str(tmp_path / "logs")
+    with _start(tmp_path, "binary", "5", logs, ignore_hup=True) as (proc, pids):
+        proc.send_signal(signal.SIGHUP)  # ignored, as nohup asked: workers keep running
+        # No event marks "a signal was ignored"; the SIGTERM below is the real
+        # check (a handled SIGHUP, delivered first, would be the reported one).
+        time.sleep(0.3)
+        assert proc.poll() is None and all(alive(p) for p in pids.values())
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
     report = json.loads(out.strip().splitlines()[-1])
     assert report["sigval"] == "SIGTERM" and report["restored"] and report["hup_ignored"]
 
@@ -158,18 +154,17 @@ def test_workers_die_with_a_sigkilled_supervisor(tmp_path: Path, kind: str) -> N
     Binary workers: the guardian kills their process groups; function workers:
     the lifeline thread does. Both reach grandchildren in the worker's group.
     """
-    proc, pids = _start(tmp_path, kind, "5", str(tmp_path / "w"))
-    grandchildren: list[int] = []
-    deadline = time.monotonic() + 30
-    while len(grandchildren) < 2 and time.monotonic() < deadline:
-        grandchildren = [
-            int(p.read_text()) for p in (tmp_path / "w").glob("gc*") if p.read_text().strip()
-        ]
-        time.sleep(0.02)
-    assert len(grandchildren) == 2
-    proc.kill()
-    proc.communicate(timeout=30)
-    _wait_dead([*pids.values(), *grandchildren])
+    with _start(tmp_path, kind, "5", str(tmp_path / "w")) as (proc, pids):
+        grandchildren: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(grandchildren) < 2 and time.monotonic() < deadline:
+            # pid files are renamed into place: a gc<rank> file is never empty
+            grandchildren = [int(p.read_text()) for p in (tmp_path / "w").glob("gc[0-9]")]
+            time.sleep(0.02)
+        assert len(grandchildren) == 2
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert not wait_dead([*pids.values(), *grandchildren])
 
 
 async def test_application_loop_signal_handler_is_restored(tmp_path: Path) -> None:
@@ -188,7 +183,11 @@ async def test_application_loop_signal_handler_is_restored(tmp_path: Path) -> No
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
         async with aiolaunch.start_processes(
-            name="s", entrypoint="/bin/true", args={0: ()}, envs={0: {}}, log_dir=str(tmp_path),
+            name="s",
+            entrypoint="/bin/true",
+            args={0: ()},
+            envs={0: {}},
+            log_dir=str(tmp_path),
         ) as ctx:
             await ctx.wait()
         handle = loop._signal_handlers[signal.SIGHUP]  # type: ignore[attr-defined]

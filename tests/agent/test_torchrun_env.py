@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -59,7 +59,9 @@ def _free_port() -> int:
         return port
 
 
-def _run(launcher: list[str], flags: list[str], tmp: Path, env: dict[str, str]) -> dict[int, dict]:
+def _run(
+    launcher: list[str], flags: list[str], tmp: Path, env: dict[str, str]
+) -> dict[int, dict[str, Any]]:
     script = tmp / "dump.py"
     script.write_text(DUMP)
     out = tmp / f"out_{len(list(tmp.glob('out_*')))}"
@@ -79,7 +81,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 AIOLAUNCH = [sys.executable, "-m", "aiolaunch"]
 
 
-def _compare(theirs: dict[int, dict], ours: dict[int, dict], may_differ: set[str]) -> None:
+def _compare(
+    theirs: dict[int, dict[str, Any]], ours: dict[int, dict[str, Any]], may_differ: set[str]
+) -> None:
     assert set(theirs) == set(ours) == {0, 1}
     for rank in (0, 1):
         t, o = theirs[rank], ours[rank]

@@ -16,13 +16,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _faultkit import alive, read_pids, wait_dead
 
 import aiolaunch
 from aiolaunch import Std
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -83,7 +86,7 @@ def spawn_group_children_then_fail(pid_dir: str, n: int) -> None:
     raise RuntimeError("parent failed with children alive")
 
 
-CRASHES = {
+CRASHES: dict[str, tuple[Callable[..., Any], tuple[Any, ...], int, str | None]] = {
     "exception": (crash_exception, ("boom-7",), 1, None),
     "os_exit_3": (crash_exit3, (), 3, None),
     "sigsegv": (crash_segv, (), -signal.SIGSEGV, "SIGSEGV"),
@@ -456,7 +459,7 @@ async def test_function_worker_closing_stdio_still_returns(tmp_path: Path) -> No
         redirects=Std.ALL,
     ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 20)
-    assert result is not None and not result.is_failed(), result.failures
+    assert result is not None and not result.is_failed(), result and result.failures
     assert result.return_values == {0: "done"}
     assert Path(result.stdouts[0]).read_bytes() == b"bye\n"
 

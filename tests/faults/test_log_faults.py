@@ -38,7 +38,7 @@ while i < len(data):
 
 def _garbage(seed: int, size: int, allow_cr: bool) -> bytes:
     rng = random.Random(seed)
-    parts = []
+    parts: list[bytes] = []
     while sum(map(len, parts)) < size:
         pick = rng.random()
         if pick < 0.3:
@@ -325,5 +325,6 @@ async def test_strip_ansi_on_the_console_only(
         result = await ctx.wait()
     assert result is not None
     assert Path(result.stdouts[0]).read_text() == ANSI + "\n"
-    assert capsys.readouterr().out == "[a0]:red plain bar\n"
-    assert not re.search("\x1b", capsys.readouterr().out)
+    console = capsys.readouterr().out
+    assert console == "[a0]:red plain bar\n"
+    assert not re.search("\x1b", console)

@@ -231,7 +231,9 @@ async def test_invalid_utf8_replaced_on_console_only(
     assert Path(result.stdouts[0]).read_bytes() == b"ok \xff\xfe bytes\n"
 
 
-async def test_console_dedup_merges_identical_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_console_dedup_merges_identical_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = (
         "import os, sys\n"
         "r = os.environ['R']\n"
@@ -240,8 +242,12 @@ async def test_console_dedup_merges_identical_lines(tmp_path: Path, capsys: pyte
         "print('epoch 1 done')\n"
     )
     async with aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable, args={r: ("-c", code) for r in range(4)},
-        envs={r: {"R": str(r)} for r in range(4)}, log_dir=str(tmp_path), tee=Std.OUT,
+        name="w",
+        entrypoint=sys.executable,
+        args={r: ("-c", code) for r in range(4)},
+        envs={r: {"R": str(r)} for r in range(4)},
+        log_dir=str(tmp_path),
+        tee=Std.OUT,
         console_dedup=5.0,
     ) as ctx:
         result = await ctx.wait()
@@ -253,11 +259,13 @@ async def test_console_dedup_merges_identical_lines(tmp_path: Path, capsys: pyte
     # each rank's own order is kept
     assert lines.index("[w0-3]:loading data") < lines.index("[w0-3]:epoch 1 done")
     for r in range(4):
-        assert Path(result.stdouts[r]).read_text() == f"loading data\nrank {r} shard\nepoch 1 done\n"
+        assert (
+            Path(result.stdouts[r]).read_text() == f"loading data\nrank {r} shard\nepoch 1 done\n"
+        )
 
 
 def test_rank_ranges() -> None:
-    from aiolaunch._logs._sinks import _rank_ranges
+    from aiolaunch._logs._dedup import rank_ranges as _rank_ranges
 
     assert _rank_ranges({0, 1, 2, 3, 6}) == "0-3,6"
     assert _rank_ranges({5}) == "5"
@@ -270,7 +278,7 @@ def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from aiolaunch._logs import _sinks
+    from aiolaunch._logs import _dedup as _sinks
 
     events = st.lists(
         st.tuples(st.integers(0, 3), st.sampled_from(["a", "b", "c", "d"])), max_size=40
@@ -291,12 +299,12 @@ def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
                 dedup.add("stdout", rank, [line])
             dedup.flush()
 
-        original = _sinks.console
-        _sinks.console = Capture  # type: ignore[assignment]
+        original = _sinks.console  # type: ignore[attr-defined]
+        _sinks.console = Capture  # type: ignore[attr-defined,assignment]
         try:
             asyncio.run(run())
         finally:
-            _sinks.console = original
+            _sinks.console = original  # type: ignore[attr-defined]
         seen: dict[int, list[str]] = {r: [] for r in range(4)}
         for text in "".join(written).splitlines():
             head, line = text.split("]:", 1)

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ._sinks import FileSink, Sink
+from ._file import FileSink
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
+
+    from ._sink import Sink
 
 __all__ = ["StreamPump"]
 
@@ -34,8 +36,14 @@ class StreamPump(asyncio.Protocol):
     through the transport's file object, only while it is not closing.
     """
 
-    def __init__(self, sinks: Sequence[Sink], rank: int = -1) -> None:
+    def __init__(
+        self,
+        sinks: Sequence[Sink],
+        rank: int = -1,
+        on_data: Callable[[int], None] | None = None,
+    ) -> None:
         self.sinks = list(sinks)
+        self._on_data = on_data
         self.rank = rank
         self.transport: asyncio.ReadTransport | None = None
         self.eof = asyncio.Event()
@@ -45,9 +53,18 @@ class StreamPump(asyncio.Protocol):
                 sink.flow_control = self._flow_control
 
     @classmethod
-    async def open(cls, read_fd: int, sinks: Sequence[Sink], rank: int = -1) -> StreamPump:
-        """Start reading ``read_fd`` (ownership passes to the pump's transport)."""
-        pump = cls(sinks, rank)
+    async def open(
+        cls,
+        read_fd: int,
+        sinks: Sequence[Sink],
+        rank: int = -1,
+        on_data: Callable[[int], None] | None = None,
+    ) -> StreamPump:
+        """Start reading ``read_fd`` (ownership passes to the pump's transport).
+
+        ``on_data(rank)`` is called for every chunk read (the output age).
+        """
+        pump = cls(sinks, rank, on_data)
         loop = asyncio.get_running_loop()
         pipe = os.fdopen(read_fd, "rb", buffering=0)
         try:
@@ -63,6 +80,8 @@ class StreamPump(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self._on_data is not None:
+            self._on_data(self.rank)
         for sink in self.sinks:
             sink.feed(data)
 

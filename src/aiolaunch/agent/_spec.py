@@ -62,6 +62,19 @@ class WorkerSpec:
         :class:`~aiolaunch.agent.StaticRendezvous` to fix its run id, address
         or port, or a torch ``RendezvousHandler`` (e.g. c10d) for several
         machines.
+    :param event_log_handler: torch's ``elastic.events`` handler the agent
+        records its events through (``"null"``: none; ``"console"``: one JSON
+        line per event on stderr; any handler registered with torch).
+    :param numa_options: a torch ``NumaOptions``: bind worker ``local_rank``
+        to the CPUs near GPU ``local_rank``, exactly as torch computes them
+        (binaries through ``numactl --physcpubind``, functions through
+        ``sched_setaffinity``); it fails, as torch does, where that cannot be
+        done (no GPU, no ``numactl``) unless ``should_fall_back_if_binding_fails``.
+    :param duplicate_stdout_filters: see :func:`aiolaunch.start_processes`.
+    :param duplicate_stderr_filters: see :func:`aiolaunch.start_processes`.
+    :param virtual_local_rank: every worker gets ``LOCAL_RANK=0`` and sees
+        only its own GPU (``CUDA_VISIBLE_DEVICES`` = entry ``local_rank`` of
+        the agent's ``CUDA_VISIBLE_DEVICES``, else ``local_rank``), as torch.
     """
 
     role: str
@@ -76,6 +89,11 @@ class WorkerSpec:
     master_port: int | None = None
     local_addr: str | None = None
     rdzv_handler: Any = None
+    event_log_handler: str = "null"
+    numa_options: Any = None
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
+    virtual_local_rank: bool = False
 
     def __post_init__(self) -> None:
         # Validate here, before anything starts: each message names the field

@@ -1,0 +1,347 @@
+"""The argument parser: torchrun's options, defaults, aliases and ``PET_*`` variables.
+
+Only the standard library is imported here, so ``aiolaunch --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_SIGNALS",
+    "NUMA_MODES",
+    "get_args_parser",
+    "parse_args",
+]
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+#: torch.numa.binding.AffinityMode values (spelled out: the parser imports no torch)
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
+
+class _Env(argparse.Action):
+    """An option whose default comes from ``PET_{DEST}`` when set (torch's ``env``)."""
+
+    def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
+        default = os.environ.get(f"PET_{dest.upper()}", default)
+        if default:
+            required = False
+        super().__init__(dest=dest, default=default, required=required, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class _CheckEnv(argparse.Action):
+    """A flag that is also on when ``PET_{DEST}`` is a non-zero int (torch's ``check_env``)."""
+
+    def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
+        default = bool(int(os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")))
+        super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, self.const)
+
+
+def _comma_separated_list(value: str) -> list[str]:
+    # torch's parsing: ",," escapes a comma
+    placeholder = "\0"
+    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """The argument parser: torchrun's options, defaults and aliases."""
+    p = argparse.ArgumentParser(
+        prog="aiolaunch",
+        description="aiolaunch: an asyncio-native, torchrun-compatible launcher. "
+        "Every option can also be set by the PET_<OPTION> environment variable, as with torchrun.",
+    )
+    add = p.add_argument
+    # worker/node sizes
+    add(
+        "--nnodes",
+        action=_Env,
+        type=str,
+        default="1:1",
+        help="Number of nodes, or the range of nodes in form <minimum_nodes>:<maximum_nodes>.",
+    )
+    add(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        action=_Env,
+        type=str,
+        default="1",
+        help="Number of workers per node; supported values: [auto, cpu, gpu, xpu, int].",
+    )
+    # rendezvous
+    add(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        action=_Env,
+        type=str,
+        default="static",
+        help="Rendezvous backend (static: one machine needs no torch; c10d for several).",
+    )
+    add(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        action=_Env,
+        type=str,
+        default="",
+        help="Rendezvous backend endpoint; usually in form <host>:<port>.",
+    )
+    add(
+        "--rdzv-id",
+        "--rdzv_id",
+        action=_Env,
+        type=str,
+        default="none",
+        help="User-defined group id.",
+    )
+    add(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        action=_Env,
+        type=str,
+        default="",
+        help="Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...).",
+    )
+    add(
+        "--standalone",
+        action=_CheckEnv,
+        help="Single-node job: a local rendezvous on a free port with a fresh run id "
+        "(no torch needed); --rdzv-backend, --rdzv-endpoint and --rdzv-id are auto-assigned, "
+        "as with torchrun.",
+    )
+    # user code
+    add(
+        "--max-restarts",
+        "--max_restarts",
+        action=_Env,
+        type=int,
+        default=0,
+        help="Maximum number of worker group restarts before failing.",
+    )
+    add(
+        "--monitor-interval",
+        "--monitor_interval",
+        action=_Env,
+        type=float,
+        default=0.1,
+        help="Accepted for torchrun compatibility: worker exits are events, not polls "
+        "(with a torch rendezvous it paces the check for joining nodes, at least 1 s).",
+    )
+    add(
+        "--start-method",
+        "--start_method",
+        action=_Env,
+        type=str,
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="Multiprocessing start method (used with --run-path).",
+    )
+    add(
+        "--event-log-handler",
+        "--event_log_handler",
+        action=_Env,
+        type=str,
+        default="null",
+        help="Name of a registered torch elastic events handler (null, console, or one "
+        "registered with torch): the agent records torchrun's events through it.",
+    )
+    add(
+        "--role",
+        action=_Env,
+        type=str,
+        default="default",
+        help="User-defined role for the workers.",
+    )
+    add(
+        "-m",
+        "--module",
+        action=_CheckEnv,
+        help="Run the script argument as a Python module, like 'python -m'.",
+    )
+    add(
+        "--no-python",
+        "--no_python",
+        action=_CheckEnv,
+        help="Execute the script directly instead of with 'python' (e.g. a binary).",
+    )
+    add(
+        "--run-path",
+        "--run_path",
+        action=_CheckEnv,
+        help="Run the script with runpy.run_path in a function worker (an absolute path). "
+        "Takes precedence over --no-python.",
+    )
+    add(
+        "--log-dir",
+        "--log_dir",
+        action=_Env,
+        type=str,
+        default=None,
+        help="Base directory for log files; reusable across runs (each run gets a unique "
+        "sub-directory prefixed with its run id).",
+    )
+    add(
+        "-r",
+        "--redirects",
+        action=_Env,
+        type=str,
+        default="0",
+        help="Redirect std streams into log files (e.g. -r 3 redirects stdout+stderr of all "
+        "workers, -r 0:1,1:2 stdout of local rank 0 and stderr of local rank 1).",
+    )
+    add(
+        "-t",
+        "--tee",
+        action=_Env,
+        type=str,
+        default="0",
+        help="Tee std streams into a log file and also to the console (format as --redirects).",
+    )
+    add(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        action=_Env,
+        type=str,
+        default="",
+        help="Only show the console output of these local ranks (e.g. 0,1,2); log files "
+        "are unaffected.",
+    )
+    add(
+        "--duplicate-stdout-filters",
+        "--duplicate_stdout_filters",
+        action=_Env,
+        type=_comma_separated_list,
+        default=[],
+        help="Also write tee'd stdout lines that contain any of these strings (comma-"
+        "separated; ',,' escapes a comma) to filtered_stdout.log, for all ranks.",
+    )
+    add(
+        "--duplicate-stderr-filters",
+        "--duplicate_stderr_filters",
+        action=_Env,
+        type=_comma_separated_list,
+        default=[],
+        help="Also write tee'd stderr lines that contain any of these strings to "
+        "filtered_stderr.log, for all ranks.",
+    )
+    # caffe2.distributed.launch compatibility
+    add(
+        "--node-rank",
+        "--node_rank",
+        action=_Env,
+        type=int,
+        default=0,
+        help="Rank of the node (static rendezvous with several nodes only).",
+    )
+    add(
+        "--master-addr",
+        "--master_addr",
+        action=_Env,
+        type=str,
+        default="127.0.0.1",
+        help="Address of the master node (static rendezvous only).",
+    )
+    add(
+        "--master-port",
+        "--master_port",
+        action=_Env,
+        type=int,
+        default=None,
+        help="Port on the master node (static rendezvous only); default: a free port on one "
+        f"node, {DEFAULT_MASTER_PORT} with several.",
+    )
+    add(
+        "--local-addr",
+        "--local_addr",
+        action=_Env,
+        type=str,
+        default=None,
+        help="Address of this node, as the other nodes reach it.",
+    )
+    add(
+        "--logs-specs",
+        "--logs_specs",
+        type=str,
+        default=None,
+        help="Name of a 'torchrun.logs_specs' entry point (a LogsSpecs class).",
+    )
+    add(
+        "--numa-binding",
+        "--numa_binding",
+        type=str,
+        choices=list(NUMA_MODES),
+        default=None,
+        help="Bind each worker to the CPUs near its GPU (torch's torch.numa.binding modes; "
+        "needs torch, a GPU and numactl, and fails like torchrun where they are missing).",
+    )
+    add(
+        "--signals-to-handle",
+        "--signals_to_handle",
+        action=_Env,
+        type=str,
+        default=DEFAULT_SIGNALS,
+        help="Comma-separated signals that stop the workers and end the run "
+        "(sets TORCHELASTIC_SIGNALS_TO_HANDLE), e.g. SIGTERM,SIGINT,SIGUSR1.",
+    )
+    add(
+        "--forward-signals",
+        "--forward_signals",
+        action=_Env,
+        type=str,
+        default="",
+        help="Beyond torchrun: comma-separated signals (e.g. SIGUSR1) only forwarded to the "
+        "workers, which keep running (a preemption notice: checkpoint now); sets "
+        "AIOLAUNCH_FORWARD_SIGNALS.",
+    )
+    add(
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        action=_Env,
+        type=int,
+        default=None,
+        help="Seconds between the death signal and SIGKILL when workers are stopped "
+        "(default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).",
+    )
+    add(
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+        action=_CheckEnv,
+        help="Every worker gets LOCAL_RANK=0 and sees only its own GPU through "
+        "CUDA_VISIBLE_DEVICES (torchrun's virtual local rank mode).",
+    )
+    add(
+        "training_script",
+        type=str,
+        help="The script (or module with -m, or binary with --no-python) to run in each "
+        "worker, followed by its arguments.",
+    )
+    add("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a torchrun-style command line."""
+    return get_args_parser().parse_args(argv)

@@ -1,0 +1,16 @@
+"""The sink interface: where one worker stream's bytes go."""
+
+from __future__ import annotations
+
+__all__ = ["Sink"]
+
+
+class Sink:
+    """Receives a stream's bytes in order: ``feed(data)`` calls on the event-loop
+    thread, then one ``aclose()``. A sink never blocks the loop."""
+
+    def feed(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Flush everything fed so far and release resources. Idempotent."""

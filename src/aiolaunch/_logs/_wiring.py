@@ -1,0 +1,311 @@
+"""Stream wiring of one group: which fd each worker gets, who reads it, and the
+flush order at shutdown.
+
+The process context asks for a rank's streams before it spawns the worker
+(:meth:`LogWiring.open`), hands the returned fds to the spawn, then either
+:meth:`LogWiring.connect` (spawned: start reading) or :meth:`LogWiring.discard`
+(the spawn failed: close everything). A restart finishes the old incarnation
+with :meth:`LogWiring.drain_rank` before the new one is opened, so a rank's
+bytes stay in order. :meth:`LogWiring.aclose`, once every worker is gone, is
+the one place that owns the shutdown order: drain every stream -> flush the
+console dedup -> flush the console.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._console import console
+from ._console_sink import ConsoleSink
+from ._dedup import ConsoleDedup
+from ._file import FileSink
+from ._passthrough import PassthroughSink
+from ._pump import StreamPump
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .._logs_specs import LogsDest
+    from ._filters import DuplicateFilter
+    from ._line import LineSink
+    from ._sink import Sink
+
+__all__ = ["LogWiring", "RankStreams", "console_is_fd", "plan_stream"]
+
+# After a worker is gone, how long its pipes may take to reach EOF before we
+# read what the kernel buffers and close our end (a surviving descendant in
+# another session may hold them).
+DRAIN_TIMEOUT = 0.25
+# Tee'd lines are on the console before wait()/close() return - unless the
+# console is stuck, which must not hang the supervisor.
+CONSOLE_FLUSH_TIMEOUT = 5.0
+
+
+INHERIT = "inherit"
+DEVNULL = "devnull"
+PIPE = "pipe"
+
+
+def console_is_fd(stream: str) -> bool:
+    """Whether ``sys.stdout``/``sys.stderr`` writes to the process's own fd 1/2.
+
+    Then an un-redirected worker can simply inherit the fd (zero copies). In a
+    Jupyter kernel it does not, and the worker's output must be carried to the
+    Python-level stream to show in the cell.
+    """
+    obj = sys.stdout if stream == "stdout" else sys.stderr
+    want = 1 if stream == "stdout" else 2
+    try:
+        return obj is not None and obj.fileno() == want
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def plan_stream(
+    path: str,
+    tee: bool,
+    stream: str,
+    prefix: str,
+    need_pipe: bool = False,
+    dedup: ConsoleDedup | None = None,
+    rank: int = 0,
+    strip_ansi: bool = False,
+) -> tuple[str, list[Sink]]:
+    """Decide how one worker stream is wired.
+
+    :param path: the destination from ``LogsDest``: ``""`` for the console,
+        ``os.devnull`` to discard, else a log file path.
+    :param tee: also show the stream, prefixed, on the console.
+    :param dedup: merge identical console lines of several ranks.
+    :param need_pipe: the supervisor must see the bytes (a readiness probe
+        reads this stream): never inherit.
+    :returns: ``(INHERIT | DEVNULL | PIPE, sinks)``; sinks are only built for
+        ``PIPE`` (log files are created here, before any process starts).
+    """
+    if path == "":
+        if console_is_fd(stream) and not need_pipe:
+            return INHERIT, []
+        return PIPE, [PassthroughSink(stream)]
+    if path == os.devnull:
+        return (PIPE, []) if need_pipe else (DEVNULL, [])
+    sinks: list[Sink] = [FileSink(path)]
+    if tee:
+        sinks.append(ConsoleSink(stream, prefix, dedup, rank, strip_ansi))
+    return PIPE, sinks
+
+
+@dataclass
+class RankStreams:
+    """One incarnation's streams between :meth:`LogWiring.open` and ``connect``.
+
+    ``stdout``/``stderr`` are what the spawn gets: an fd, or ``None`` to
+    inherit the supervisor's.
+    """
+
+    rank: int
+    stdout: int | None = None
+    stderr: int | None = None
+    #: the child's ends: closed by us once the child has its copies
+    child_ends: list[int] = field(default_factory=list)
+    #: (read end, sinks) for every stream the supervisor reads
+    readers: list[tuple[int, list[Sink]]] = field(default_factory=list)
+    #: every sink built (closed by discard)
+    sinks: list[Sink] = field(default_factory=list)
+
+
+class LogWiring:
+    """Owns every worker stream of one group: pipes, pumps, sinks, flush order.
+
+    :param prefixes: per-rank console prefixes (default ``[{name}{rank}]:``);
+        a rank with a custom prefix is never merged by the dedup.
+    :param dedup_window: ``console_dedup`` seconds, or ``None`` (off).
+    :param filters: torch's duplicate filters (``{"stdout"|"stderr": ...}``):
+        tee'd streams also feed them; their files are closed by :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        dest: LogsDest,
+        prefixes: dict[int, str] | None = None,
+        dedup_window: float | None = None,
+        strip_ansi: bool = False,
+        filters: dict[str, DuplicateFilter] | None = None,
+    ) -> None:
+        self._name = name
+        self._filters = filters or {}
+        self._dest = dest
+        self._prefixes = prefixes or {}
+        self._strip_ansi = strip_ansi
+        self._dedup = ConsoleDedup(name, dedup_window) if dedup_window else None
+        self._pumps: list[StreamPump] = []
+        self._used = False
+        self._closed = False
+        self._last_output: dict[int, float] = {}
+
+    def prefix(self, rank: int) -> str:
+        """The console prefix of ``rank``'s tee'd lines."""
+        return self._prefixes.get(rank, f"[{self._name}{rank}]:")
+
+    async def open(
+        self,
+        rank: int,
+        *,
+        watch: Callable[[str], bool],
+        line_sink: Callable[[str], LineSink],
+    ) -> RankStreams:
+        """Create ``rank``'s log files and pipes, before its worker is spawned.
+
+        :param watch: ``watch(stream)``: the supervisor must see this stream's
+            lines (a readiness probe reads it), so it is never inherited.
+        :param line_sink: ``line_sink(stream)``: the sink that turns a read
+            stream into lines for probes and ``LogLine`` events.
+        """
+        streams = RankStreams(rank)
+        try:
+            for stream, path, tees in (
+                ("stdout", self._dest.stdouts[rank], self._dest.tee_stdouts),
+                ("stderr", self._dest.stderrs[rank], self._dest.tee_stderrs),
+            ):
+                dedup = self._dedup if rank not in self._prefixes else None
+                mode, sinks = plan_stream(
+                    path,
+                    rank in tees,
+                    stream,
+                    self.prefix(rank),
+                    watch(stream),
+                    dedup,
+                    rank,
+                    self._strip_ansi,
+                )
+                streams.sinks += sinks
+                if mode == INHERIT:
+                    child: int | None = None
+                elif mode == DEVNULL:
+                    child = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                    streams.child_ends.append(child)
+                else:
+                    line = line_sink(stream)
+                    sinks.append(line)
+                    streams.sinks.append(line)
+                    if stream in self._filters and rank in tees:
+                        dup = self._filters[stream].sink(self.prefix(rank))
+                        sinks.append(dup)
+                        streams.sinks.append(dup)
+                    r, child = os.pipe()
+                    streams.readers.append((r, sinks))
+                    streams.child_ends.append(child)
+                    _widen_pipe(child)
+                if stream == "stdout":
+                    streams.stdout = child
+                else:
+                    streams.stderr = child
+        except BaseException:
+            await self.discard(streams)
+            raise
+        return streams
+
+    async def discard(self, streams: RankStreams) -> None:
+        """The spawn failed: close ``streams``' fds and sinks."""
+        _close_all(streams)
+        for sink in streams.sinks:
+            await sink.aclose()
+
+    async def connect(self, streams: RankStreams) -> None:
+        """The worker is spawned: close the child's ends and start reading."""
+        for fd in streams.child_ends:
+            _close_quietly(fd)  # the child has its copy
+        streams.child_ends.clear()
+        readers, streams.readers = streams.readers, []
+        for i, (r_end, sinks) in enumerate(readers):
+            try:
+                # Await first: `self._pumps.append(await ...)` would bind the
+                # list before the await, and a drain may replace it meanwhile.
+                pump = await StreamPump.open(r_end, sinks, streams.rank, self._seen)
+            except BaseException:
+                for rest, rest_sinks in readers[i + 1 :]:
+                    _close_quietly(rest)
+                    for sink in rest_sinks:
+                        await sink.aclose()
+                raise
+            self._pumps.append(pump)
+            self._used = True
+
+    def _seen(self, rank: int) -> None:
+        self._last_output[rank] = time.monotonic()
+
+    def last_output(self, rank: int) -> float | None:
+        """Seconds since ``rank`` last wrote to a stream the supervisor reads.
+
+        ``None`` if it wrote nothing read so far (or its streams are not read:
+        inherited or discarded).
+        """
+        seen = self._last_output.get(rank)
+        return None if seen is None else time.monotonic() - seen
+
+    async def drain_rank(self, rank: int) -> None:
+        """Finish ``rank``'s current streams (its worker exited; before a restart).
+
+        Shielded by the caller: a cancelled drain would lose bytes and fds.
+        """
+        old = [p for p in self._pumps if p.rank == rank]
+        self._pumps[:] = [p for p in self._pumps if p.rank != rank]
+        if old:
+            await asyncio.gather(*(p.drain(DRAIN_TIMEOUT) for p in old))
+
+    async def aclose(self) -> None:
+        """Every worker is gone: drain every stream, flush the dedup, flush the console.
+
+        In that order, so a line is on the console before ``wait()``/``close()``
+        return; the console flush is bounded (a stuck console must not hang
+        the supervisor). Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        pumps, self._pumps = self._pumps, []
+        if pumps:
+            await asyncio.gather(*(p.drain(DRAIN_TIMEOUT) for p in pumps))
+        for dup in self._filters.values():
+            dup.close()  # every line fed: the drains above closed their sinks
+        if not self._used:
+            return
+        if self._dedup is not None:
+            self._dedup.flush()
+        with anyio.move_on_after(CONSOLE_FLUSH_TIMEOUT):
+            await console().flush()
+
+
+def _widen_pipe(fd: int) -> None:
+    # 1 MiB instead of 64 KiB: bursts don't block the worker, and each wakeup
+    # of the reader moves more bytes (Linux; elsewhere a no-op).
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (OSError, ImportError):
+        pass
+
+
+def _close_all(streams: RankStreams) -> None:
+    for fd in streams.child_ends:
+        _close_quietly(fd)
+    streams.child_ends.clear()
+    for r_end, _ in streams.readers:
+        _close_quietly(r_end)
+    streams.readers.clear()
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
