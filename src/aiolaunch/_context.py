@@ -36,7 +36,6 @@ from ._logs import LineSink, LogWiring
 from ._logs._filters import open_duplicate_filters
 from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
-from ._report import write_report
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
@@ -473,10 +472,7 @@ class PContext:
             self.stdouts,
             self.stderrs,
         )
-        self._result = self._forensics.amend(self._result)
-        if self._result.is_failed():
-            self._forensics.reported = write_report(self._forensics, self._result)
-        self._forensics.cleanup()
+        self._result = self._forensics.finish(self._result)
         # After the error files are written: a folder that holds one is kept.
         prune_empty_dirs(self._temp_dirs, self.name)
         self._bus.emit(

@@ -375,6 +375,7 @@ class LocalElasticAgent:
             shutdown_timeout=self._shutdown_timeout,
             duplicate_stdout_filters=spec.duplicate_stdout_filters,
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            watchdog=spec.watchdog,
             **logs,
         )
         self._state = WorkerState.HEALTHY
