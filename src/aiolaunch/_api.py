@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
@@ -23,6 +23,8 @@ from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    from ._context import PContext
 
 __all__ = ["free_port", "launch", "start_processes"]
 

@@ -33,7 +33,13 @@ from ._signames import describe_signal
 if TYPE_CHECKING:
     from ._results import ProcessFailure
 
-__all__ = ["ChildFailedError", "MainProcessError", "SignalException", "WorkerError"]
+__all__ = [
+    "ChildFailedError",
+    "MainProcessError",
+    "SignalException",
+    "WorkerError",
+    "fd_limit_error",
+]
 
 _NOT_AVAILABLE = "<N/A>"
 
@@ -212,3 +218,21 @@ class MainProcessError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.signal_no,), self.__dict__)
+
+
+def fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
+    """The ``OSError`` to raise when starting local rank ``rank`` of ``nprocs``
+    hit the open-file limit (``exc``: EMFILE or ENFILE): it names the limit
+    and the fix."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OSError(
+        exc.errno,
+        f"{exc.strerror} while starting local rank {rank} of {nprocs} (the {rank} "
+        f"started were stopped): the open-file limit RLIMIT_NOFILE is {soft} (hard "
+        f"{hard}), and each worker holds up to 4 fds (2 pipes, 2 log files) until the "
+        "group ends. Raise it (`ulimit -n 65536`, or resource.setrlimit("
+        "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
+        "streams",
+    )
