@@ -36,6 +36,9 @@ VARIANT_LABEL = {
     "torchrun": "torchrun",
 }
 
+#: Variants that need torch: dropped (with their targets) when it is not installed.
+TORCH_VARIANTS = ("torch", "torch-p0.1", "torchrun")
+
 
 # ------------------------------------------------------------------ plan
 @dataclass
@@ -233,6 +236,19 @@ def plan(quick: bool) -> list[Case]:
                 timeout=300,
             )
         )
+    # startup: `import aiolaunch` and `aiolaunch --help` (fresh interpreters) -
+    k = 3 if q else 10
+    cases.append(
+        Case(
+            "startup",
+            "import, --help (fresh interpreter)",
+            "startup",
+            {},
+            {"aiolaunch": k, "torch": 1 if q else 3},  # torch imports for seconds
+            ["import_ms", "help_ms"],
+            targets=[Target("import_ms", "median", "<=", 1000.0)],
+        )
+    )
     # end to end ------------------------------------------------------------
     k = 1 if q else 5
     cases.append(
@@ -366,6 +382,26 @@ def e2e_trial(variant: str, params: dict, env: dict[str, str], tmp: str) -> dict
     return {"ok": True, "metrics": out}
 
 
+def startup_trial(variant: str, env: dict[str, str]) -> dict:
+    """Wall time of a fresh interpreter importing the package, and of the CLI's ``--help``.
+
+    torch: ``import torch.distributed.run`` and ``python -m torch.distributed.run --help``
+    (torchrun). Each includes the interpreter's own start-up (a few tens of ms).
+    """
+    mod = "aiolaunch" if variant == "aiolaunch" else "torch.distributed.run"
+    out = {}
+    for metric, argv in (
+        ("import_ms", [PY, "-c", f"import {mod}"]),
+        ("help_ms", [PY, "-m", mod, "--help"]),
+    ):
+        t0 = mono()
+        p = subprocess.run(argv, env=env, capture_output=True, timeout=120)
+        if p.returncode != 0:
+            return {"ok": False, "error": f"{argv[1:]}: {p.stderr.decode(errors='replace')[-400:]}"}
+        out[metric] = (mono() - t0) * 1e3
+    return {"ok": True, "metrics": out}
+
+
 def cli_available(env: dict[str, str]) -> tuple[bool, str]:
     p = subprocess.run([PY, "-m", "aiolaunch", "--help"], env=env, capture_output=True, timeout=60)
     if p.returncode == 0:
@@ -409,7 +445,9 @@ def cpu_model() -> str:
 def versions(env: dict[str, str]) -> dict:
     code = (
         "import json, sys, importlib.metadata as md, aiolaunch; "
-        "print(json.dumps({'python': sys.version.split()[0], 'torch': md.version('torch'), "
+        "t = [d for d in md.distributions() if d.metadata['Name'] == 'torch']; "
+        "print(json.dumps({'python': sys.version.split()[0], "
+        "'torch': t[0].version if t else None, "
         "'aiolaunch': getattr(aiolaunch, '__version__', '?'), "
         "'aiolaunch_path': aiolaunch.__file__}))"
     )
@@ -494,8 +532,14 @@ def main() -> int:
     try:
         vers = versions(env)
     except Exception as e:
-        print(f"setup error: cannot import aiolaunch and torch: {e}", file=sys.stderr)
+        print(f"setup error: cannot import aiolaunch: {e}", file=sys.stderr)
         return 2
+    if vers["torch"] is None:
+        # The no-torch CI job: aiolaunch against the raw floor only.
+        for c in cases:
+            c.trials = {v: k for v, k in c.trials.items() if v not in TORCH_VARIANTS}
+            c.targets = [t for t in c.targets if t.vs not in TORCH_VARIANTS]
+        cases = [c for c in cases if c.trials]
     worker = build_worker(tmp)
     env["BENCH_WORKER"] = json.dumps(worker)
     meta = {
@@ -506,7 +550,7 @@ def main() -> int:
         "worker": "C (benchmarks/_worker.c)"
         if len(worker) == 1
         else "Python fallback (benchmarks/_worker.py)",
-        "notes": [],
+        "notes": [] if vers["torch"] else ["torch not installed: torch rows left out"],
         "loadavg_start": os.getloadavg(),
     }
     print(
@@ -538,6 +582,8 @@ def main() -> int:
                 variants.pop("aiolaunch")
 
             def one(variant: str, case: Case = case) -> dict:
+                if case.bench == "startup":
+                    return startup_trial(variant, env)
                 if case.bench == "e2e":
                     try:
                         return e2e_trial(variant, case.params, env, tmp)

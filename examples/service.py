@@ -58,8 +58,13 @@ async def main(servers: int, clients: int, requests: int) -> int:
             tee=aiolaunch.Std.ALL,
             shutdown_timeout=5,
         ) as client_group:
+            waiting = asyncio.ensure_future(client_group.wait())
+            # wait() takes SIGINT/SIGTERM before its first suspension: after
+            # one loop turn a Ctrl-C is forwarded to the clients, so say so.
+            await asyncio.sleep(0)
+            print(f"{clients} clients started", flush=True)
             try:
-                result = await client_group.wait()
+                result = await waiting
             except aiolaunch.SignalException as exc:
                 print(f"got {exc.sigval.name}: stopping servers and clients", flush=True)
                 return 130

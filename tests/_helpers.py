@@ -32,8 +32,10 @@ __all__ = [
     "alive",
     "default_signals",
     "driver",
+    "on_teardown",
     "popen",
     "proc_state",
+    "run_teardowns",
     "start",
     "wait_dead",
     "write_atomic",
@@ -110,6 +112,31 @@ def driver(
         with contextlib.suppress(subprocess.TimeoutExpired, ValueError, OSError):
             proc.communicate(timeout=30)
         proc.wait()
+
+
+_teardowns: list[Callable[[], None]] = []
+
+
+def on_teardown(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current test ends, pass or fail (latest first).
+
+    For helpers that start processes outside a ``with`` block: the autouse
+    fixture of ``tests/conftest.py`` calls :func:`run_teardowns` before its
+    leak check, so a test that failed early reports its own failure, not a leak.
+    """
+    _teardowns.append(fn)
+
+
+def run_teardowns() -> None:
+    """Run and forget every :func:`on_teardown` callback (all of them, even if one raises)."""
+    errors: list[BaseException] = []
+    while _teardowns:
+        try:
+            _teardowns.pop()()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def proc_state(pid: int) -> str | None:

@@ -8,9 +8,36 @@ through the ``pytest11`` entry point of the installed package.
 
 from __future__ import annotations
 
+import tempfile
+from typing import TYPE_CHECKING
+
 import pytest
+
+from _helpers import run_teardowns
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 
 @pytest.fixture(autouse=True)
-def _leak_check(no_leaks: None) -> None:
-    """Autouse, so it is set up before a test's event loop and checked after it."""
+def _leak_check(no_leaks: None) -> Iterator[None]:
+    """Autouse, so it is set up before a test's event loop and checked after it.
+
+    Before the check, processes a helper registered with
+    ``_helpers.on_teardown`` are stopped (a test that failed early must not
+    leave a supervisor behind to disturb the next test).
+    """
+    yield
+    run_teardowns()
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty folder that ``tempfile`` uses for this test, so that a temporary
+    folder aiolaunch leaves behind can be seen (and listed exactly).
+    """
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from _helpers import driver, wait_dead
 from aiolaunch._cli import (
     config_from_args,
     determine_local_world_size,
@@ -136,7 +136,8 @@ def test_config_builds_the_spec_like_torchrun() -> None:
     )
     spec = cfg.spec
     assert spec.entrypoint == sys.executable
-    assert spec.args == ("-u", "-m", "pkg.mod", "--a", "1")
+    # Through the bootstrap (stack dumps with no code change); python -m semantics kept.
+    assert spec.args == ("-u", "-m", "aiolaunch._bootstrap", "-m", "pkg.mod", "--a", "1")
     assert (spec.local_world_size, spec.max_restarts, spec.role) == (2, 1, "default")
     assert cfg.entrypoint_name == "pkg.mod"
     assert cfg.torch_handler is None  # one node: no torch rendezvous
@@ -182,13 +183,12 @@ def test_bad_options_exit_2_with_a_message(
     assert match in err
 
 
-def test_help_is_fast_and_lists_torchrun_flags() -> None:
-    t0 = time.monotonic()
+def test_help_lists_torchrun_flags() -> None:
+    # How fast --help is, is measured in benchmarks/run.py (cli_help row).
     proc = subprocess.run([*AIOLAUNCH, "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0
     for flag in ("--nproc-per-node", "--nnodes", "--rdzv-backend", "--standalone", "--tee"):
         assert flag in proc.stdout
-    assert time.monotonic() - t0 < 5
 
 
 def test_success_exits_0(tmp_path: Path) -> None:
@@ -247,20 +247,16 @@ def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
                 open(os.path.join(d, f"{rank}.graceful"), "w").close()
                 sys.exit(0)
             signal.signal(signal.SIGTERM, on_term)
-            with open(os.path.join(d, f"{rank}.pid"), "w") as f:
+            # tmp + rename: the test never reads a pid file empty
+            with open(os.path.join(d, f"{rank}.tmp"), "w") as f:
                 f.write(str(os.getpid()))
+            os.replace(os.path.join(d, f"{rank}.tmp"), os.path.join(d, f"{rank}.pid"))
             while True:
                 time.sleep(0.1)
             """
         )
     )
-    proc = subprocess.Popen(
-        [*AIOLAUNCH, "--nproc-per-node", "2", str(script), str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with driver([*AIOLAUNCH, "--nproc-per-node", "2", str(script), str(tmp_path)]) as proc:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("*.pid"))) < 2:
             assert proc.poll() is None, proc.communicate()
@@ -269,14 +265,8 @@ def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
         pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 1  # as torchrun
     assert "SIGTERM" in err
     # the workers got the signal (their handler ran) and are gone
     assert sorted(p.name for p in tmp_path.glob("*.graceful")) == ["0.graceful", "1.graceful"]
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert not wait_dead(pids)

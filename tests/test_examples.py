@@ -5,8 +5,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _helpers import driver
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -25,18 +26,17 @@ def test_service_serves_then_exits_cleanly() -> None:
 
 
 def test_service_stops_everything_on_ctrl_c() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "service.py"), "--requests", "1000000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("servers ready"), line
-    time.sleep(1.0)  # the client group is up and its wait() is racing signals
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    argv = [sys.executable, str(EXAMPLES / "service.py"), "--requests", "1000000"]
+    with driver(argv) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("servers ready"), line
+        # Handshake: the client group is up and its wait() races signals.
+        while not line.endswith("clients started\n"):
+            line = proc.stdout.readline()
+            assert line, "service exited before its clients started"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     assert "got SIGINT: stopping servers and clients" in out
     # every server and client is gone: the autouse leak check verifies it

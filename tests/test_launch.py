@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import aiolaunch
+from _helpers import driver
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -109,12 +109,12 @@ def test_sigterm_raises_main_process_error(tmp_path: Path) -> None:
         """
         )
     )
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline() == "ready\n"
-    assert proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    with driver([sys.executable, str(script)], stderr=None) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
     report = json.loads(out.strip().splitlines()[-1])
     assert report == {
         "signal_no": int(signal.SIGTERM),

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import aiolaunch
+from _helpers import driver
 from aiolaunch import (
     EventsDropped,
     GroupStopped,
@@ -26,6 +27,9 @@ from aiolaunch import (
     WorkerRestarting,
     WorkerStarted,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 SH = "/bin/sh"
 
@@ -167,6 +171,53 @@ async def test_dying_before_ready_fails_the_wait(tmp_path: Path) -> None:
     assert info.value.failures[0].exitcode == 4
 
 
+class _BrokenProbe(aiolaunch.ReadinessProbe):
+    async def wait_ready(self, rank: int, lines: object = None) -> None:
+        raise OSError(f"probe of rank {rank} is broken")
+
+
+def _no_port(rank: int) -> int:
+    raise LookupError(f"no port for rank {rank}")
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+async def test_a_probe_that_raises_fails_wait_ready_with_its_error(
+    tmp_path: Path, timeout: float | None
+) -> None:
+    # Rank 0's probe raises at once, rank 1's (a port callable) on its first
+    # call: wait_ready() raises the first probe error as the cause, long before
+    # the timeout - not a hang, and not "not ready".
+    async with aiolaunch.start_processes(
+        name="p",
+        entrypoint=SH,
+        args={0: ("-c", "sleep 60"), 1: ("-c", "sleep 60")},
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path),
+        ready={0: _BrokenProbe(), 1: ReadyPort(_no_port)},
+    ) as ctx:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(RuntimeError, match="readiness probe") as info:
+            await asyncio.wait_for(ctx.wait_ready(timeout=timeout), 20)
+        assert loop.time() - began < 10  # generous: it must not wait out the timeout
+        assert isinstance(info.value.__cause__, (OSError, LookupError))
+        assert "of rank" in str(info.value)
+
+
+async def test_ready_line_is_a_probe_fed_by_lines() -> None:
+    async def lines() -> AsyncIterator[str]:
+        for line in ("starting", "still starting", "listening on 80", "never read"):
+            yield line
+
+    probe = ReadyLine(r"listening on \d+")
+    assert probe.reads("stdout") and probe.reads("stderr")
+    assert ReadyLine("x", stream="stderr").reads("stderr")
+    assert not ReadyLine("x", stream="stderr").reads("stdout")
+    await asyncio.wait_for(probe.wait_ready(0, lines()), 5)
+    with pytest.raises(TypeError):
+        await probe.wait_ready(0)
+
+
 async def test_on_failure_restart_with_count_in_env(tmp_path: Path) -> None:
     # Fails on its first two attempts, succeeds on the third.
     code = "import os, sys; n = int(os.environ['AIOLAUNCH_RESTART_COUNT']); print(n); sys.exit(0 if n >= 2 else 3)"
@@ -225,10 +276,15 @@ def test_a_signal_reaches_every_waiting_group(tmp_path: Path) -> None:
         textwrap.dedent(
             """
         import asyncio, json, signal, aiolaunch
+        waiting = {"server": asyncio.Event(), "client": asyncio.Event()}
         async def group(name):
             ctx = await aiolaunch.start_processes(
                 name=name, entrypoint="/bin/sh", args={0: ("-c", "exec sleep 60")}, envs={0: {}})
             try:
+                # wait() takes the signals before its first suspension, and
+                # nothing suspends between set() and it: once main() sees the
+                # event, this group is in the signal race.
+                waiting[name].set()
                 await ctx.wait()
                 return "returned"
             except aiolaunch.SignalException as exc:
@@ -236,8 +292,7 @@ def test_a_signal_reaches_every_waiting_group(tmp_path: Path) -> None:
         async def main():
             before = signal.getsignal(signal.SIGTERM)
             tasks = [asyncio.ensure_future(group(n)) for n in ("server", "client")]
-            for _ in range(20):
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in waiting.values())), 60)
             print("ready", flush=True)
             results = await asyncio.gather(*tasks)
             print(json.dumps({"results": results, "restored": signal.getsignal(signal.SIGTERM) == before}))
@@ -245,10 +300,10 @@ def test_a_signal_reaches_every_waiting_group(tmp_path: Path) -> None:
         """
         )
     )
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    with driver([sys.executable, str(script)], stderr=None) as proc:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
     assert json.loads(out) == {"results": ["SIGTERM", "SIGTERM"], "restored": True}
 
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ._context import MultiprocessContext as MultiprocessContext
     from ._context import PContext as PContext
     from ._context import SubprocessContext as SubprocessContext
+    from ._control import WorkerStatus as WorkerStatus
     from ._error_file import record as record
     from ._errors import ChildFailedError as ChildFailedError
     from ._errors import MainProcessError as MainProcessError
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ._events import WorkerExited as WorkerExited
     from ._events import WorkerReady as WorkerReady
     from ._events import WorkerRestarting as WorkerRestarting
+    from ._events import WorkerStalled as WorkerStalled
     from ._events import WorkerStarted as WorkerStarted
     from ._logs import set_console_hook as set_console_hook
     from ._logs_specs import DefaultLogsSpecs as DefaultLogsSpecs
@@ -52,8 +54,10 @@ if TYPE_CHECKING:
     from ._restart import RestartPolicy as RestartPolicy
     from ._results import ProcessFailure as ProcessFailure
     from ._results import RunProcsResult as RunProcsResult
+    from ._stacks import StackReport as StackReport
     from ._types import Std as Std
     from ._types import to_map as to_map
+    from ._watchdog import Watchdog as Watchdog
 
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
@@ -76,13 +80,17 @@ _EXPORTS: dict[str, str] = {
     "RestartPolicy": "._restart",
     "RunProcsResult": "._results",
     "SignalException": "._errors",
+    "StackReport": "._stacks",
     "Std": "._types",
     "SubprocessContext": "._context",
+    "Watchdog": "._watchdog",
     "WorkerError": "._errors",
     "WorkerExited": "._events",
     "WorkerReady": "._events",
     "WorkerRestarting": "._events",
+    "WorkerStalled": "._events",
     "WorkerStarted": "._events",
+    "WorkerStatus": "._control",
     "free_port": "._api",
     "launch": "._api",
     "record": "._error_file",
@@ -111,13 +119,17 @@ __all__ = [
     "RestartPolicy",
     "RunProcsResult",
     "SignalException",
+    "StackReport",
     "Std",
     "SubprocessContext",
+    "Watchdog",
     "WorkerError",
     "WorkerExited",
     "WorkerReady",
     "WorkerRestarting",
+    "WorkerStalled",
     "WorkerStarted",
+    "WorkerStatus",
     "__version__",
     "free_port",
     "launch",

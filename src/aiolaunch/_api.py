@@ -7,16 +7,19 @@ import os
 import socket
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
-from ._logs_specs import LogsSpecs, plain_logs_dest
+from ._logs._filters import check_filters
+from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._types import Std
-from ._validate import check_start_inputs, pickle_payloads
+from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
+from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -27,11 +30,19 @@ T = TypeVar("T")
 
 
 class _Starting:
-    """What :func:`start_processes` returns: await it, or use it with ``async with``."""
+    """What :func:`start_processes` returns: await it, or use it with ``async with``.
 
-    def __init__(self, make: Callable[[], PContext]) -> None:
+    Nothing starts until then. Using it as if it were the context (a
+    forgotten ``await``) raises an ``AttributeError`` that says to await it;
+    one that is dropped without ever being awaited warns (``RuntimeWarning``,
+    as a never-awaited coroutine does).
+    """
+
+    def __init__(self, make: Callable[[], PContext], name: str) -> None:
         self._make = make
+        self._name = name
         self._ctx: PContext | None = None
+        self._used = False
 
     async def _start(self) -> PContext:
         _require_asyncio()  # before the log folder, pipes or any process exist
@@ -40,9 +51,11 @@ class _Starting:
         return ctx
 
     def __await__(self) -> Generator[Any, None, PContext]:
+        self._used = True
         return self._start().__await__()
 
     async def __aenter__(self) -> PContext:
+        self._used = True
         self._ctx = await self._start()
         return self._ctx
 
@@ -54,6 +67,31 @@ class _Starting:
     ) -> None:
         assert self._ctx is not None
         await self._ctx.__aexit__(exc_type, exc, tb)
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only called for names the class lacks: private and dunder lookups
+        # (pickle, copy, hasattr probes) get the plain error.
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        # Any public name - a method (wait, pids) or an attribute (nprocs,
+        # stdouts) - means the caller took this for the context.
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {attr!r}: "
+            f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
+            f"context, and nothing has started yet. Await it before using .{attr}: "
+            "`ctx = await aiolaunch.start_processes(...)` or "
+            "`async with aiolaunch.start_processes(...) as ctx:`"
+        )
+
+    def __del__(self) -> None:
+        if not getattr(self, "_used", True):
+            warnings.warn(
+                f"start_processes(name={getattr(self, '_name', '?')!r}, ...) was never "
+                "awaited, so no worker started; use `ctx = await start_processes(...)` "
+                "or `async with start_processes(...) as ctx:`",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _require_asyncio() -> None:
@@ -100,6 +138,9 @@ def start_processes(
     restart: RestartPolicy | Mapping[int, RestartPolicy] | None = None,
     console_dedup: float | None = None,
     console_strip_ansi: bool = False,
+    duplicate_stdout_filters: list[str] | None = None,
+    duplicate_stderr_filters: list[str] | None = None,
+    watchdog: Watchdog | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -114,7 +155,9 @@ def start_processes(
     :param envs: ``{local_rank: {str: str}}``, same keys; applied on top of the
         parent's environment (functions: before the entrypoint is unpickled).
     :param log_dir: folder for ``{rank}/stdout.log|stderr.log|error.json``;
-        must be empty or missing; ``None``: a fresh temporary folder. (torch's
+        must be empty or missing; ``None``: a fresh temporary folder, from
+        which what holds nothing is removed when the group ends (the folder
+        too if it ends empty; log files are kept even when empty). (torch's
         positional ``logs_specs`` is accepted here too.)
     :param start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (function
         workers; checked for binaries too).
@@ -137,13 +180,29 @@ def start_processes(
     :param console_strip_ansi: remove ANSI escape sequences (colors, cursor
         moves, window titles) from tee'd lines on the console; log files keep
         every byte.
+    :param duplicate_stdout_filters: torch 2.9+: lines of tee'd stdouts that
+        contain any of these substrings are also written, prefixed, to one
+        ``filtered_stdout.log`` (in ``log_dir``, or the attempt folder of
+        ``logs_specs``); ``ctx.filtered_stdout`` is that open file (``None``
+        without filters). An empty list makes no file.
+    :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
+    :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
+        no CPU), dump every rank's stacks, then observe, fail or restart.
+    Every argument is checked before anything starts or any folder is made;
+    each message names the argument and the fix.
+
     :raises ValueError: bad key sets, an empty ``args``, an unknown start
-        method, a non-empty ``log_dir`` - before any process starts (each
-        message names the argument and the fix).
+        method, a non-empty ``log_dir``, an env name that is empty or holds
+        ``=``, a NUL byte in an env value or a binary's argument, a ``name``
+        with ``/`` when ``log_dir=None``, a ``Std`` outside 0-3.
     :raises TypeError: a bad entrypoint, env key or value, or an unpicklable
         function or argument.
-    :raises FileNotFoundError: a binary not on ``PATH``.
-    :raises NotADirectoryError: a ``log_dir`` that is a file.
+    :raises FileNotFoundError: a binary not on ``PATH`` (or a command line
+        given as ``entrypoint``: its arguments go in ``args``).
+    :raises IsADirectoryError: an ``entrypoint`` path that is a directory.
+    :raises NotADirectoryError: a ``log_dir`` that is a file or lies under one.
+    :raises PermissionError: a ``log_dir`` that cannot be created or written
+        (at the ``await`` where only the attempt can tell, e.g. as root).
     :raises RuntimeError: not running in an asyncio event loop (e.g. trio).
     """
     if isinstance(log_dir, LogsSpecs) or (
@@ -168,6 +227,10 @@ def start_processes(
         shutdown_timeout=shutdown_timeout,
         console_dedup=console_dedup,
     )
+    dup_out = check_filters("duplicate_stdout_filters", duplicate_stdout_filters)
+    dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
+    if watchdog is not None and not isinstance(watchdog, Watchdog):
+        raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -183,12 +246,21 @@ def start_processes(
     def make() -> PContext:
         if logs_specs is not None:
             dest = logs_specs.reify(envs_)
+        elif log_dir is None:
+            folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
+            try:
+                dest = plain_logs_dest(folder, envs_, redirects, tee)
+            except BaseException:
+                prune_empty_dirs([folder])
+                raise
+            dest.temp_dirs = [folder]
         else:
-            if log_dir is None:
-                folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
-            else:
-                folder = os.fspath(log_dir)
+            folder = os.fspath(log_dir)
+            try:
                 os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                # e.g. a read-only or virtual filesystem that access() misses (root)
+                raise log_dir_error("log_dir", folder, exc) from exc
             dest = plain_logs_dest(folder, envs_, redirects, tee)
         common: dict[str, Any] = {
             "name": name,
@@ -203,12 +275,15 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "console_dedup": console_dedup,
             "console_strip_ansi": bool(console_strip_ansi),
+            "duplicate_stdout_filters": dup_out,
+            "duplicate_stderr_filters": dup_err,
+            "watchdog": watchdog,
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)
         return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
 
-    return _Starting(make)
+    return _Starting(make, name)
 
 
 def _per_rank(what: str, value: Any, cls: type[T], nprocs: int) -> dict[int, T]:
@@ -253,6 +328,12 @@ async def launch(
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be an int >= 1 (the number of workers)")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise TypeError(
+            f"master_addr={master_addr!r} must be a non-empty str host, e.g. 'localhost'"
+        )
+    if master_port is not None:
+        check_port("master_port", master_port)
     port = master_port if master_port is not None else free_port()
     envs = {
         rank: {

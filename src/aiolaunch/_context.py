@@ -11,41 +11,51 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import math
 import os
 import signal
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._errors import ChildFailedError, SignalException
+from ._compat import task_cancelling
+from ._errors import SignalException
 from ._events import (
     Event,
     EventBus,
     GroupStopped,
     LogLine,
     WorkerExited,
-    WorkerReady,
     WorkerRestarting,
     WorkerStarted,
 )
+from ._forensics import Forensics
 from ._logs import LineSink, LogWiring
-from ._ready import ReadinessProbe, ReadyLine
-from ._restart import RestartPolicy, RestartTracker
-from ._results import ProcessFailure, RunProcsResult
+from ._logs._filters import open_duplicate_filters
+from ._logs_specs import prune_empty_dirs
+from ._ready import Readiness, ReadinessProbe
+from ._restart import RestartPolicy, Restarts
+from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
 from ._signals import watch_signals
+from ._signames import exit_signal_name
+from ._validate import check_seconds, check_signal
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
     from types import TracebackType
+    from typing import TextIO
 
+    from ._control import WorkerStatus
     from ._logs_specs import LogsDest
+    from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
 __all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
+
+logger = logging.getLogger("aiolaunch")
 
 
 class PContext:
@@ -75,6 +85,9 @@ class PContext:
         restart: dict[int, RestartPolicy] | None = None,
         console_dedup: float | None = None,
         console_strip_ansi: bool = False,
+        duplicate_stdout_filters: Sequence[str] | None = None,
+        duplicate_stderr_filters: Sequence[str] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -85,28 +98,44 @@ class PContext:
         self.stdouts = dict(logs_dest.stdouts)
         self.stderrs = dict(logs_dest.stderrs)
         self.error_files = dict(logs_dest.error_files)
+        # Folders made for this run only (log_dir=None); torch's LogsDest has none.
+        self._temp_dirs: list[str] = list(getattr(logs_dest, "temp_dirs", None) or ())
+        # torch's duplicate filters: tee'd lines matching a filter, copied
+        # into one file per stream (``filtered_stdout`` is torch's attribute).
+        filters = open_duplicate_filters(
+            logs_dest, duplicate_stdout_filters, duplicate_stderr_filters
+        )
+        self.filtered_stdout: TextIO | None = getattr(filters.get("stdout"), "file", None)
+        self.filtered_stderr: TextIO | None = getattr(filters.get("stderr"), "file", None)
         self._logs = LogWiring(
             name=name,
             dest=logs_dest,
             prefixes=log_line_prefixes,
             dedup_window=console_dedup,
             strip_ansi=console_strip_ansi,
+            filters=filters,
         )
         self._shutdown_timeout = shutdown_timeout
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
         self._end: asyncio.Task[RunProcsResult] | None = None
+        # Set once the death signal went out; set to end the grace period now.
+        self._sent = asyncio.Event()
+        self._kill_now = asyncio.Event()
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
         self._bus = EventBus()
-        self._probes = ready or {}
-        self._ready: dict[int, asyncio.Event] = {r: asyncio.Event() for r in range(self.nprocs)}
-        self._trackers = {r: RestartTracker(p) for r, p in (restart or {}).items()}
-        self._attempts: dict[int, int] = dict.fromkeys(range(self.nprocs), 0)
-        self._restarting: set[int] = set()
-        self._pending_restarts: dict[int, int] = {}
-        self._restart_locks: dict[int, asyncio.Lock] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._restarts = Restarts(restart or {}, self.nprocs, self._changed.set)
+        self._readiness = Readiness(
+            name,
+            self.nprocs,
+            ready or {},
+            bus=self._bus,
+            changed=self._changed,
+            restarting=self._restarts.pending,
+            failure=self._not_ready_failure,
+        )
+        self._forensics = Forensics(self, watchdog)
 
     # -- start ------------------------------------------------------------
     async def _start(self) -> None:
@@ -114,6 +143,7 @@ class PContext:
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
+            await self._forensics.start()
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
@@ -121,10 +151,9 @@ class PContext:
             raise
 
     async def _start_one(self, rank: int) -> None:
-        probe = self._probes.get(rank)
-
         def watch(stream: str) -> bool:
-            return isinstance(probe, ReadyLine) and probe.stream in (stream, "any")
+            # Lines are needed by a readiness probe or the watchdog's progress regex.
+            return self._readiness.reads(rank, stream) or self._forensics.needs_lines
 
         streams = await self._logs.open(
             rank, watch=watch, line_sink=lambda stream: self._line_sink(rank, stream, watch(stream))
@@ -134,69 +163,38 @@ class PContext:
         except BaseException:
             await self._logs.discard(streams)
             raise
-        handle.attempt = self._attempts[rank]
+        handle.attempt = self._restarts.attempts[rank]
         self._workers[rank] = handle
         self._bus.emit(
             WorkerStarted(rank=rank, time=time.monotonic(), pid=handle.pid, attempt=handle.attempt)
         )
-        if probe is None:
-            self._mark_ready(rank, handle.pid)
+        self._readiness.started(rank, handle)
         handle.on_exit = self._on_exit
         if not handle.alive:  # it exited while we were still wiring it up
             self._on_exit(handle)
         await self._logs.connect(streams)
-        if probe is not None and not isinstance(probe, ReadyLine):
-            self._spawn_task(self._run_probe(rank, probe, handle))
 
     def _line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
         # Splits lines only while someone listens: a readiness probe not yet
         # satisfied, or an events(lines=True) consumer.
-        probe = self._probes.get(rank)
-        matches = probe.matcher() if watch and isinstance(probe, ReadyLine) else None
-        ready = self._ready[rank]
+        readiness = self._readiness
 
         def wanted() -> bool:
-            return bool(self._bus.wants_lines) or (matches is not None and not ready.is_set())
+            return bool(self._bus.wants_lines) or (watch and readiness.listening(rank))
 
         def on_line(line: str) -> None:
-            if matches is not None and not ready.is_set() and matches(line):
-                w = self._workers.get(rank)
-                self._mark_ready(rank, w.pid if w is not None else 0)
+            if watch:
+                readiness.feed(rank, line)
             if self._bus.wants_lines:
                 self._bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=line))
 
         return LineSink(on_line, wanted)
 
-    def _mark_ready(self, rank: int, pid: int) -> None:
-        if not self._ready[rank].is_set():
-            self._ready[rank].set()
-            self._bus.emit(WorkerReady(rank=rank, time=time.monotonic(), pid=pid))
-            self._changed.set()
-
-    async def _run_probe(self, rank: int, probe: ReadinessProbe, handle: WorkerHandle) -> None:
-        probe_task = asyncio.ensure_future(probe.wait_ready(rank))
-        exit_task = asyncio.ensure_future(handle.exited.wait())
-        try:
-            await asyncio.wait({probe_task, exit_task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            probe_task.cancel()
-            exit_task.cancel()
-        if probe_task.done() and not probe_task.cancelled() and probe_task.exception() is None:
-            self._mark_ready(rank, handle.pid)
-
-    def _spawn_task(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
         raise NotImplementedError
 
     def _env(self, rank: int) -> dict[str, str]:
-        env = dict(self.envs[rank])
-        if rank in self._trackers:
-            env["AIOLAUNCH_RESTART_COUNT"] = str(self._attempts[rank])
-        return env
+        return {**self.envs[rank], **self._restarts.env(rank), **self._forensics.env()}
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         rank = handle.local_rank
@@ -208,54 +206,48 @@ class PContext:
                 time=time.monotonic(),
                 pid=handle.pid,
                 exitcode=rc,
-                signal=_signal_name(rc),
+                signal=exit_signal_name(rc),
                 stopped=handle.stopped_by_us,
             )
         )
-        tracker = self._trackers.get(rank)
-        if tracker is not None and not handle.stopped_by_us and self._end is None:
+        if not handle.stopped_by_us and self._end is None:
             failed = rc != 0 or handle.failure_reason is not None
-            delay = tracker.next_delay(1 if failed else 0, time.monotonic())
-            if delay is not None:
-                self._restarting.add(rank)
-                self._pending_restarts[rank] = self._pending_restarts.get(rank, 0) + 1
-                self._ready[rank].clear()
+            planned = self._restarts.plan(rank, failed, time.monotonic())
+            if planned is not None:
+                delay, attempt = planned
+                self._readiness.reset(rank)
                 self._bus.emit(
-                    WorkerRestarting(
-                        rank=rank, time=time.monotonic(), attempt=tracker.attempts, delay=delay
-                    )
+                    WorkerRestarting(rank=rank, time=time.monotonic(), attempt=attempt, delay=delay)
                 )
-                self._spawn_task(self._restart(rank, delay))
+                # A new incarnation that exits while it is still being wired up
+                # queues its own restart behind this one.
+                self._restarts.run(rank, lambda: self._restart(rank, delay))
                 return
+        self._gone(rank)
+
+    def _gone(self, rank: int) -> None:
+        # The rank's last incarnation exited: no restart follows.
         self._exit_order.append(rank)
+        self._readiness.gone(rank)
         self._changed.set()
 
     async def _restart(self, rank: int, delay: float) -> None:
+        # Finish the old incarnation's pipes first: its bytes precede the new
+        # one's. Shielded: a cancelled drain would lose bytes and fds.
+        await shielded(self._logs.drain_rank(rank))
+        old_handle = self._workers[rank]
+        old_handle.release()
+        await asyncio.sleep(delay)  # allowed: the policy's backoff
+        if self._end is not None:
+            return
+        self._restarts.attempts[rank] += 1
         try:
-            # One restart of a rank at a time: a new incarnation that exits while
-            # it is still being wired up queues its own restart behind this one.
-            async with self._restart_locks.setdefault(rank, asyncio.Lock()):
-                # Finish the old incarnation's pipes first: its bytes precede the
-                # new one's. Shielded: a cancelled drain would lose bytes and fds.
-                await shielded(self._logs.drain_rank(rank))
-                old_handle = self._workers[rank]
-                old_handle.release()
-                await asyncio.sleep(delay)  # allowed: the policy's backoff
-                if self._end is not None:
-                    return
-                self._attempts[rank] += 1
-                try:
-                    # Shielded: once a process is spawned its pipes must be wired.
-                    await shielded(self._start_one(rank))
-                except Exception:
-                    old_handle.failure_reason = old_handle.failure_reason or "restart failed"
-                    self._exit_order.append(rank)
-                    raise
-        finally:
-            self._pending_restarts[rank] -= 1
-            if not self._pending_restarts[rank]:
-                self._restarting.discard(rank)
-            self._changed.set()
+            # Shielded: once a process is spawned its pipes must be wired.
+            await shielded(self._start_one(rank))
+        except Exception:
+            old_handle.failure_reason = old_handle.failure_reason or "restart failed"
+            self._gone(rank)
+            raise
 
     # -- queries ----------------------------------------------------------
     def pids(self) -> dict[int, int]:
@@ -266,20 +258,52 @@ class PContext:
         failed = []
         for rank in self._exit_order:
             w = self._workers[rank]
-            if w.stopped_by_us or rank in self._restarting or w.alive:
+            if w.stopped_by_us or rank in self._restarts.pending or w.alive:
                 continue
             if w.returncode != 0 or w.failure_reason is not None:
                 failed.append(rank)
         return failed
 
     def _decided(self) -> bool:
-        if self._failed_ranks():
+        if self._failed_ranks() or self._forensics.failing:
             return True
         return (
             len(self._workers) == self.nprocs
-            and not self._restarting
+            and not self._restarts.pending
             and all(not w.alive for w in self._workers.values())
         )
+
+    def status(self) -> list[WorkerStatus]:
+        """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
+
+        Reads ``/proc`` of each live worker (a few microseconds each); CPU %
+        is measured since the previous sample (watchdog period or call).
+        """
+        return self._forensics.status()
+
+    async def dump_stacks(
+        self, ranks: list[int] | None = None, timeout: float = 5.0
+    ) -> dict[int, str]:
+        """The Python stacks of every thread of each live worker, ``{rank: text}``.
+
+        Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n`` counts the
+        dumps of this group). Workers are signalled only if they registered
+        for it (function workers; Python programs run through the CLI or
+        ``python -m aiolaunch._bootstrap``); any other rank gets one line
+        saying why (or a ``py-spy dump`` where py-spy is installed) - never
+        a signal that would kill it. A worker that does not answer within
+        ``timeout`` seconds (stopped, D state) gets a line saying so. Use
+        :meth:`StackReport.from_dumps` for the verdict.
+
+        :raises ValueError: an unknown rank, or ``timeout`` not > 0.
+        """
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"dump_stacks(timeout={timeout!r}) must be a number of seconds > 0")
+        bad = [r for r in ranks or () if r not in range(self.nprocs)]
+        if bad:
+            raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{self.nprocs - 1}")
+        dumps, _ = await self._forensics.dump(ranks, float(timeout))
+        return dumps
 
     # -- orchestration ----------------------------------------------------
     def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
@@ -293,6 +317,9 @@ class PContext:
         consumers may iterate at once, each with its own buffer of ``maxsize``
         events: one that falls behind loses its oldest events and receives an
         :class:`EventsDropped` with the count.
+
+        :raises TypeError, ValueError: ``maxsize`` is not an int >= 1 (at the
+            call, not at the first iteration).
         """
         return self._bus.iterate(lines=lines, maxsize=maxsize)
 
@@ -303,36 +330,22 @@ class PContext:
         before it is ready (and is not restarted) fails the wait with
         :class:`ChildFailedError` carrying its failure - not a timeout.
 
+        A probe that raises fails the wait promptly with a :class:`RuntimeError`
+        naming the rank and probe, the probe's exception as its ``__cause__``.
+
         :raises TimeoutError: ``timeout`` seconds passed first.
         """
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            self._changed.clear()
-            if all(ev.is_set() for ev in self._ready.values()) and not self._restarting:
-                return
-            dead = [
-                r
-                for r in self._exit_order
-                if not self._ready[r].is_set() and r not in self._restarting
-            ]
-            if dead or self._end is not None:
-                failures = {
-                    r: ProcessFailure(
-                        local_rank=r,
-                        pid=self._workers[r].pid,
-                        exitcode=self._workers[r].returncode or 0,
-                        error_file=self.error_files.get(r, ""),
-                    )
-                    for r in dead
-                }
-                raise ChildFailedError(self.name, failures)
-            remaining = math.inf if deadline is None else deadline - loop.time()
-            if remaining <= 0:
-                not_ready = sorted(r for r, ev in self._ready.items() if not ev.is_set())
-                raise TimeoutError(f"ranks {not_ready} of {self.name!r} not ready after {timeout}s")
-            with anyio.move_on_after(remaining):
-                await self._changed.wait()
+        check_seconds("wait_ready(timeout)", timeout)
+        await self._readiness.wait_ready(timeout)
+
+    def _not_ready_failure(self, rank: int) -> ProcessFailure:
+        w = self._workers[rank]
+        return ProcessFailure(
+            local_rank=rank,
+            pid=w.pid,
+            exitcode=w.returncode or 0,
+            error_file=self.error_files.get(rank, ""),
+        )
 
     # -- wait / close -----------------------------------------------------
     async def wait(
@@ -352,25 +365,39 @@ class PContext:
         While it runs in the main thread, SIGTERM, SIGINT, SIGHUP and SIGQUIT
         sent to the supervisor are forwarded to every worker's process group;
         survivors get SIGKILL after ``shutdown_timeout``; then
-        :class:`SignalException` is raised. Previous handlers are restored on
-        return. Outside the main thread there is no such race (logged once).
+        :class:`SignalException` is raised. A handler the application had
+        installed for that signal (``loop.add_signal_handler`` or a
+        ``signal.signal`` function other than a SIGINT one, which stands for
+        ``KeyboardInterrupt``)
+        is called once the workers were sent it; ``SIG_IGN`` stays ignored. A
+        second such signal during the shutdown SIGKILLs the survivors at once
+        (a one-line warning). Previous handlers are restored on return.
+        Outside the main thread there is no such race (a warning, once).
 
         *Cancellation*: cancelling the task that awaits ``wait()`` stops the
         waiting only; the workers stop when the context is closed.
         """
+        check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
         if self._result is not None:
             return self._result
         if self._end is not None:
             return await shielded(self._end)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
-        with watch_signals(lambda sig: self._changed.set()) as watch:
+        with watch_signals(
+            lambda sig: self._changed.set(),
+            on_repeat=lambda sig: self._escalate(f"second {sig.name}"),
+        ) as watch:
             while True:
                 self._changed.clear()
                 if watch.received is not None:
                     watch.consumed = True
                     sig = watch.received
-                    await shielded(self._finish(sig, self._shutdown_timeout))
+                    end = self._finish(sig, self._shutdown_timeout)
+                    await shielded(self._death_signal_sent(end))
+                    # The application's own handler for ``sig`` runs now.
+                    watch.signalled()
+                    await shielded(end)
                     raise SignalException(
                         f"Process {os.getpid()} got signal: {sig.value}", sigval=sig
                     )
@@ -389,57 +416,70 @@ class PContext:
         SIGKILLs survivors after ``timeout`` seconds (logging a warning naming
         rank and pid), reaps them, drains and closes every pipe and log file.
         Idempotent; shielded from cancellation (a cancel is re-raised after the
-        cleanup finished).
+        cleanup finished). A *second* cancellation - counting the one that
+        made an ``async with`` block call ``close()`` - ends the grace period
+        at once: the survivors get SIGKILL (as a second Ctrl-C does in
+        ``wait()``), with a warning in the log.
+
+        :raises TypeError, ValueError: ``death_sig`` is not a signal number
+            (0 included) or ``timeout`` is not a number of seconds >= 0 -
+            before any worker is signalled.
         """
-        await shielded(self._finish(death_sig, timeout))
+        check_signal("close(death_sig)", death_sig)
+        check_seconds("close(timeout)", timeout)
+        # Cancellations the task already had when close() began (leaving
+        # ``async with`` because of one): the next one is the second.
+        before = task_cancelling(asyncio.current_task())
+
+        def on_cancel(count: int) -> None:
+            if before + count >= 2:
+                self._escalate("second cancellation of close()")
+
+        await shielded(self._finish(death_sig, timeout), on_cancel)
+
+    def _escalate(self, why: str) -> None:
+        """End the grace period of the shutdown (now or once it starts): SIGKILL."""
+        if self._kill_now.is_set() or self._result is not None:
+            return
+        self._kill_now.set()
+        logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
+
+    async def _death_signal_sent(self, end: asyncio.Task[RunProcsResult]) -> None:
+        sent = asyncio.ensure_future(self._sent.wait())
+        try:
+            await asyncio.wait({sent, end}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sent.cancel()
 
     def _finish(self, death_sig: int, grace: float) -> asyncio.Task[RunProcsResult]:
         if self._end is None:
             self._end = asyncio.ensure_future(self._shutdown(death_sig, grace))
+            self._readiness.closing()
         return self._end
 
     async def _shutdown(self, death_sig: int, grace: float) -> RunProcsResult:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._restarting.clear()
+        await self._forensics.stop()
+        await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
-        await terminate(workers, death_sig, grace)
+        await terminate(workers, death_sig, grace, on_sent=self._sent.set, escalate=self._kill_now)
         await self._logs.aclose()
         for w in workers:
             w.release()
-        self._result = self._build_result(failed_before)
+        self._result = build_result(
+            self._workers,
+            [r for r in self._exit_order if r in failed_before],
+            self.error_files,
+            self.stdouts,
+            self.stderrs,
+        )
+        self._result = self._forensics.finish(self._result)
+        # After the error files are written: a folder that holds one is kept.
+        prune_empty_dirs(self._temp_dirs, self.name)
         self._bus.emit(
             GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
         )
         return self._result
-
-    def _build_result(self, failed: set[int]) -> RunProcsResult:
-        failures: dict[int, ProcessFailure] = {}
-        for rank in self._exit_order:
-            if rank not in failed:
-                continue
-            w = self._workers[rank]
-            error_file = self.error_files.get(rank, "")
-            if w.failure_reason is not None and error_file and error_file != os.devnull:
-                _record_reason(error_file, w.failure_reason)
-            assert w.returncode is not None
-            failures[rank] = ProcessFailure(
-                local_rank=rank, pid=w.pid, exitcode=w.returncode, error_file=error_file
-            )
-        return_values: dict[int, Any] = {}
-        if not failures:
-            for rank, w in sorted(self._workers.items()):
-                if w.returncode == 0 and not w.stopped_by_us:
-                    return_values[rank] = w.return_value
-        return RunProcsResult(
-            return_values=return_values,
-            failures=failures,
-            stdouts=dict(self.stdouts),
-            stderrs=dict(self.stderrs),
-        )
 
     # -- context manager --------------------------------------------------
     async def __aenter__(self) -> PContext:
@@ -527,23 +567,3 @@ def _fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
         "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
         "streams",
     )
-
-
-def _signal_name(exitcode: int) -> str | None:
-    if exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return None
-
-
-def _record_reason(path: str, reason: str) -> None:
-    if os.path.exists(path):
-        return
-    from ._error_file import write_error_file
-
-    try:
-        write_error_file(path, RuntimeError(reason))
-    except OSError:
-        print(f"aiolaunch: {reason}", file=sys.stderr)  # noqa: T201

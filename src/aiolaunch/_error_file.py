@@ -155,8 +155,16 @@ def _enable_faulthandler() -> None:
         return
     try:
         faulthandler.enable(all_threads=True)
-    except (AttributeError, ValueError, OSError) as exc:  # no usable sys.stderr (notebooks)
-        logger.debug("faulthandler not enabled: %r", exc)
+    except Exception as exc:
+        # No usable sys.stderr (pythonw, some notebooks and services: it is
+        # None or has no fileno): the function must run anyway, as torch's does.
+        import warnings
+
+        warnings.warn(
+            f"Unable to enable fault handler. {type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _record_exception(exc: Exception) -> None:

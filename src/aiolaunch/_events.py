@@ -33,6 +33,7 @@ __all__ = [
     "WorkerExited",
     "WorkerReady",
     "WorkerRestarting",
+    "WorkerStalled",
     "WorkerStarted",
 ]
 
@@ -78,6 +79,19 @@ class WorkerRestarting(Event):
 
     attempt: int
     delay: float
+
+
+@dataclass(frozen=True)
+class WorkerStalled(Event):
+    """The watchdog found a worker stalled (see :class:`aiolaunch.Watchdog`).
+
+    Emitted once per stall, before any stack dump or action: ``idle_s`` is
+    how long it had no activity, ``reason`` says which kind (no output and
+    no CPU, no progress line, or D state).
+    """
+
+    idle_s: float
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -138,7 +152,23 @@ class EventBus:
         if isinstance(event, GroupStopped):
             self.closed = True
 
-    async def iterate(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
+    def iterate(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
+        """A new consumer's iterator; arguments are checked here, at the call.
+
+        :raises TypeError, ValueError: ``maxsize`` is not an int >= 1.
+        """
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int):
+            raise TypeError(
+                f"events(maxsize={maxsize!r}) must be an int >= 1 (events buffered per consumer)"
+            )
+        if maxsize < 1:
+            raise ValueError(
+                f"events(maxsize={maxsize}) must be >= 1: it is how many events a consumer "
+                "that falls behind keeps (e.g. the default, 10000)"
+            )
+        return self._iterate(lines=bool(lines), maxsize=maxsize)
+
+    async def _iterate(self, *, lines: bool, maxsize: int) -> AsyncIterator[Event]:
         sub = _Subscriber(maxsize, lines)
         for event in self.history:
             sub.put(event)

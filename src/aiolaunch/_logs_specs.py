@@ -13,14 +13,22 @@ In a :class:`LogsDest`, a stream path of ``""`` means "the console" and
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ._types import Std, to_map
+from ._validate import check_log_dir_writable, check_std, log_dir_error
 
-__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "plain_logs_dest"]
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "plain_logs_dest", "prune_empty_dirs"]
+
+logger = logging.getLogger("aiolaunch")
 
 
 @dataclass
@@ -34,6 +42,9 @@ class LogsDest:
     error_files: dict[int, str] = field(default_factory=dict)
     filtered_stdout: str = ""
     filtered_stderr: str = ""
+    #: Folders aiolaunch created on its own (``log_dir=None``), deepest first:
+    #: at close, what holds nothing in them is removed (see :func:`prune_empty_dirs`).
+    temp_dirs: list[str] = field(default_factory=list)
 
 
 class LogsSpecs(ABC):
@@ -52,6 +63,7 @@ class LogsSpecs(ABC):
         tee: Std | dict[int, Std] = Std.NONE,
         local_ranks_filter: set[int] | None = None,
     ) -> None:
+        _check_specs_args(type(self).__name__, log_dir, redirects, tee, local_ranks_filter)
         self._root_log_dir = log_dir
         self._redirects = redirects
         self._tee = tee
@@ -75,9 +87,11 @@ class DefaultLogsSpecs(LogsSpecs):
 
     ``run_id`` and ``k`` come from ``TORCHELASTIC_RUN_ID`` and
     ``TORCHELASTIC_RESTART_COUNT`` in ``envs[0]``. A ``log_dir`` of ``None``
-    is a fresh temporary folder; an existing, non-empty one is fine (each run
-    gets its own unique sub-folder). Log folders are created without following
-    symlinks planted in a shared temporary directory.
+    is a fresh temporary folder, from which what holds nothing is removed when
+    a run ends (a later run gets fresh folders); an existing, non-empty one is
+    fine (each run gets its own unique sub-folder) and is never pruned. Log
+    folders are created without following symlinks planted in a shared
+    temporary directory. The arguments are checked before any folder is made.
     """
 
     def __init__(
@@ -87,15 +101,26 @@ class DefaultLogsSpecs(LogsSpecs):
         tee: Std | dict[int, Std] = Std.NONE,
         local_ranks_filter: set[int] | None = None,
     ) -> None:
+        # Everything is checked before the folder is created: a bad argument
+        # leaves no temporary folder behind.
+        _check_specs_args("DefaultLogsSpecs", log_dir, redirects, tee, local_ranks_filter)
+        self._temp = False
         if log_dir != os.devnull:
             if not log_dir:
                 log_dir = tempfile.mkdtemp(prefix="aiolaunch_")
-            elif os.path.isfile(log_dir):
-                raise NotADirectoryError(
-                    f"log_dir={log_dir!r} is a file; pass a directory (it is created if missing)"
-                )
+                self._temp = True
             else:
-                os.makedirs(log_dir, exist_ok=True)
+                log_dir = os.fspath(log_dir)
+                if os.path.isfile(log_dir):
+                    raise NotADirectoryError(
+                        f"log_dir={log_dir!r} is a file; pass a directory (it is created "
+                        "if missing)"
+                    )
+                check_log_dir_writable("DefaultLogsSpecs(log_dir)", log_dir)
+                try:
+                    os.makedirs(log_dir, exist_ok=True)
+                except OSError as exc:
+                    raise log_dir_error("DefaultLogsSpecs(log_dir)", log_dir, exc) from exc
         super().__init__(log_dir, redirects, tee, local_ranks_filter)
         self._run_log_dir: str | None = None
 
@@ -116,14 +141,25 @@ class DefaultLogsSpecs(LogsSpecs):
                 dest.error_files[rank] = os.devnull
                 envs[rank]["TORCHELASTIC_ERROR_FILE"] = ""
             return dest
+        if self._temp:
+            # An earlier run left nothing and its temporary folders were
+            # removed: make fresh ones (never re-create a name in a shared /tmp).
+            if not _real_dir(self._root_log_dir):
+                self._root_log_dir = tempfile.mkdtemp(prefix="aiolaunch_")
+                self._run_log_dir = None
+            elif not _real_dir(self._run_log_dir):
+                self._run_log_dir = None
         if self._run_log_dir is None:
             assert self._root_log_dir is not None
             self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self._root_log_dir)
         attempt_dir = os.path.join(self._run_log_dir, f"attempt_{attempt}")
         os.makedirs(attempt_dir, exist_ok=True)
-        return _layout(
+        dest = _layout(
             attempt_dir, envs, nprocs, self._redirects, self._tee, self._local_ranks_filter
         )
+        if self._temp:
+            dest.temp_dirs = [attempt_dir, self._run_log_dir, str(self._root_log_dir)]
+        return dest
 
     def __repr__(self) -> str:
         return (
@@ -144,6 +180,68 @@ class DefaultLogsSpecs(LogsSpecs):
     __hash__ = None  # type: ignore[assignment]
 
 
+def _check_specs_args(
+    cls: str, log_dir: Any, redirects: Any, tee: Any, local_ranks_filter: Any
+) -> None:
+    if log_dir is not None and not isinstance(log_dir, str | os.PathLike):
+        raise TypeError(
+            f"{cls}(log_dir={log_dir!r}) must be a str path or None, not {type(log_dir).__name__}"
+        )
+    check_std(f"{cls}(redirects)", redirects)
+    check_std(f"{cls}(tee)", tee)
+    if local_ranks_filter is not None and (
+        isinstance(local_ranks_filter, str | bytes)
+        or not hasattr(local_ranks_filter, "__iter__")
+        or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in local_ranks_filter
+        )
+    ):
+        raise TypeError(
+            f"{cls}(local_ranks_filter={local_ranks_filter!r}) must be a set of local ranks "
+            "(ints >= 0), e.g. {0}, or None for every rank"
+        )
+
+
+def prune_empty_dirs(tops: Iterable[str], name: str = "") -> str | None:
+    """Remove what holds nothing in folders aiolaunch created on its own.
+
+    Walks each of ``tops`` (deepest first) bottom-up and removes every empty
+    directory - rank folders of workers that wrote nothing, empty attempt
+    folders, the root if it ends empty. Files are kept, 0-byte logs included
+    (as torch keeps them, and ``result.stdouts`` may name them). Symlinks are
+    never followed.
+
+    :returns: the outermost folder that was kept because it holds logs or
+        error files (logged at INFO), or ``None`` when everything was removed.
+    """
+    kept: str | None = None
+    for top in tops:
+        if not os.path.isdir(top) or os.path.islink(top):
+            continue
+        for root, dirs, _files in os.walk(top, topdown=False):
+            for d in dirs:
+                _rmdir_quietly(os.path.join(root, d))
+        if not _rmdir_quietly(top):
+            kept = top
+    if kept is not None:
+        logger.info("aiolaunch: logs of %s kept in %s", name or "the run", kept)
+    return kept
+
+
+def _real_dir(path: str | None) -> bool:
+    return path is not None and os.path.isdir(path) and not os.path.islink(path)
+
+
+def _rmdir_quietly(path: str) -> bool:
+    # rmdir removes only an empty directory (never a symlink's target): a
+    # folder that holds anything stays.
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
 def _layout(
     base: str,
     envs: dict[int, dict[str, str]],
@@ -154,7 +252,11 @@ def _layout(
 ) -> LogsDest:
     redirs = to_map(redirects, nprocs)
     tees = to_map(tee, nprocs)
-    dest = LogsDest()
+    # torch 2.9+'s place for the duplicate filters' files (made only when used)
+    dest = LogsDest(
+        filtered_stdout=os.path.join(base, "filtered_stdout.log"),
+        filtered_stderr=os.path.join(base, "filtered_stderr.log"),
+    )
     for rank in range(nprocs):
         rank_dir = os.path.join(base, str(rank))
         _mkdir_nofollow(rank_dir)

@@ -1,38 +1,74 @@
-"""Readiness probes: when is a started worker ready to serve?
+"""Readiness: when is a started worker ready to serve?
 
-Give them to ``start_processes(..., ready=probe)`` (every rank) or
+Give probes to ``start_processes(..., ready=probe)`` (every rank) or
 ``ready={rank: probe}``, then ``await ctx.wait_ready(timeout=...)``.
 
 - :class:`ReadyLine` - a line matching a regular expression appears on the
-  worker's stdout or stderr (event-driven: checked as lines arrive).
+  worker's stdout or stderr (event-driven: the supervisor feeds it the lines
+  as they arrive).
 - :class:`ReadyPort` - a TCP port accepts connections.
 - :class:`ReadyFile` - a file exists.
 
 Port and file probes have nothing to wait on, so they try every ``interval``
 seconds (20 ms by default) - the one place aiolaunch polls, by necessity.
 A port or path may be a callable of the local rank: ``ReadyPort(lambda r: 8000 + r)``.
+
+:class:`Readiness` (private) is one group's bookkeeping: a per-rank event,
+one probe task per started worker (raced against the worker's exit), and
+``wait_ready()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+import anyio
 
-__all__ = ["ReadinessProbe", "ReadyFile", "ReadyLine", "ReadyPort"]
+from ._errors import ChildFailedError
+from ._events import WorkerReady
+from ._validate import check_port
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Container, Mapping
+
+    from ._events import EventBus
+    from ._results import ProcessFailure
+    from ._workers._handle import WorkerHandle
+
+__all__ = ["Readiness", "ReadinessProbe", "ReadyFile", "ReadyLine", "ReadyPort"]
 
 
 class ReadinessProbe:
-    """Base class of the readiness probes."""
+    """Base class of the readiness probes.
 
-    async def wait_ready(self, rank: int) -> None:  # pragma: no cover - overridden
-        """Return once ``rank`` is ready (cancelled when the worker exits)."""
-        raise NotImplementedError
+    A subclass overrides :meth:`wait_ready`; one that reads the worker's
+    output also overrides :meth:`reads` and gets the lines in ``lines``.
+    """
+
+    def reads(self, stream: str) -> bool:
+        """Whether the probe reads the lines of the worker's ``stream``
+        (``"stdout"`` or ``"stderr"``). The supervisor then pipes that stream
+        (never lets the worker inherit it) and passes its lines to
+        :meth:`wait_ready`."""
+        return False
+
+    async def wait_ready(self, rank: int, lines: AsyncIterator[str] | None = None) -> None:
+        """Return once ``rank`` is ready; raise if it cannot become ready.
+
+        Cancelled when the worker exits first. An exception fails
+        ``wait_ready()`` of the group, with this exception as its cause.
+
+        :param lines: for a probe whose :meth:`reads` is true: the worker's
+            lines of the streams it reads, in order, as they arrive; else
+            not passed.
+        """
+        raise NotImplementedError  # pragma: no cover - overridden
 
 
 @dataclass(frozen=True)
@@ -46,6 +82,11 @@ class ReadyLine(ReadinessProbe):
     stream: str = "any"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise TypeError(
+                f"ReadyLine(pattern={self.pattern!r}) must be a str regular expression, "
+                f"e.g. ReadyLine(r'listening on port \\d+')"
+            )
         if self.stream not in ("stdout", "stderr", "any"):
             raise ValueError(
                 f"ReadyLine(stream={self.stream!r}) must be 'stdout', 'stderr' or 'any'"
@@ -55,12 +96,18 @@ class ReadyLine(ReadinessProbe):
         except re.error as exc:
             raise ValueError(f"ReadyLine(pattern={self.pattern!r}) is not a regex: {exc}") from exc
 
-    def matcher(self) -> Callable[[str], bool]:
-        regex = re.compile(self.pattern)
-        return lambda line: regex.search(line) is not None
+    def reads(self, stream: str) -> bool:
+        """Whether ``stream`` is the one given (or any stream for ``"any"``)."""
+        return self.stream in (stream, "any")
 
-    async def wait_ready(self, rank: int) -> None:  # pragma: no cover - fed by the log pipeline
-        await asyncio.Event().wait()
+    async def wait_ready(self, rank: int, lines: AsyncIterator[str] | None = None) -> None:
+        """Return at the first line that matches; lines are fed by the supervisor."""
+        if lines is None:
+            raise TypeError("ReadyLine.wait_ready() needs the worker's lines")
+        regex = re.compile(self.pattern)
+        async for line in lines:
+            if regex.search(line) is not None:
+                return
 
 
 @dataclass(frozen=True)
@@ -71,7 +118,15 @@ class ReadyPort(ReadinessProbe):
     host: str = "127.0.0.1"
     interval: float = 0.02
 
-    async def wait_ready(self, rank: int) -> None:
+    def __post_init__(self) -> None:
+        if not callable(self.port):
+            check_port("ReadyPort(port)", self.port)
+        if not isinstance(self.host, str) or not self.host:
+            raise TypeError(f"ReadyPort(host={self.host!r}) must be a non-empty str")
+        _check_interval("ReadyPort", self.interval)
+
+    async def wait_ready(self, rank: int, lines: AsyncIterator[str] | None = None) -> None:
+        """Return once a connection to the rank's port succeeds."""
         port = self.port(rank) if callable(self.port) else self.port
         while True:
             try:
@@ -94,7 +149,211 @@ class ReadyFile(ReadinessProbe):
     path: str | os.PathLike[str] | Callable[[int], str | os.PathLike[str]]
     interval: float = 0.02
 
-    async def wait_ready(self, rank: int) -> None:
+    def __post_init__(self) -> None:
+        if not (callable(self.path) or isinstance(self.path, str | os.PathLike)) or (
+            isinstance(self.path, str) and not self.path
+        ):
+            raise TypeError(
+                f"ReadyFile(path={self.path!r}) must be a file path (str or os.PathLike) or a "
+                "callable of the local rank returning one, e.g. ReadyFile('/tmp/ready')"
+            )
+        _check_interval("ReadyFile", self.interval)
+
+    async def wait_ready(self, rank: int, lines: AsyncIterator[str] | None = None) -> None:
+        """Return once the rank's path exists."""
         path = self.path(rank) if callable(self.path) else self.path
         while not os.path.exists(path):  # noqa: ASYNC240 - one stat() call, no I/O wait
             await asyncio.sleep(self.interval)  # allowed: nothing to wait on but time
+
+
+def _check_interval(cls: str, interval: object) -> None:
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, int | float)
+        or not 0 < interval < float("inf")
+    ):
+        raise ValueError(
+            f"{cls}(interval={interval!r}) must be a number of seconds > 0 between tries, e.g. 0.02"
+        )
+
+
+class _Lines:
+    """The lines of one worker incarnation, from the log pipeline to its probe.
+
+    Unbounded, but fed only while the probe still waits (see
+    :meth:`Readiness.listening`), so it holds at most what arrives in one
+    loop iteration.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+
+    def put(self, line: str) -> None:
+        self._queue.put_nowait(line)
+
+    def __aiter__(self) -> _Lines:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._queue.get()
+
+
+class Readiness:
+    """The readiness of one group's ranks.
+
+    Per rank: an event set once the current incarnation is ready (at start
+    for a rank without probe), the probe's task, and the lines fed to a probe
+    that reads output. A probe that raises is recorded and fails
+    :meth:`wait_ready` promptly.
+
+    :param restarting: the ranks with a restart pending (kept current by the
+        group): they count as not ready, and not as dead.
+    :param failure: the failure of a rank that exited for good.
+    :param changed: set whenever a rank becomes ready or a probe fails.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        nprocs: int,
+        probes: Mapping[int, ReadinessProbe],
+        *,
+        bus: EventBus,
+        changed: asyncio.Event,
+        restarting: Container[int],
+        failure: Callable[[int], ProcessFailure],
+    ) -> None:
+        self._name = name
+        self._probes = dict(probes)
+        self._bus = bus
+        self._changed = changed
+        self._restarting = restarting
+        self._failure = failure
+        self._ready = {r: asyncio.Event() for r in range(nprocs)}
+        self._lines: dict[int, _Lines] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._gone: list[int] = []  # ranks that exited for good, in order
+        self._closed = False
+
+    # -- wiring -------------------------------------------------------------
+    def reads(self, rank: int, stream: str) -> bool:
+        """Whether ``rank``'s probe reads the lines of ``stream``."""
+        probe = self._probes.get(rank)
+        return probe is not None and probe.reads(stream)
+
+    def listening(self, rank: int) -> bool:
+        """Whether ``rank``'s probe still waits for lines (else feeding is moot)."""
+        return rank in self._lines and not self._ready[rank].is_set()
+
+    def feed(self, rank: int, line: str) -> None:
+        """Pass one line of ``rank``'s output to its probe (if it still waits)."""
+        if self.listening(rank):
+            self._lines[rank].put(line)
+
+    # -- lifecycle ----------------------------------------------------------
+    def started(self, rank: int, handle: WorkerHandle) -> None:
+        """A new incarnation of ``rank`` runs: ready now without a probe, else
+        start its probe, raced against ``handle``'s exit."""
+        probe = self._probes.get(rank)
+        if probe is None:
+            self._mark(rank, handle.pid)
+            return
+        lines = None
+        if probe.reads("stdout") or probe.reads("stderr"):
+            lines = self._lines[rank] = _Lines()
+        self._tasks[rank] = asyncio.ensure_future(self._probe(rank, probe, handle, lines))
+
+    def reset(self, rank: int) -> None:
+        """``rank`` is about to be restarted: not ready until its next incarnation is."""
+        self._ready[rank].clear()
+        self._lines.pop(rank, None)
+        task = self._tasks.pop(rank, None)
+        if task is not None:
+            task.cancel()
+
+    def gone(self, rank: int) -> None:
+        """``rank`` exited for good (no restart follows)."""
+        self._gone.append(rank)
+
+    def is_ready(self, rank: int) -> bool:
+        return self._ready[rank].is_set()
+
+    async def aclose(self) -> None:
+        """The group is shutting down: fail waiters, stop every probe."""
+        self.closing()
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def closing(self) -> None:
+        """The group started shutting down: waiters fail from now on."""
+        self._closed = True
+        self._changed.set()
+
+    async def _probe(
+        self, rank: int, probe: ReadinessProbe, handle: WorkerHandle, lines: _Lines | None
+    ) -> None:
+        waiting = probe.wait_ready(rank) if lines is None else probe.wait_ready(rank, lines)
+        probe_task = asyncio.ensure_future(waiting)
+        exit_task = asyncio.ensure_future(handle.exited.wait())
+        try:
+            await asyncio.wait({probe_task, exit_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            probe_task.cancel()
+            exit_task.cancel()
+        if not probe_task.done() or probe_task.cancelled():
+            return
+        error = probe_task.exception()
+        if error is None:
+            self._mark(rank, handle.pid)
+        else:
+            self._errors[rank] = error
+            self._changed.set()
+
+    def _mark(self, rank: int, pid: int) -> None:
+        if not self._ready[rank].is_set():
+            self._ready[rank].set()
+            self._lines.pop(rank, None)
+            self._bus.emit(WorkerReady(rank=rank, time=time.monotonic(), pid=pid))
+            self._changed.set()
+
+    # -- waiting ------------------------------------------------------------
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until every rank is ready (see :meth:`PContext.wait_ready`).
+
+        :raises RuntimeError: a probe raised (the probe's exception is the
+            ``__cause__``).
+        :raises ChildFailedError: a rank exited for good before it was ready,
+            or the group was closed.
+        :raises TimeoutError: ``timeout`` seconds passed first.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            self._changed.clear()
+            if self._errors:
+                rank, error = next(iter(self._errors.items()))
+                raise RuntimeError(
+                    f"the readiness probe {self._probes[rank]!r} of rank {rank} of "
+                    f"{self._name!r} raised {type(error).__name__}: {error}"
+                ) from error
+            if all(ev.is_set() for ev in self._ready.values()) and not any(
+                r in self._restarting for r in self._ready
+            ):
+                return
+            dead = [
+                r for r in self._gone if not self._ready[r].is_set() and r not in self._restarting
+            ]
+            if dead or self._closed:
+                raise ChildFailedError(self._name, {r: self._failure(r) for r in dead})
+            remaining = math.inf if deadline is None else deadline - loop.time()
+            if remaining <= 0:
+                not_ready = sorted(r for r, ev in self._ready.items() if not ev.is_set())
+                raise TimeoutError(
+                    f"ranks {not_ready} of {self._name!r} not ready after {timeout}s"
+                )
+            with anyio.move_on_after(remaining):
+                await self._changed.wait()

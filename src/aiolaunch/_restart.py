@@ -1,5 +1,8 @@
 """Per-worker restart policies for long-running service groups.
 
+:class:`Restarts` (private) is the mechanism of one group: trackers, attempt
+counts, pending restarts and one restart of a rank at a time.
+
 This is not the agent's whole-group restart (``max_restarts`` in
 ``aiolaunch.agent``, for training): here a single worker that exits is started
 again on its own, while the rest of the group keeps running.
@@ -7,11 +10,16 @@ again on its own, while the rest of the group keeps running.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["RestartPolicy", "RestartTracker"]
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping
+
+__all__ = ["RestartPolicy", "RestartTracker", "Restarts"]
 
 _MODES = ("never", "on-failure", "always")
 
@@ -47,6 +55,19 @@ class RestartPolicy:
             raise ValueError(
                 f"RestartPolicy(mode={self.mode!r}) must be one of {', '.join(_MODES)}"
             )
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
+            raise TypeError(
+                f"RestartPolicy(max_restarts={self.max_restarts!r}) must be an int >= 0, "
+                "e.g. max_restarts=3"
+            )
+        for what in ("window", "backoff", "max_backoff", "jitter"):
+            value = getattr(self, what)
+            # NaN passes no comparison below, so refuse it with the wrong types.
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+                raise TypeError(
+                    f"RestartPolicy({what}={value!r}) must be a number of seconds "
+                    f"(a fraction for jitter), e.g. {what}={getattr(RestartPolicy, what)!r}"
+                )
         if self.max_restarts < 0 or self.window <= 0:
             raise ValueError("RestartPolicy needs max_restarts >= 0 and window > 0")
         if self.backoff < 0 or self.max_backoff < self.backoff or not 0 <= self.jitter < 1:
@@ -79,3 +100,77 @@ class RestartTracker:
         self.recent.append(now)
         self.attempts += 1
         return delay
+
+
+class Restarts:
+    """The per-worker restarts of one group.
+
+    Holds each rank's :class:`RestartTracker`, its attempt count (the
+    worker's ``AIOLAUNCH_RESTART_COUNT``), the ranks with a restart pending
+    (:attr:`pending`, a set kept current in place: others may hold it), and
+    one lock per rank so that restarts of a rank run one at a time, in the
+    order the exits happened.
+
+    :param on_change: called whenever a restart finished (or failed), so the
+        group re-evaluates its state.
+    """
+
+    def __init__(
+        self, policies: Mapping[int, RestartPolicy], nprocs: int, on_change: Callable[[], None]
+    ) -> None:
+        self._trackers = {r: RestartTracker(p) for r, p in policies.items()}
+        self.attempts: dict[int, int] = dict.fromkeys(range(nprocs), 0)
+        self.pending: set[int] = set()
+        self._counts: dict[int, int] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._on_change = on_change
+
+    def env(self, rank: int) -> dict[str, str]:
+        """What a restartable rank's environment adds: its restart count."""
+        if rank not in self._trackers:
+            return {}
+        return {"AIOLAUNCH_RESTART_COUNT": str(self.attempts[rank])}
+
+    def plan(self, rank: int, failed: bool, now: float) -> tuple[float, int] | None:
+        """An incarnation of ``rank`` exited on its own: restart it?
+
+        :returns: ``(delay, restart number)`` - and ``rank`` is pending from
+            now on - or ``None`` (no policy, not wanted, or budget spent).
+        """
+        tracker = self._trackers.get(rank)
+        if tracker is None:
+            return None
+        delay = tracker.next_delay(1 if failed else 0, now)
+        if delay is None:
+            return None
+        self.pending.add(rank)
+        self._counts[rank] = self._counts.get(rank, 0) + 1
+        return delay, tracker.attempts
+
+    def run(self, rank: int, restart: Callable[[], Awaitable[None]]) -> None:
+        """Run ``restart()`` for a planned restart of ``rank``, in a task, after
+        the restarts of ``rank`` planned before it; then ``rank`` is no longer
+        pending (once no other restart of it is planned)."""
+        task = asyncio.ensure_future(self._run(rank, restart))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, rank: int, restart: Callable[[], Awaitable[None]]) -> None:
+        try:
+            async with self._locks.setdefault(rank, asyncio.Lock()):
+                await restart()
+        finally:
+            self._counts[rank] -= 1
+            if not self._counts[rank]:
+                self.pending.discard(rank)
+            self._on_change()
+
+    async def aclose(self) -> None:
+        """Cancel every restart in progress; nothing is pending afterwards."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.pending.clear()

@@ -1,8 +1,9 @@
 """What a finished run returns: :class:`RunProcsResult` and :class:`ProcessFailure`.
 
-Leaf module: imports nothing else from aiolaunch at run time. Both classes
-are plain dataclasses that pickle by value (no file is read on unpickling), so
-results can cross process boundaries.
+Both classes are plain dataclasses that pickle by value (no file is read on
+unpickling), so results can cross process boundaries. :func:`build_result`
+makes a group's result from its worker handles. Nearly a leaf module: it imports
+the leaf ``_signames``, and ``build_result`` (lazily) the error-file writer.
 """
 
 from __future__ import annotations
@@ -10,16 +11,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from ._types import JSON
+from ._signames import exit_signal_name
 
-__all__ = ["ProcessFailure", "RunProcsResult"]
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    from ._types import JSON
+    from ._workers._handle import WorkerHandle
+
+__all__ = ["ProcessFailure", "RunProcsResult", "build_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +147,7 @@ class ProcessFailure:
         :returns: the name when ``exitcode`` is ``-N`` for a known signal
             ``N``, else ``"<N/A>"`` (torch's placeholder).
         """
-        if self.exitcode < 0:
-            try:
-                return signal.Signals(-self.exitcode).name
-            except ValueError:
-                return NOT_AVAILABLE
-        return NOT_AVAILABLE
+        return exit_signal_name(self.exitcode) or NOT_AVAILABLE
 
     def timestamp_isoformat(self) -> str:
         """:attr:`timestamp` as local time, ``YYYY-MM-DD_HH:MM:SS`` (torch's format)."""
@@ -192,3 +193,55 @@ class RunProcsResult:
     def is_failed(self) -> bool:
         """Whether any worker failed (``failures`` is not empty)."""
         return len(self.failures) > 0
+
+
+def build_result(
+    workers: Mapping[int, WorkerHandle],
+    failed: Iterable[int],
+    error_files: Mapping[int, str],
+    stdouts: Mapping[int, str],
+    stderrs: Mapping[int, str],
+) -> RunProcsResult:
+    """The result of a finished group.
+
+    :param workers: every started worker (the last incarnation of each rank),
+        all exited.
+    :param failed: the failed ranks, in the order their failure was observed:
+        the order of ``failures``. A failure without an error file whose
+        handle knows why (``failure_reason``, e.g. a function worker that
+        exited 0 without returning) gets that reason written as its error file.
+    :returns: the return values of every rank that exited 0 on its own when
+        nothing failed, else the failures only.
+    """
+    failures: dict[int, ProcessFailure] = {}
+    for rank in failed:
+        w = workers[rank]
+        error_file = error_files.get(rank, "")
+        if w.failure_reason is not None and error_file and error_file != os.devnull:
+            _record_reason(error_file, w.failure_reason)
+        assert w.returncode is not None
+        failures[rank] = ProcessFailure(
+            local_rank=rank, pid=w.pid, exitcode=w.returncode, error_file=error_file
+        )
+    return_values: dict[int, Any] = {}
+    if not failures:
+        for rank, w in sorted(workers.items()):
+            if w.returncode == 0 and not w.stopped_by_us:
+                return_values[rank] = w.return_value
+    return RunProcsResult(
+        return_values=return_values,
+        failures=failures,
+        stdouts=dict(stdouts),
+        stderrs=dict(stderrs),
+    )
+
+
+def _record_reason(path: str, reason: str) -> None:
+    if os.path.exists(path):
+        return
+    from ._error_file import write_error_file
+
+    try:
+        write_error_file(path, RuntimeError(reason))
+    except OSError:
+        print(f"aiolaunch: {reason}", file=sys.stderr)  # noqa: T201

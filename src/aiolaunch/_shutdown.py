@@ -11,16 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from ._workers._proc import ProcTable, open_exit_fd
+from ._workers._proc import ProcTable, open_exit_fd, read_stat
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from ._workers._handle import WorkerHandle
 
@@ -34,14 +35,16 @@ T = TypeVar("T")
 _KILL_WAIT = 10.0
 
 
-async def shielded(aw: Awaitable[T]) -> T:
+async def shielded(aw: Awaitable[T], on_cancel: Callable[[int], None] | None = None) -> T:
     """Run ``aw`` to completion even if the caller is cancelled.
 
     Cancellation of the caller is re-raised once ``aw`` finished: cleanup can
-    be delayed by a cancel, never skipped.
+    be delayed by a cancel, never skipped. ``on_cancel(n)`` is called with
+    the count so far for each cancellation that arrives meanwhile (so a
+    caller can hurry the cleanup up, e.g. escalate to SIGKILL).
     """
     task = asyncio.ensure_future(aw)
-    cancelled = False
+    cancels = 0
     with anyio.CancelScope(shield=True):
         while True:
             try:
@@ -50,8 +53,10 @@ async def shielded(aw: Awaitable[T]) -> T:
             except asyncio.CancelledError:
                 if task.done():
                     raise
-                cancelled = True
-    if cancelled:
+                cancels += 1
+                if on_cancel is not None:
+                    on_cancel(cancels)
+    if cancels:
         raise asyncio.CancelledError
     return result
 
@@ -109,15 +114,21 @@ async def terminate(
     workers: Sequence[WorkerHandle],
     death_sig: int = signal.SIGTERM,
     grace: float = 30.0,
+    *,
+    on_sent: Callable[[], None] | None = None,
+    escalate: asyncio.Event | None = None,
 ) -> None:
     """Stop every worker and all of its descendants; return when they are gone.
 
     1. Send ``death_sig`` to each live worker's process group and to every
        descendant found in ``/proc`` (also those in other groups or sessions);
-       exited workers' leftover group members get it too.
-    2. Wait up to ``grace`` seconds for the exits (events, not polling).
-    3. SIGKILL whatever is left - logging a warning naming rank and pid - and
-       wait for it to vanish.
+       exited workers' leftover group members get it too. Then ``on_sent()``
+       is called.
+    2. Wait up to ``grace`` seconds for the exits (events, not polling) - or
+       until ``escalate`` is set (a second signal, a second cancellation),
+       which ends the grace period at once.
+    3. SIGKILL whatever is left - logging a warning naming rank and pid when
+       the grace period ran out - and wait for it to vanish.
 
     Workers signalled here are marked ``stopped_by_us``: their exits are not
     failures. Never raises for processes that are already gone.
@@ -139,15 +150,28 @@ async def terminate(
             for pid in tree:
                 with contextlib.suppress(OSError):
                     os.kill(pid, death_sig)
+    if on_sent is not None:
+        on_sent()
+    escalated = False
     if death_sig != signal.SIGKILL:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        await _wait_exited(alive, grace)
-        if extras:
-            await _wait_pids_gone(_alive_pids(extras), max(0.0, deadline - loop.time()))
+        with anyio.move_on_after(grace):
+            async with anyio.create_task_group() as tg:
+                if escalate is not None:
+
+                    async def cut_short() -> None:
+                        nonlocal escalated
+                        await escalate.wait()
+                        escalated = True
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(cut_short)
+                await _wait_exited(alive, math.inf)
+                if extras:
+                    await _wait_pids_gone(_alive_pids(extras), math.inf)
+                tg.cancel_scope.cancel()
     survivors = [w for w in alive if w.alive]
     for w in survivors:
-        if death_sig != signal.SIGKILL:
+        if death_sig != signal.SIGKILL and not escalated:
             logger.warning(
                 "aiolaunch: local rank %d (pid %d) still running %.1fs after %s; sending SIGKILL",
                 w.local_rank,
@@ -190,12 +214,7 @@ def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
 def _alive_pids(pids: set[int]) -> set[int]:
     alive = set()
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-        if state not in (b"Z", b"X"):
+        stat = read_stat(pid)
+        if stat is not None and stat.alive:
             alive.add(pid)
     return alive

@@ -1,16 +1,29 @@
-"""Signal race for ``wait()``: forward SIGTERM/SIGINT/SIGHUP/SIGQUIT to workers.
+"""Signal race for ``wait()``: stop (or only forward) on the signals sent to the supervisor.
 
-Handlers are installed on the running loop (``loop.add_signal_handler``) once,
-when the first ``wait()`` of that loop starts, shared by every context waiting
-in it, and the previous handlers are restored when the last one returns -
-including an inherited ``SIG_IGN`` (a signal ignored on entry, as under
-``nohup``, is left ignored and never forwarded).
+Handlers are installed on the running loop (``loop.add_signal_handler``) while
+at least one ``wait()`` of that loop watches the signal, shared by every
+context waiting in it; the previous handler is restored when the last watcher
+of that signal returns - including an inherited ``SIG_IGN`` (a signal ignored
+on entry, as under ``nohup``, is left ignored and never forwarded).
+
+Each waiter watches two sets: *stop* signals (by default SIGTERM, SIGINT,
+SIGHUP, SIGQUIT) end its group - the first one received is reported once, a
+later one is reported as a repeat (the caller escalates to SIGKILL) - and
+*forward* signals are only passed on to the workers.
+
+The application keeps its own handlers: a handler it installed before
+``wait()`` (``loop.add_signal_handler`` or a Python-level ``signal.signal``
+callable) is called for every signal aiolaunch takes, after the workers were
+signalled (:meth:`SignalWatch.signalled`). ``SIG_DFL``,
+``default_int_handler`` and any Python-level SIGINT handler (``asyncio.run``'s,
+ipykernel's: they stand for ``KeyboardInterrupt``) are not called: their
+meaning is carried by ``wait()`` raising ``SignalException``.
 
 A signal that arrives after its waiter decided to return is re-delivered to the
-process once the previous handlers are back, so it is never swallowed.
+process once the previous handler is back, so it is never swallowed.
 
 Outside the main thread (or on a loop without signal support) nothing is
-installed: ``wait()`` then works without the race, and says so once in the log.
+installed: ``wait()`` then works without the race, and warns once in the log.
 """
 
 from __future__ import annotations
@@ -20,36 +33,99 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["FORWARDED_SIGNALS", "SignalWatch", "watch_signals"]
+from ._compat import (
+    call_handle_soon,
+    is_default_handler,
+    loop_signal_handler,
+    reinstall_loop_signal_handler,
+)
+
+__all__ = ["FORWARDED_SIGNALS", "STOP_SIGNALS", "SignalWatch", "watch_signals"]
 
 logger = logging.getLogger("aiolaunch")
 
-FORWARDED_SIGNALS: tuple[signal.Signals, ...] = (
+STOP_SIGNALS: tuple[signal.Signals, ...] = (
     signal.SIGTERM,
     signal.SIGINT,
     signal.SIGHUP,
     signal.SIGQUIT,
 )
+# The historical name: the default stop signals.
+FORWARDED_SIGNALS = STOP_SIGNALS
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+_SignalCallback = Callable[[signal.Signals], None]
 
 
 class SignalWatch:
-    """What one waiter sees: the first forwarded signal received, if any."""
+    """What one waiter sees: the first stop signal received, if any.
 
-    def __init__(self, on_signal: Callable[[signal.Signals], None]) -> None:
+    ``received`` is the first stop signal; ``consumed`` is set by the waiter
+    once it acted on it (an unconsumed one is re-delivered on leaving).
+    """
+
+    def __init__(
+        self,
+        on_signal: _SignalCallback,
+        stop: Iterable[signal.Signals],
+        forward: Iterable[signal.Signals] = (),
+        on_repeat: _SignalCallback | None = None,
+        on_forward: _SignalCallback | None = None,
+    ) -> None:
         self.received: signal.Signals | None = None
         self.consumed = False
+        self.forward = frozenset(forward)
+        # A signal in both sets is only forwarded (the explicit opt-in wins).
+        self.stop = frozenset(stop) - self.forward
         self._on_signal = on_signal
+        self._on_repeat = on_repeat
+        self._on_forward = on_forward
+        self._hub: _Hub | None = None
+
+    def signalled(self) -> None:
+        """Say that the workers were sent :attr:`received`.
+
+        The application's own handler for that signal, if any, runs once every
+        waiter that received it said so (or left). Idempotent.
+        """
+        if self._hub is not None:
+            self._hub.acknowledge(self)
 
     def _deliver(self, sig: signal.Signals) -> None:
-        if self.received is None:
+        if sig in self.forward:
+            if self._on_forward is not None:
+                self._on_forward(sig)
+        elif self.received is None:
             self.received = sig
             self._on_signal(sig)
+        elif self._on_repeat is not None:
+            self._on_repeat(sig)
+
+
+class _Slot:
+    """One signal a hub handles: what was there before, and how many watch it."""
+
+    __slots__ = ("previous", "previous_loop", "users")
+
+    def __init__(self, previous: _Handler, previous_loop: asyncio.Handle | None) -> None:
+        self.previous = previous
+        self.previous_loop = previous_loop
+        self.users = 1
+
+
+class _Pending:
+    """A stop signal whose chained handler waits for the waiters to signal workers."""
+
+    __slots__ = ("acknowledged", "sig", "waiting")
+
+    def __init__(self, sig: signal.Signals, waiting: list[SignalWatch]) -> None:
+        self.sig = sig
+        self.waiting = waiting
+        self.acknowledged = False
 
 
 class _Hub:
@@ -58,97 +134,156 @@ class _Hub:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.watches: list[SignalWatch] = []
-        self.previous: dict[signal.Signals, _Handler] = {}
-        # Handlers the application itself registered with loop.add_signal_handler.
-        self.previous_loop: dict[signal.Signals, asyncio.Handle] = {}
+        self.slots: dict[signal.Signals, _Slot] = {}
+        self.pending: list[_Pending] = []
 
-    def install(self) -> bool:
-        installed: dict[signal.Signals, _Handler] = {}
-        loop_handlers = getattr(self.loop, "_signal_handlers", {})
+    def acquire(self, sigs: Iterable[signal.Signals]) -> list[signal.Signals] | None:
+        """Take ``sigs`` over; return those taken (ignored ones are not), ``None`` if impossible."""
+        taken: list[signal.Signals] = []
         try:
-            for sig in FORWARDED_SIGNALS:
+            for sig in sigs:
+                slot = self.slots.get(sig)
+                if slot is not None:
+                    slot.users += 1
+                    taken.append(sig)
+                    continue
                 prev = signal.getsignal(sig)
                 if prev == signal.SIG_IGN:
                     continue
-                if sig in loop_handlers:
-                    self.previous_loop[sig] = loop_handlers[sig]
+                prev_loop = loop_signal_handler(self.loop, sig)
                 self.loop.add_signal_handler(sig, self._dispatch, sig)
-                installed[sig] = prev
-        except (NotImplementedError, RuntimeError, ValueError):
+                self.slots[sig] = _Slot(prev, prev_loop)
+                taken.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError, OSError):
             # Restore what was installed before the failure, then degrade.
-            self.previous = installed
-            self.restore()
-            return False
-        self.previous = installed
-        return True
+            self.release(taken)
+            return None
+        return taken
 
-    def restore(self) -> None:
-        for sig, prev in self.previous.items():
-            handle = self.previous_loop.get(sig)
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    self.loop.add_signal_handler(
-                        sig,
-                        handle._callback,  # type: ignore[attr-defined]
-                        *handle._args,  # type: ignore[attr-defined]
-                    )
-                    continue
+    def release(self, sigs: Iterable[signal.Signals]) -> None:
+        for sig in sigs:
+            slot = self.slots[sig]
+            slot.users -= 1
+            if slot.users:
+                continue
+            del self.slots[sig]
+            if slot.previous_loop is not None and reinstall_loop_signal_handler(
+                self.loop, sig, slot.previous_loop
+            ):
+                continue
             with contextlib.suppress(Exception):
                 self.loop.remove_signal_handler(sig)
             with contextlib.suppress(Exception):
-                signal.signal(sig, prev)  # type: ignore[arg-type]
-        self.previous = {}
-        self.previous_loop = {}
+                signal.signal(sig, slot.previous)  # type: ignore[arg-type]
+
+    def acknowledge(self, watch: SignalWatch) -> None:
+        for pending in list(self.pending):
+            if watch in pending.waiting:
+                pending.waiting.remove(watch)
+                pending.acknowledged = True
+                if not pending.waiting:
+                    self.pending.remove(pending)
+                    self._chain(pending.sig)
+
+    def leave(self, watch: SignalWatch) -> None:
+        for pending in list(self.pending):
+            if watch in pending.waiting:
+                pending.waiting.remove(watch)
+                if not pending.waiting:
+                    self.pending.remove(pending)
+                    # Nobody acted on it: it is re-delivered instead (watch_signals).
+                    if pending.acknowledged:
+                        self._chain(pending.sig)
 
     def _dispatch(self, sig: signal.Signals) -> None:
+        fresh: list[SignalWatch] = []
         for watch in list(self.watches):
+            if sig in watch.stop and watch.received is None:
+                fresh.append(watch)
             watch._deliver(sig)
+        if fresh:
+            # The application's handler runs once these waiters signalled their
+            # workers, so a graceful shutdown of its own finds them stopping.
+            self.pending.append(_Pending(sig, fresh))
+        else:
+            # Forwarded (synchronously, above) or a repeat: chain right away.
+            self._chain(sig)
+
+    def _chain(self, sig: signal.Signals) -> None:
+        """Call the handler that was there before aiolaunch took ``sig``."""
+        slot = self.slots.get(sig)
+        if slot is None:
+            return
+        if slot.previous_loop is not None:
+            call_handle_soon(self.loop, slot.previous_loop)
+            return
+        prev = slot.previous
+        # A Python-level SIGINT handler stands for KeyboardInterrupt in the
+        # frameworks that install one (asyncio.run, ipykernel cancelling the
+        # cell): SignalException already carries that meaning, and calling it
+        # too would cancel the very task that waits for the workers.
+        if callable(prev) and not is_default_handler(prev) and sig != signal.SIGINT:
+            # Its own loop callback, as the loop runs signal handlers: an
+            # exception it raises is reported by the loop, not by wait();
+            # KeyboardInterrupt/SystemExit propagate out of the loop as usual.
+            self.loop.call_soon(prev, int(sig), None)
 
 
 _hubs: dict[asyncio.AbstractEventLoop, _Hub] = {}
 _said_degraded = False
 
 
-@contextlib.contextmanager
-def watch_signals(on_signal: Callable[[signal.Signals], None]) -> Iterator[SignalWatch]:
-    """Watch the forwarded signals for the duration of the block.
-
-    ``on_signal`` is called on the loop thread with the first signal received.
-    """
+def _degraded(why: str) -> None:
     global _said_degraded
-    watch = SignalWatch(on_signal)
+    if not _said_degraded:
+        _said_degraded = True
+        logger.warning("aiolaunch: %s; signals sent to the supervisor are not forwarded", why)
+
+
+@contextlib.contextmanager
+def watch_signals(
+    on_signal: _SignalCallback,
+    *,
+    stop: Iterable[signal.Signals] = STOP_SIGNALS,
+    forward: Iterable[signal.Signals] = (),
+    on_repeat: _SignalCallback | None = None,
+    on_forward: _SignalCallback | None = None,
+) -> Iterator[SignalWatch]:
+    """Watch signals for the duration of the block.
+
+    Callbacks run on the loop thread: ``on_signal`` with the first ``stop``
+    signal received, ``on_repeat`` with each later one, ``on_forward`` with
+    each ``forward`` signal. The caller calls :meth:`SignalWatch.signalled`
+    once it acted on ``on_signal``.
+    """
+    watch = SignalWatch(on_signal, stop, forward, on_repeat, on_forward)
     loop = asyncio.get_running_loop()
+    if threading.current_thread() is not threading.main_thread():
+        _degraded("wait() runs outside the main thread (only the main thread can handle signals)")
+        yield watch
+        return
     hub = _hubs.get(loop)
     if hub is None:
-        if threading.current_thread() is not threading.main_thread():
-            if not _said_degraded:
-                _said_degraded = True
-                logger.info(
-                    "aiolaunch: wait() runs outside the main thread; signals sent to the "
-                    "supervisor are not forwarded to workers (only the main thread can "
-                    "handle signals)"
-                )
-            yield watch
-            return
-        hub = _Hub(loop)
-        if not hub.install():
-            if not _said_degraded:
-                _said_degraded = True
-                logger.info(
-                    "aiolaunch: this event loop cannot take signal handlers; "
-                    "signals are not forwarded to workers"
-                )
-            yield watch
-            return
-        _hubs[loop] = hub
+        hub = _hubs[loop] = _Hub(loop)
+    taken = hub.acquire(watch.stop | watch.forward)
+    if taken is None:
+        if not hub.watches:
+            del _hubs[loop]
+        _degraded("this event loop cannot take signal handlers")
+        yield watch
+        return
+    watch._hub = hub
     hub.watches.append(watch)
     try:
         yield watch
     finally:
         hub.watches.remove(watch)
+        hub.leave(watch)
+        hub.release(taken)
+        watch._hub = None
         if not hub.watches:
             del _hubs[loop]
-            hub.restore()
-        if watch.received is not None and not watch.consumed and not hub.watches:
+        received = watch.received
+        if received is not None and not watch.consumed and received not in hub.slots:
             # Arrived after the waiter had decided: hand it to the restored handler.
-            signal.raise_signal(watch.received)
+            signal.raise_signal(received)

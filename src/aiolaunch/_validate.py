@@ -5,16 +5,26 @@ Each message names the argument, the bad value and the fix.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._types import Std
 
-__all__ = ["START_METHODS", "check_start_inputs", "pickle_payloads"]
+__all__ = [
+    "START_METHODS",
+    "check_port",
+    "check_seconds",
+    "check_signal",
+    "check_start_inputs",
+    "check_std",
+    "pickle_payloads",
+]
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -36,22 +46,129 @@ def _check_rank_keys(what: str, d: Mapping[int, Any], nprocs: int) -> None:
         )
 
 
-def _check_std(what: str, value: Any, nprocs: int) -> None:
+def check_std(what: str, value: Any, nprocs: int | None = None) -> None:
+    """Check a ``redirects``/``tee`` setting: a :class:`Std` or ``{rank: Std}``.
+
+    Values outside ``Std.ALL`` (``Std(8)``) and plain ints are refused;
+    ``nprocs=None`` (a ``LogsSpecs``, built before the group size is known)
+    only requires ranks to be ints >= 0.
+    """
     if isinstance(value, Std):
+        _check_std_value(what, value)
         return
     if isinstance(value, Mapping):
         for rank, std in value.items():
-            if not isinstance(rank, int) or not 0 <= rank < nprocs:
+            if (
+                isinstance(rank, bool)
+                or not isinstance(rank, int)
+                or rank < 0
+                or (nprocs is not None and rank >= nprocs)
+            ):
+                local = "an int >= 0" if nprocs is None else f"0..{nprocs - 1}"
                 raise ValueError(
-                    f"{what} has rank {rank!r}, but local ranks are 0..{nprocs - 1}; "
-                    "drop it or fix args"
+                    f"{what} has rank {rank!r}, but local ranks are {local}; drop it or fix args"
                 )
             if not isinstance(std, Std):
                 raise TypeError(f"{what}[{rank}] is {std!r}; use aiolaunch.Std (e.g. Std.ALL)")
+            _check_std_value(f"{what}[{rank}]", std)
         return
     raise TypeError(
         f"{what}={value!r} is neither a Std nor a {{rank: Std}} dict; "
         "use e.g. Std.ALL or {0: Std.ERR} (Std.from_str parses '0:3,1:0')"
+    )
+
+
+def _check_std_value(what: str, std: Std) -> None:
+    # IntFlag keeps unknown bits (Std(8) is a "Std"), so check the range.
+    if not 0 <= int(std) <= int(Std.ALL):
+        raise ValueError(
+            f"{what}={int(std)} is not a Std: use Std.NONE, Std.OUT, Std.ERR or Std.ALL (0-3)"
+        )
+
+
+def check_seconds(what: str, value: Any, *, forever: str = "") -> None:
+    """Check a duration: a real number of seconds >= 0, or ``None``.
+
+    ``forever``: what ``None`` (and, where allowed, a negative value) means;
+    when given, negative values are accepted too (``wait(timeout=-1)``).
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{what}={value!r} must be a number of seconds (int or float) or None, "
+            f"not {type(value).__name__}; e.g. {what}=1.5"
+        )
+    if math.isnan(value) or (value < 0 and not forever):
+        raise ValueError(
+            f"{what}={value!r} must be a number of seconds >= 0"
+            + (f" ({forever})" if forever else " (or None to wait without a limit)")
+        )
+
+
+def check_signal(what: str, value: Any) -> None:
+    """Check a signal to send: a valid signal number other than 0."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{what}={value!r} must be a signal number, e.g. signal.SIGTERM or signal.SIGKILL"
+        )
+    try:
+        signal.Signals(value)
+    except ValueError:
+        ok = False
+    else:
+        ok = value != 0
+    if not ok:
+        raise ValueError(
+            f"{what}={value!r} is not a signal that stops a process; "
+            "use signal.SIGTERM (the default), signal.SIGINT or signal.SIGKILL"
+        )
+
+
+def check_port(what: str, value: Any, *, zero: bool = False) -> None:
+    """Check a TCP port: an int in 1..65535 (0 too where ``zero``: "any free port")."""
+    low = 0 if zero else 1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{what} must be an int TCP port ({low}..65535), got {value!r} "
+            f"({type(value).__name__}); e.g. 29500"
+        )
+    if not low <= value <= 65535:
+        raise ValueError(f"{what}={value!r} is not a TCP port; use {low}..65535, e.g. 29500")
+
+
+def check_log_dir_writable(what: str, path: str) -> None:
+    """Refuse a folder that cannot be created or written, before anything is created.
+
+    Checks the nearest existing ancestor: a file there, or no write access
+    (not detected for root: creation errors are translated where they happen).
+    """
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise NotADirectoryError(
+            f"{what}={path!r} cannot be created: {probe!r} is not a directory; "
+            "pass a folder under a writable directory, or None"
+        )
+    target_exists = probe == os.path.abspath(path)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "it is not writable" if target_exists else f"{probe!r} is not writable"
+        raise PermissionError(
+            f"{what}={path!r} cannot be used: {where}; pass a folder you can write, "
+            "or None for a temporary one"
+        )
+
+
+def log_dir_error(what: str, path: str, exc: OSError) -> OSError:
+    """A clear error for a log folder whose creation failed (``exc`` as cause)."""
+    return type(exc)(
+        exc.errno,
+        f"{what}={path!r} could not be created ({exc.strerror}); pass a folder you "
+        "can write, or None for a temporary one",
     )
 
 
@@ -110,6 +227,16 @@ def check_start_inputs(
                     f"envs[{rank}][{k!r}] is {v!r} ({type(v).__name__}); environment values "
                     f"must be str: use str({v!r})"
                 )
+            if not k or "=" in k or "\0" in k:
+                raise ValueError(
+                    f"envs[{rank}] has the name {k!r}: an environment name must be non-empty "
+                    "and contain neither '=' nor a NUL byte; fix the key"
+                )
+            if "\0" in v:
+                raise ValueError(
+                    f"envs[{rank}][{k!r}] contains a NUL byte, which an environment value "
+                    "cannot hold; remove it (pass binary data through a file)"
+                )
     if start_method not in START_METHODS:
         raise ValueError(
             f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}; "
@@ -121,6 +248,13 @@ def check_start_inputs(
         )
     if isinstance(entrypoint, str):
         _check_binary(entrypoint)
+        for rank, a in args.items():
+            for i, item in enumerate(a):
+                if "\0" in str(item):
+                    raise ValueError(
+                        f"args[{rank}][{i}] contains a NUL byte, which a command-line "
+                        "argument cannot hold; remove it (pass binary data through a file)"
+                    )
     elif start_method == "fork":
         torch = sys.modules.get("torch")
         cuda = getattr(torch, "cuda", None)
@@ -145,12 +279,22 @@ def check_start_inputs(
                 f"got {type(logs_specs).__name__}"
             )
     else:
-        _check_std("redirects", redirects, nprocs)
-        _check_std("tee", tee, nprocs)
-        if log_dir is not None:
+        check_std("redirects", redirects, nprocs)
+        check_std("tee", tee, nprocs)
+        if log_dir is None:
+            bad = [c for c in (os.sep, "\0") if c in name]
+            if bad:
+                raise ValueError(
+                    f"name={name!r} contains {bad[0]!r}, which cannot be part of the "
+                    "temporary log folder's name (log_dir=None); use a name without it, "
+                    "or pass log_dir"
+                )
+        else:
             if not isinstance(log_dir, str | os.PathLike):
                 raise TypeError(f"log_dir must be a str path or None, got {type(log_dir).__name__}")
             path = os.fspath(log_dir)
+            if not isinstance(path, str) or "\0" in path:
+                raise ValueError(f"log_dir={path!r} must be a str path without NUL bytes")
             if os.path.isfile(path):
                 raise NotADirectoryError(
                     f"log_dir={path!r} is a file; pass a directory (created if missing) or None"
@@ -161,6 +305,7 @@ def check_start_inputs(
                     "for a fresh temporary one (logs_specs=DefaultLogsSpecs(...) may reuse "
                     "a folder: each run gets its own sub-folder)"
                 )
+            check_log_dir_writable("log_dir", path)
     if log_line_prefixes is not None:
         if not isinstance(log_line_prefixes, Mapping):
             raise TypeError("log_line_prefixes must be a dict {local_rank: str} or None")
@@ -181,7 +326,6 @@ def check_start_inputs(
             "(the grace between the death signal and SIGKILL)"
         )
 
-
     if console_dedup is not None and (
         isinstance(console_dedup, bool)
         or not isinstance(console_dedup, int | float)
@@ -196,7 +340,20 @@ def check_start_inputs(
 def _check_binary(entrypoint: str) -> None:
     if not entrypoint:
         raise ValueError("entrypoint is an empty str; name a binary, e.g. 'python3'")
+    if "\0" in entrypoint:
+        raise ValueError(f"entrypoint={entrypoint!r} contains a NUL byte; name a binary")
+    words = entrypoint.split()
+    if len(words) > 1 and _binary_exists(words[0]) and not _binary_exists(entrypoint):
+        raise FileNotFoundError(
+            f"entrypoint={entrypoint!r} names a binary and its arguments; the arguments go "
+            f"in args: entrypoint={words[0]!r}, args={{0: {tuple(words[1:])!r}, ...}}"
+        )
     if os.sep in entrypoint:
+        if os.path.isdir(entrypoint):
+            raise IsADirectoryError(
+                f"entrypoint={entrypoint!r} is a directory; name the binary inside it "
+                "(e.g. entrypoint='/path/to/dir/program')"
+            )
         if not os.path.isfile(entrypoint):
             raise FileNotFoundError(
                 f"entrypoint={entrypoint!r} does not exist; fix the path to the binary"
@@ -210,6 +367,12 @@ def _check_binary(entrypoint: str) -> None:
         raise FileNotFoundError(
             f"entrypoint={entrypoint!r} was not found on PATH; pass its full path or fix PATH"
         )
+
+
+def _binary_exists(entrypoint: str) -> bool:
+    if os.sep in entrypoint:
+        return os.path.isfile(entrypoint)
+    return shutil.which(entrypoint) is not None
 
 
 def pickle_payloads(

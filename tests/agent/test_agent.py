@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import alive
 from aiolaunch import Std
 from aiolaunch.agent import LocalElasticAgent, RunResult, WorkerSpec, WorkerState
 
@@ -51,19 +52,6 @@ def _script(tmp_path: Path, name: str, code: str) -> str:
 
 def _records(out: Path) -> dict[str, dict[str, str]]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def env_view(tag: str) -> dict[str, str]:
@@ -212,8 +200,10 @@ async def test_cancelling_run_stops_the_workers(tmp_path: Path) -> None:
     code = textwrap.dedent(
         """
         import os, sys, time
-        with open(os.path.join(sys.argv[1], f"{os.environ['LOCAL_RANK']}.pid"), "w") as f:
+        path = os.path.join(sys.argv[1], f"{os.environ['LOCAL_RANK']}.pid")
+        with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)  # atomic: the test never reads it empty
         time.sleep(60)
         """
     )
@@ -228,11 +218,11 @@ async def test_cancelling_run_stops_the_workers(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "workers did not start"
         await asyncio.sleep(0.05)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
-    assert all(_alive(pid) for pid in pids)
+    assert all(alive(pid) for pid in pids)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 15)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ prints first), never to the test runner.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -26,6 +27,8 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from _helpers import on_teardown, popen
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -168,6 +171,25 @@ class Supervised:
         assert self.pid
         os.kill(self.pid, sig)
 
+    def stop(self) -> None:
+        """Kill and reap the supervisor and the subreaper, if still running.
+
+        Run after each test (``on_teardown``): a test that failed before
+        :meth:`finish` must not leave its supervisor behind. Killing the
+        supervisor first lets the subreaper clean up its orphans and exit; the
+        subreaper is killed only if it does not.
+        """
+        if self.proc.poll() is not None:
+            return
+        if self.pid and alive(self.pid):
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+        try:
+            self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate(timeout=30)
+
     def finish(self, timeout: float = 60.0) -> Report:
         """Wait for the subreaper's report (the supervisor must exit on its own)."""
         try:
@@ -208,7 +230,9 @@ def start_supervised(
     reaper = tmp_path / "subreaper.py"
     reaper.write_text(SUBREAPER)
     report = tmp_path / (name + ".report.json")
-    proc = subprocess.Popen(
+    # Default signal dispositions whatever the runner inherited (nohup, a
+    # background job): the supervisor inherits them from the subreaper.
+    proc = popen(
         [
             sys.executable,
             str(reaper),
@@ -224,6 +248,7 @@ def start_supervised(
         env={**os.environ, **(env or {})},
     )
     sup = Supervised(proc, report)
+    on_teardown(sup.stop)
     if stdout == subprocess.PIPE:
         try:
             sup.pid = int(sup.read_json()["pid"])

@@ -329,5 +329,6 @@ async def test_strip_ansi_on_the_console_only(
         result = await ctx.wait()
     assert result is not None
     assert Path(result.stdouts[0]).read_text() == ANSI + "\n"
-    assert capsys.readouterr().out == "[a0]:red plain bar\n"
-    assert not re.search("\x1b", capsys.readouterr().out)
+    console = capsys.readouterr().out
+    assert console == "[a0]:red plain bar\n"
+    assert not re.search("\x1b", console)

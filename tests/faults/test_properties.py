@@ -50,8 +50,9 @@ def test_rank_key_sets_accepted_iff_exactly_0_to_n_minus_1(
     envs: dict[int, dict[str, str]] = {k: {} for k in env_keys}
     ok = bool(arg_keys) and arg_keys == set(range(len(arg_keys))) and env_keys == arg_keys
     if ok:
-        starting = aiolaunch.start_processes(name="p", entrypoint="/bin/true", args=args, envs=envs)
-        assert starting is not None  # validated; never awaited: nothing starts
+        # validated; never awaited: nothing starts, and dropping it warns
+        with pytest.warns(RuntimeWarning, match="never awaited"):
+            aiolaunch.start_processes(name="p", entrypoint="/bin/true", args=args, envs=envs)
     else:
         with pytest.raises(ValueError, match=r"args|envs"):
             aiolaunch.start_processes(name="p", entrypoint="/bin/true", args=args, envs=envs)
@@ -65,7 +66,16 @@ env_atoms = st.one_of(
 @SETTINGS
 @given(env=st.dictionaries(env_atoms, env_atoms, max_size=4))
 def test_env_values_must_be_str_to_str(env: dict[Any, Any]) -> None:
-    good = all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    # names: non-empty, no "=" or NUL; values: no NUL (neither fits in an environment)
+    good = all(
+        isinstance(k, str)
+        and isinstance(v, str)
+        and k
+        and "=" not in k
+        and "\0" not in k
+        and "\0" not in v
+        for k, v in env.items()
+    )
     call: dict[str, Any] = {
         "name": "p",
         "entrypoint": "/bin/true",
@@ -73,9 +83,10 @@ def test_env_values_must_be_str_to_str(env: dict[Any, Any]) -> None:
         "envs": {0: env},
     }
     if good:
-        aiolaunch.start_processes(**call)
+        with pytest.warns(RuntimeWarning, match="never awaited"):
+            aiolaunch.start_processes(**call)
     else:
-        with pytest.raises(TypeError, match=r"envs\[0\]"):
+        with pytest.raises((TypeError, ValueError), match=r"envs\[0\]"):
             aiolaunch.start_processes(**call)
 
 
@@ -93,7 +104,8 @@ def test_per_rank_args_must_be_tuples_or_lists(args: Any) -> None:
         "envs": {0: {}},
     }
     if isinstance(args, list):
-        aiolaunch.start_processes(**call)
+        with pytest.warns(RuntimeWarning, match="never awaited"):
+            aiolaunch.start_processes(**call)
     else:
         with pytest.raises(TypeError, match=r"args\[0\]"):
             aiolaunch.start_processes(**call)

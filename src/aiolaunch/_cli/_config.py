@@ -136,7 +136,7 @@ def determine_local_world_size(nproc_per_node: str) -> int:
                 return _cpu_count()
             raise
     raise ValueError(
-        f"--nproc-per-node={nproc_per_node!r} is not supported; "
+        f"--nproc-per-node={nproc_per_node!r} is not a valid value; "
         "pass a number, cpu, gpu, xpu or auto"
     )
 
@@ -160,6 +160,8 @@ class LaunchConfig:
     log_line_prefix_template: str | None
     torch_handler: Any = None
     warnings: list[str] = field(default_factory=list)
+    #: set in this process's environment before the agent starts
+    environ: dict[str, str] = field(default_factory=dict)
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -174,12 +176,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
     if args.monitor_interval <= 0:
         raise ValueError(f"--monitor-interval={args.monitor_interval} must be > 0")
-    if args.virtual_local_rank:
-        raise ValueError(
-            "--virtual-local-rank is not supported by aiolaunch; set CUDA_VISIBLE_DEVICES "
-            "in your script from LOCAL_RANK instead"
-        )
     nproc = determine_local_world_size(args.nproc_per_node)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.virtual_local_rank and visible is not None and nproc > len(visible.split(",")):
+        raise ValueError(
+            f"--virtual-local-rank with --nproc-per-node={nproc}, but CUDA_VISIBLE_DEVICES="
+            f"{visible} names {len(visible.split(','))} device(s); start fewer workers"
+        )
     redirects = _std(Std, "--redirects", args.redirects)
     tee = _std(Std, "--tee", args.tee)
     ranks: set[int] | None = None
@@ -192,19 +195,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 "list of integers, e.g. --local-ranks-filter 0,1,2"
             ) from None
     rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
-    for flag, value, default in (
-        ("--event-log-handler", args.event_log_handler, "null"),
-        ("--numa-binding", args.numa_binding, None),
-        ("--duplicate-stdout-filters", args.duplicate_stdout_filters, []),
-        ("--duplicate-stderr-filters", args.duplicate_stderr_filters, []),
-    ):
-        if value != default:
-            warnings.append(f"{flag}={value!r} is not supported by aiolaunch and is ignored")
-    if set(args.signals_to_handle.replace(" ", "").split(",")) != set(DEFAULT_SIGNALS.split(",")):
-        warnings.append(
-            f"--signals-to-handle={args.signals_to_handle!r} is ignored: aiolaunch forwards "
-            f"{DEFAULT_SIGNALS} to the workers"
-        )
+    _check_event_log_handler(args.event_log_handler)
+    numa_options = _numa_options(args.numa_binding)
+    # torchrun's launcher hands the signal list to the workers' supervisor
+    # through the environment; --forward-signals goes the same way.
+    environ = {"TORCHELASTIC_SIGNALS_TO_HANDLE": args.signals_to_handle or DEFAULT_SIGNALS}
+    if args.forward_signals:
+        environ["AIOLAUNCH_FORWARD_SIGNALS"] = args.forward_signals
 
     # the command every worker runs (torch's rules)
     entrypoint: Callable[..., Any] | str
@@ -215,6 +212,12 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     elif not args.no_python:
         entrypoint = os.getenv("PYTHON_EXEC", sys.executable)
         cmd_args.append("-u")
+        if entrypoint == sys.executable:
+            # Through the bootstrap (same argv, __main__ and exit status as
+            # `python script.py`): `aiolaunch stacks` and the watchdog's dumps
+            # work with no change to the script. Another interpreter
+            # (PYTHON_EXEC) may not have aiolaunch: run it plainly.
+            cmd_args += ["-m", BOOTSTRAP]
         if args.module:
             cmd_args.append("-m")
         cmd_args.append(args.training_script)
@@ -271,8 +274,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 raise ValueError(f"--rdzv-endpoint={endpoint!r} has no port; add :PORT")
         elif args.node_rank != 0:
             warnings.append(
-                f"--node-rank is only used by the static rendezvous; ignored with "
-                f"--rdzv-backend {args.rdzv_backend}"
+                f"--node-rank applies to the static rendezvous only; with --rdzv-backend "
+                f"{args.rdzv_backend} the rendezvous assigns node ranks"
             )
         torch_handler = create_handler(
             backend=args.rdzv_backend,
@@ -304,6 +307,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     elif os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
         timeout = float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
 
+    watchdog = _watchdog(args)
     spec = WorkerSpec(
         role=args.role,
         local_world_size=nproc,
@@ -317,6 +321,12 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         master_port=master_port,
         local_addr=args.local_addr,
         rdzv_handler=rdzv,
+        event_log_handler=args.event_log_handler,
+        numa_options=numa_options,
+        duplicate_stdout_filters=list(args.duplicate_stdout_filters) or None,
+        duplicate_stderr_filters=list(args.duplicate_stderr_filters) or None,
+        virtual_local_rank=bool(args.virtual_local_rank),
+        watchdog=watchdog,
     )
     return LaunchConfig(
         spec=spec,
@@ -328,6 +338,55 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         log_line_prefix_template=os.getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         torch_handler=torch_handler,
         warnings=warnings,
+        environ=environ,
+    )
+
+
+def _check_event_log_handler(name: str) -> None:
+    if name == "null":
+        return
+    try:
+        from torch.distributed.elastic.events import handlers
+    except ImportError:
+        known = ["null", "console"]
+    else:
+        known = sorted(handlers._log_handlers)
+    if name not in known:
+        raise ValueError(
+            f"--event-log-handler={name!r} is not a registered handler; use one of {known}"
+        )
+
+
+def _numa_options(mode: str | None) -> Any:
+    if mode is None:
+        return None
+    try:
+        from torch.numa.binding import AffinityMode, NumaOptions
+    except ImportError:
+        raise ValueError(
+            f"--numa-binding={mode} needs torch (pip install 'aiolaunch[torch]')"
+        ) from None
+    return NumaOptions(affinity_mode=AffinityMode(mode))
+
+
+BOOTSTRAP = "aiolaunch._bootstrap"
+
+
+def _watchdog(args: argparse.Namespace) -> Any:
+    if args.stall_timeout is None:
+        for flag, value in (
+            ("--on-stall", args.on_stall),
+            ("--progress-regex", args.progress_regex),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
+        return None
+    from .._watchdog import Watchdog
+
+    return Watchdog(
+        stall_after=float(args.stall_timeout),
+        progress=args.progress_regex or None,
+        action=args.on_stall or "fail",
     )
 
 

@@ -67,6 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     root cause is summarised on stderr) or a signal stopped it (the workers
     were stopped first), as with torchrun. 2: bad options.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("status", "stacks"):
+        # `aiolaunch status|stacks LOG_DIR`: talk to a running job's control
+        # socket (a script named "status" still runs as `aiolaunch ./status`).
+        from .._control import stacks_main, status_main
+
+        return (status_main if argv[0] == "status" else stacks_main)(argv[1:])
     args = parse_args(argv)
     _setup_logging()
     try:
@@ -76,20 +83,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for warning in cfg.warnings:
         log.warning(warning)
-
     from .._errors import ChildFailedError, SignalException
+    from ..agent._numa import NumaBindingError
 
+    # The supervisor reads its signal lists from the environment (as torch's
+    # PContext does); set for the run, restored after it for in-process callers.
+    saved = {key: os.environ.get(key) for key in cfg.environ}
+    os.environ.update(cfg.environ)
     try:
         result = asyncio.run(_launch(cfg))
+    except NumaBindingError as exc:
+        # torchrun fails the same way (a traceback, exit 1) where it cannot bind
+        print(f"aiolaunch: error: {exc}", file=sys.stderr)
+        return 1
     except SignalException as exc:
-        import signal
+        from .._signames import describe_signal
 
-        try:
-            name = signal.Signals(exc.sigval).name
-        except ValueError:
-            name = f"signal {exc.sigval}"
+        name = describe_signal(exc.sigval)
         print(f"aiolaunch: received {name}; all workers were stopped", file=sys.stderr)
         return 1
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if result.is_failed():
         err = ChildFailedError(cfg.entrypoint_name, result.failures)
         print(err.format_msg(), file=sys.stderr)

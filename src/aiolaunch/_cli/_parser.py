@@ -12,10 +12,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["DEFAULT_MASTER_PORT", "DEFAULT_SIGNALS", "get_args_parser", "parse_args"]
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_SIGNALS",
+    "NUMA_MODES",
+    "get_args_parser",
+    "parse_args",
+]
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+#: torch.numa.binding.AffinityMode values (spelled out: the parser imports no torch)
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
 
 class _Env(argparse.Action):
@@ -121,7 +129,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--standalone",
         action=_CheckEnv,
         help="Single-node job: a local rendezvous on a free port with a fresh run id "
-        "(no torch needed). --rdzv-backend, --rdzv-endpoint and --rdzv-id are ignored.",
+        "(no torch needed); --rdzv-backend, --rdzv-endpoint and --rdzv-id are auto-assigned, "
+        "as with torchrun.",
     )
     # user code
     add(
@@ -156,7 +165,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_Env,
         type=str,
         default="null",
-        help="Accepted for torchrun compatibility; aiolaunch records no torch events.",
+        help="Name of a registered torch elastic events handler (null, console, or one "
+        "registered with torch): the agent records torchrun's events through it.",
     )
     add(
         "--role",
@@ -225,7 +235,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_Env,
         type=_comma_separated_list,
         default=[],
-        help="Accepted for torchrun compatibility; not supported (a warning when given).",
+        help="Also write tee'd stdout lines that contain any of these strings (comma-"
+        "separated; ',,' escapes a comma) to filtered_stdout.log, for all ranks.",
     )
     add(
         "--duplicate-stderr-filters",
@@ -233,7 +244,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_Env,
         type=_comma_separated_list,
         default=[],
-        help="Accepted for torchrun compatibility; not supported (a warning when given).",
+        help="Also write tee'd stderr lines that contain any of these strings to "
+        "filtered_stderr.log, for all ranks.",
     )
     # caffe2.distributed.launch compatibility
     add(
@@ -280,8 +292,10 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--numa-binding",
         "--numa_binding",
         type=str,
+        choices=list(NUMA_MODES),
         default=None,
-        help="Accepted for torchrun compatibility; not supported (a warning when given).",
+        help="Bind each worker to the CPUs near its GPU (torch's torch.numa.binding modes; "
+        "needs torch, a GPU and numactl, and fails like torchrun where they are missing).",
     )
     add(
         "--signals-to-handle",
@@ -289,7 +303,18 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_Env,
         type=str,
         default=DEFAULT_SIGNALS,
-        help="aiolaunch always forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the workers.",
+        help="Comma-separated signals that stop the workers and end the run "
+        "(sets TORCHELASTIC_SIGNALS_TO_HANDLE), e.g. SIGTERM,SIGINT,SIGUSR1.",
+    )
+    add(
+        "--forward-signals",
+        "--forward_signals",
+        action=_Env,
+        type=str,
+        default="",
+        help="Beyond torchrun: comma-separated signals (e.g. SIGUSR1) only forwarded to the "
+        "workers, which keep running (a preemption notice: checkpoint now); sets "
+        "AIOLAUNCH_FORWARD_SIGNALS.",
     )
     add(
         "--shutdown-timeout",
@@ -300,11 +325,42 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="Seconds between the death signal and SIGKILL when workers are stopped "
         "(default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).",
     )
+    # -- hang forensics (aiolaunch's own) --
+    add(
+        "--stall-timeout",
+        "--stall_timeout",
+        action=_Env,
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Watchdog: a worker with no output and no CPU for this long is stalled; every "
+        "rank's stacks are dumped to LOG_DIR/<rank>/stacks-<n>.txt (default: off).",
+    )
+    add(
+        "--on-stall",
+        "--on_stall",
+        action=_Env,
+        choices=("observe", "fail", "restart"),
+        default=None,
+        help="What a stall does after the dump: report only (observe), stop the job and "
+        "report the stalled rank (fail, the default), or restart the group within "
+        "--max-restarts (restart). Needs --stall-timeout.",
+    )
+    add(
+        "--progress-regex",
+        "--progress_regex",
+        action=_Env,
+        default=None,
+        metavar="REGEX",
+        help="Watchdog: only output lines matching REGEX count as progress (e.g. '^step '). "
+        "Needs --stall-timeout.",
+    )
     add(
         "--virtual-local-rank",
         "--virtual_local_rank",
         action=_CheckEnv,
-        help="Not supported by aiolaunch (an error when given).",
+        help="Every worker gets LOCAL_RANK=0 and sees only its own GPU through "
+        "CUDA_VISIBLE_DEVICES (torchrun's virtual local rank mode).",
     )
     add(
         "training_script",

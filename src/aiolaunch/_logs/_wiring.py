@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .._logs_specs import LogsDest
+    from ._filters import DuplicateFilter
     from ._line import LineSink
     from ._sink import Sink
 
@@ -143,6 +144,8 @@ class LogWiring:
     :param prefixes: per-rank console prefixes (default ``[{name}{rank}]:``);
         a rank with a custom prefix is never merged by the dedup.
     :param dedup_window: ``console_dedup`` seconds, or ``None`` (off).
+    :param filters: torch's duplicate filters (``{"stdout"|"stderr": ...}``):
+        tee'd streams also feed them; their files are closed by :meth:`aclose`.
     """
 
     def __init__(
@@ -153,8 +156,10 @@ class LogWiring:
         prefixes: dict[int, str] | None = None,
         dedup_window: float | None = None,
         strip_ansi: bool = False,
+        filters: dict[str, DuplicateFilter] | None = None,
     ) -> None:
         self._name = name
+        self._filters = filters or {}
         self._dest = dest
         self._prefixes = prefixes or {}
         self._strip_ansi = strip_ansi
@@ -226,6 +231,10 @@ class LogWiring:
                     line = line_sink(stream)
                     sinks.append(line)
                     streams.sinks.append(line)
+                    if stream in self._filters and rank in tees:
+                        dup = self._filters[stream].sink(self.prefix(rank))
+                        sinks.append(dup)
+                        streams.sinks.append(dup)
                     r, child = os.pipe()
                     streams.readers.append((r, sinks))
                     streams.child_ends.append(child)
@@ -263,6 +272,8 @@ class LogWiring:
                 ConsoleSink(stream, self.prefix(rank), dedup, rank, self._strip_ansi, lossless=True)
             )
         sinks.append(line_sink(stream))
+        if stream in self._filters and tee:
+            sinks.append(self._filters[stream].sink(self.prefix(rank)))
         streams.sinks += sinks
         streams.followers.append(FileFollower(fd, sinks, rank, inotify, tee=tee))
         return fd
@@ -352,6 +363,8 @@ class LogWiring:
         finally:
             if isinstance(self._inotify, Inotify):
                 self._inotify.close()
+        for dup in self._filters.values():
+            dup.close()  # every line fed: the drains above closed their sinks
         if not self._used:
             return
         if self._dedup is not None:

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import string
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._api import start_processes
 from .._errors import SignalException
+from .._logs_specs import prune_empty_dirs
+from .._signames import describe_signal
+from .._validate import log_dir_error
+from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
+from ._numa import numa_cpus, wrap_for_numa
 from ._rendezvous import GroupAssignment, Rendezvous, resolve
 from ._spec import RunResult, WorkerSpec, WorkerState
 
@@ -124,6 +131,14 @@ class LocalElasticAgent:
         self._run_log_dir: str | None = None
         self._restart_count = 0
         self._running = False
+        self._events = EventRecorder(
+            handler=spec.event_log_handler,
+            role=spec.role,
+            entry_point=spec.get_entrypoint_name(),
+            rdzv_backend=_backend_name(self._rdzv),
+            max_restarts=spec.max_restarts,
+        )
+        self._last: tuple[GroupAssignment, dict[int, int]] | None = None
 
     @property
     def spec(self) -> WorkerSpec:
@@ -147,7 +162,11 @@ class LocalElasticAgent:
 
     @property
     def run_log_dir(self) -> str | None:
-        """``{log_dir}/{run_id}_<unique>`` once :meth:`run` started (not with ``logs_specs``)."""
+        """``{log_dir}/{run_id}_<unique>`` once :meth:`run` started (not with ``logs_specs``).
+
+        With ``log_dir=None`` it is a temporary folder: at the end of
+        :meth:`run` it is removed if it holds no file (then this is ``None``).
+        """
         return self._run_log_dir
 
     async def run(self) -> RunResult:
@@ -163,17 +182,34 @@ class LocalElasticAgent:
             raise RuntimeError("run() is already in progress on this agent")
         self._running = True
         try:
-            return await self._invoke_run()
+            result = await self._invoke_run()
+            self._record_final(result)
+            return result
         except SignalException as exc:
-            log.warning("received %s, stopped the workers", _signame(exc.sigval))
+            log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
             self._state = WorkerState.STOPPED
+            self._events.record("FAILED", "AGENT")
             raise
         except BaseException:
             if self._state != WorkerState.SUCCEEDED:
                 self._state = WorkerState.UNKNOWN
+            self._events.record("FAILED", "AGENT")
             raise
         finally:
             self._running = False
+            self._prune_temp_logs()
+
+    def _prune_temp_logs(self) -> None:
+        # log_dir=None: the folders are ours; drop what holds nothing (empty
+        # rank and attempt folders), keep and log what holds logs/error files.
+        if self._log_dir is not None or self._logs_specs is not None:
+            return
+        run_dir = self._run_log_dir
+        if run_dir is None:
+            return
+        prune_empty_dirs([run_dir, os.path.dirname(run_dir)], self._spec.role)
+        if not os.path.isdir(run_dir):
+            self._run_log_dir = None  # a later run() makes fresh ones
 
     async def _invoke_run(self) -> RunResult:
         spec = self._spec
@@ -184,12 +220,19 @@ class LocalElasticAgent:
         self._restart_count = 0
         membership_round = 0
         while True:
+            rdzv_start = time.perf_counter()
             assignment = await self._rdzv.next_rendezvous(
                 role=spec.role,
                 local_world_size=spec.local_world_size,
                 master_addr=spec.master_addr,
                 master_port=spec.master_port,
             )
+            # torch records both before the group learns its new size
+            ev = self._events
+            ev.run_id, ev.restart_count = assignment.run_id, self._restart_count
+            ev.record("RENDEZVOUS", "AGENT", duration_ms=(time.perf_counter() - rdzv_start) * 1e3)
+            ev.record("ASSIGN_WORKER_RANKS", "AGENT", duration_ms=0.0)
+            ev.group_rank, ev.group_world_size = assignment.group_rank, assignment.group_world_size
             log.info(
                 "[%s] rendezvous complete: run_id=%s group_rank=%d/%d ranks=%d..%d of %d "
                 "master=%s:%d restart_count=%d",
@@ -252,6 +295,32 @@ class LocalElasticAgent:
             )
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
+    def _record_final(self, result: RunResult) -> None:
+        # torch's _record_worker_events, then the launcher's agent event
+        if not self._events.enabled or self._last is None:
+            return
+        assignment, pids = self._last
+        for r, pid in pids.items():
+            g = assignment.base_global_rank + r
+            failure = result.failures.get(g)
+            if failure is not None or g in result.return_values:
+                state = result.state.value
+            else:
+                state = "TERMINATED"  # stopped by the agent
+            self._events.record(
+                state,
+                "WORKER",
+                global_rank=g,
+                local_rank=r,
+                role_rank=assignment.base_role_rank + r,
+                role_world_size=assignment.role_world_size,
+                worker_id=str(pid),
+                raw_error=json.dumps(failure.error_file_data) if failure else None,
+                exit_code=failure.exitcode if failure else None,
+                worker_pid=failure.pid if failure else None,
+            )
+        self._events.record(result.state.value, "AGENT")
+
     def _backoff_delay(self, restart_count: int) -> float:
         if self._backoff <= 0:
             return 0.0
@@ -270,8 +339,15 @@ class LocalElasticAgent:
             restart_count=self._restart_count,
             max_restarts=spec.max_restarts,
             environ=os.environ,
+            virtual_local_rank=spec.virtual_local_rank,
         )
         args = {r: substitute_local_rank(spec.args, r) for r in range(n)}
+        entrypoint = spec.entrypoint
+        if spec.numa_options is not None:
+            # torch computes the binding when it starts the workers; so do we
+            entrypoint, args = wrap_for_numa(
+                entrypoint, args, numa_cpus(spec.numa_options, spec.local_world_size)
+            )
         prefixes: dict[int, str] | None = None
         if self._prefix_template is not None:
             template = string.Template(self._prefix_template)
@@ -292,15 +368,30 @@ class LocalElasticAgent:
             }
         ctx = await start_processes(
             name=spec.role,
-            entrypoint=spec.entrypoint,
+            entrypoint=entrypoint,
             args=args,
             envs=envs,
             start_method=self._start_method,
             log_line_prefixes=prefixes,
             shutdown_timeout=self._shutdown_timeout,
+            duplicate_stdout_filters=spec.duplicate_stdout_filters,
+            duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            watchdog=spec.watchdog,
             **logs,
         )
         self._state = WorkerState.HEALTHY
+        pids = ctx.pids()
+        self._last = (assignment, pids)
+        for r, pid in pids.items():
+            self._events.record(
+                "START",
+                "WORKER",
+                global_rank=assignment.base_global_rank + r,
+                local_rank=r,
+                role_rank=assignment.base_role_rank + r,
+                role_world_size=assignment.role_world_size,
+                worker_id=str(pid),
+            )
         try:
             return await self._monitor(ctx)
         finally:
@@ -315,7 +406,10 @@ class LocalElasticAgent:
             if self._log_dir is None:
                 root = tempfile.mkdtemp(prefix="aiolaunch_")
             else:
-                os.makedirs(self._log_dir, exist_ok=True)
+                try:
+                    os.makedirs(self._log_dir, exist_ok=True)
+                except OSError as exc:
+                    raise log_dir_error("log_dir", self._log_dir, exc) from exc
                 root = self._log_dir
             # a unique folder per run, so a log_dir can be reused (torch's layout)
             self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
@@ -369,6 +463,12 @@ class LocalElasticAgent:
         )
 
 
+def _backend_name(rdzv: Rendezvous) -> str:
+    handler = getattr(rdzv, "handler", None)
+    get_backend = getattr(handler, "get_backend", None)
+    return str(get_backend()) if callable(get_backend) else "static"
+
+
 def _root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """The earliest failure (ties: lowest rank)."""
     rank = min(failures, key=lambda r: (failures[r].timestamp, r))
@@ -387,15 +487,6 @@ def _describe(failure: ProcessFailure) -> str:
         message = message.get("message", "")
     lines = str(message or "").strip().splitlines()
     return f"{what}: {lines[-1]}" if lines else what
-
-
-def _signame(sig: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def failure_summary(name: str, failures: dict[int, ProcessFailure]) -> str:

@@ -55,6 +55,7 @@ def worker_envs(
     restart_count: int,
     max_restarts: int,
     environ: Mapping[str, str],
+    virtual_local_rank: bool = False,
 ) -> dict[int, dict[str, str]]:
     """Build ``{local_rank: env}`` exactly as torchrun's agent does.
 
@@ -72,6 +73,13 @@ def worker_envs(
         ``OMP_NUM_THREADS`` are read from it. ``OMP_NUM_THREADS`` passes
         through; when unset and ``local_world_size > 1`` it is ``"1"``, as
         torchrun sets it (see :func:`omp_notice` for the notice to show).
+        ``CUDA_VISIBLE_DEVICES`` is read too (``virtual_local_rank``).
+    :param virtual_local_rank: torch's virtual local rank mode: ``LOCAL_RANK``
+        is ``"0"`` for every worker and ``CUDA_VISIBLE_DEVICES`` names only
+        the worker's own device (entry ``local_rank`` of the agent's list,
+        else ``local_rank``).
+    :raises ValueError: with ``virtual_local_rank``, more workers than
+        devices in the agent's ``CUDA_VISIBLE_DEVICES``.
     """
     if local_world_size < 1:
         raise ValueError(f"local_world_size={local_world_size!r} must be >= 1")
@@ -109,8 +117,24 @@ def worker_envs(
         }
         if omp is not None:
             env["OMP_NUM_THREADS"] = omp
+        if virtual_local_rank:
+            env["LOCAL_RANK"] = "0"
+            env["CUDA_VISIBLE_DEVICES"] = _visible_device(local_rank, environ)
         envs[local_rank] = env
     return envs
+
+
+def _visible_device(local_rank: int, environ: Mapping[str, str]) -> str:
+    parent = environ.get("CUDA_VISIBLE_DEVICES")
+    if parent is None:
+        return str(local_rank)
+    devices = parent.split(",")
+    if local_rank >= len(devices):
+        raise ValueError(
+            f"--virtual-local-rank: local_rank {local_rank} exceeds the devices in "
+            f"CUDA_VISIBLE_DEVICES={parent} ({len(devices)}); start fewer workers per node"
+        )
+    return devices[local_rank].strip()
 
 
 def omp_notice(local_world_size: int, environ: Mapping[str, str]) -> str | None:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .._results import ProcessFailure
+    from .._watchdog import Watchdog
 
 __all__ = ["RunResult", "WorkerSpec", "WorkerState"]
 
@@ -62,6 +63,21 @@ class WorkerSpec:
         :class:`~aiolaunch.agent.StaticRendezvous` to fix its run id, address
         or port, or a torch ``RendezvousHandler`` (e.g. c10d) for several
         machines.
+    :param event_log_handler: torch's ``elastic.events`` handler the agent
+        records its events through (``"null"``: none; ``"console"``: one JSON
+        line per event on stderr; any handler registered with torch).
+    :param numa_options: a torch ``NumaOptions``: bind worker ``local_rank``
+        to the CPUs near GPU ``local_rank``, exactly as torch computes them
+        (binaries through ``numactl --physcpubind``, functions through
+        ``sched_setaffinity``); it fails, as torch does, where that cannot be
+        done (no GPU, no ``numactl``) unless ``should_fall_back_if_binding_fails``.
+    :param duplicate_stdout_filters: see :func:`aiolaunch.start_processes`.
+    :param duplicate_stderr_filters: see :func:`aiolaunch.start_processes`.
+    :param virtual_local_rank: every worker gets ``LOCAL_RANK=0`` and sees
+        only its own GPU (``CUDA_VISIBLE_DEVICES`` = entry ``local_rank`` of
+        the agent's ``CUDA_VISIBLE_DEVICES``, else ``local_rank``), as torch.
+    :param watchdog: a :class:`aiolaunch.Watchdog` for every attempt's group
+        (a restarted group is watched again from scratch).
     """
 
     role: str
@@ -76,6 +92,12 @@ class WorkerSpec:
     master_port: int | None = None
     local_addr: str | None = None
     rdzv_handler: Any = None
+    event_log_handler: str = "null"
+    numa_options: Any = None
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
+    virtual_local_rank: bool = False
+    watchdog: Watchdog | None = None
 
     def __post_init__(self) -> None:
         # Validate here, before anything starts: each message names the field
@@ -116,6 +138,11 @@ class WorkerSpec:
                 f"master_port={self.master_port!r} must be an int in 1..65535, "
                 "or None to let the rendezvous choose"
             )
+        if self.watchdog is not None:
+            from .._watchdog import Watchdog
+
+            if not isinstance(self.watchdog, Watchdog):
+                raise TypeError(f"watchdog={self.watchdog!r} must be an aiolaunch.Watchdog or None")
         for what, value in (("redirects", self.redirects), ("tee", self.tee)):
             if isinstance(value, dict):
                 bad = [r for r in value if not isinstance(r, int) or r >= self.local_world_size]
@@ -143,7 +170,10 @@ def entrypoint_name(entrypoint: Callable[..., Any] | str, args: tuple[Any, ...])
 
     if isinstance(entrypoint, str):
         if entrypoint == sys.executable:
-            return next((str(a) for a in args if not str(a).startswith("-")), "")
+            names = [str(a) for a in args if not str(a).startswith("-")]
+            if names[:1] == ["aiolaunch._bootstrap"]:  # the CLI's `-m aiolaunch._bootstrap`
+                names = names[1:]
+            return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", type(entrypoint).__name__))
 

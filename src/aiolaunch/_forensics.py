@@ -1,0 +1,402 @@
+"""Per-group hang forensics: stack dumps, the watchdog loop, status, reports.
+
+Where it sits (see docs/ARCHITECTURE.md): the context owns one
+:class:`Forensics`. It gives every worker ``$AIOLAUNCH_STACKS_DIR`` (the
+bootstraps register the dump signal there), serves the control socket, and -
+with a :class:`Watchdog` - runs one task that samples ``/proc`` once per
+period for the whole group and reads progress lines from the event bus. A
+stall is handled in this order: event, stacks of every rank, report, *then*
+the action (``fail`` marks the rank and wakes ``wait()``, which stops the
+group through the usual shutdown path and calls :meth:`amend` on the result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._stacks import STACKS_DIR_ENV, StackReport, dump_stacks, rank_ranges
+from ._watchdog import RankActivity, Watchdog, wchan
+
+if TYPE_CHECKING:
+    from ._context import PContext
+    from ._control import ControlServer, WorkerStatus
+    from ._results import RunProcsResult
+
+__all__ = ["Forensics", "Stall"]
+
+logger = logging.getLogger("aiolaunch")
+
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "disk-sleep",
+    "T": "stopped",
+    "t": "stopped",
+    "Z": "exited",
+    "I": "sleeping",
+}
+
+
+@dataclass
+class Stall:
+    """A rank the watchdog flagged: why, how long, and where it is."""
+
+    rank: int
+    pid: int
+    idle_s: float
+    reason: str
+    verdict_line: str = ""
+    stacks_file: str = ""
+    detected: float = 0.0  # time.time()
+
+    def message(self) -> str:
+        """The text that becomes the rank's ``ProcessFailure.message``."""
+        lines = [f"stalled: {self.reason}"]
+        if self.verdict_line:
+            lines.append(f"where: {self.verdict_line}")
+        if self.stacks_file:
+            lines.append(f"stacks: {self.stacks_file}")
+        return "\n  ".join(lines)
+
+
+class Forensics:
+    """Stacks, watchdog, status and reports of one :class:`PContext`."""
+
+    def __init__(self, ctx: PContext, watchdog: Watchdog | None) -> None:
+        self._ctx = ctx
+        self.watchdog = watchdog
+        self.log_dir, self._own_dir = _group_dir(ctx.error_files)
+        self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
+        os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        self._activity: dict[int, RankActivity] = {}
+        self._progress = re.compile(watchdog.progress) if watchdog and watchdog.progress else None
+        self._dumps = 0
+        self._dump_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._lines_task: asyncio.Task[None] | None = None
+        self._server: ControlServer | None = None
+        #: ranks flagged and not active since
+        self.flagged: dict[int, Stall] = {}
+        #: stalls that fail the group (action "fail", or "restart" without a policy)
+        self.failing: dict[int, Stall] = {}
+        self.stall_report: StackReport | None = None
+        self.stall_dumps: dict[int, str] = {}
+        self._closed = False
+        #: a report was written (its paths)
+        self.reported: tuple[str, str] | None = None
+
+    # -- wiring -------------------------------------------------------------
+    @property
+    def needs_lines(self) -> bool:
+        """Whether the supervisor must read every stream (progress regex)."""
+        return self._progress is not None
+
+    def env(self) -> dict[str, str]:
+        """Environment every worker gets."""
+        return {STACKS_DIR_ENV: self.stacks_dir}
+
+    async def start(self) -> None:
+        """Serve the control socket; start the watchdog. Called once all ranks started."""
+        from ._control import ControlServer
+
+        try:
+            self._server = await ControlServer.start(self.log_dir, self._handle)
+        except OSError as exc:  # a status endpoint must never stop a job
+            logger.warning("aiolaunch: no control socket in %s: %s", self.log_dir, exc)
+        if self.watchdog is not None:
+            self._task = asyncio.ensure_future(self._watch(self.watchdog))
+            if self._progress is not None:
+                self._lines_task = asyncio.ensure_future(self._read_progress(self._progress))
+
+    async def stop(self) -> None:
+        """Stop the watchdog and the control socket (the group is ending). Idempotent."""
+        tasks = [t for t in (self._task, self._lines_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = self._lines_task = None
+        if self._server is not None:
+            await self._server.aclose()
+            self._server = None
+
+    def cleanup(self) -> None:
+        """Remove the dump scratch folder (and a temporary log dir of our own)."""
+        if self._closed:
+            return
+        self._closed = True
+        shutil.rmtree(self.stacks_dir, ignore_errors=True)
+        # A temporary log dir of our own is kept when it holds stacks or a report.
+        if self._own_dir and not self._dumps and not self.reported:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    # -- stacks -------------------------------------------------------------
+    def _rank_dir(self, rank: int) -> str:
+        path = self._ctx.error_files.get(rank, "")
+        if path and path != os.devnull:
+            return os.path.dirname(path)
+        d = os.path.join(self.log_dir, str(rank))
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    async def dump(
+        self, ranks: list[int] | None, timeout: float
+    ) -> tuple[dict[int, str], dict[int, str]]:
+        """Dump live workers' stacks; write ``stacks-<n>.txt``. Returns (dumps, files)."""
+        workers = self._ctx._workers
+        wanted = sorted(workers) if ranks is None else sorted(ranks)
+        async with self._dump_lock:  # numbered files; one signal round at a time
+            self._dumps += 1
+            n = self._dumps
+            pids: dict[int, int] = {}
+            dumps: dict[int, str] = {}
+            for rank in wanted:
+                w = workers.get(rank)
+                if w is None:
+                    dumps[rank] = "<not started>"
+                elif not w.alive:
+                    dumps[rank] = f"<pid {w.pid} exited with {w.returncode}>"
+                else:
+                    pids[rank] = w.pid
+            dumps.update(await dump_stacks(self.stacks_dir, pids, timeout))
+            for rank in pids:  # our dump's own write() must not look like output
+                act = self._activity.get(rank)
+                if act is not None and act.pid == pids[rank]:
+                    act.rebase()
+            files = self._write_dumps(dumps, n)
+        return dict(sorted(dumps.items())), files
+
+    def _write_dumps(self, dumps: dict[int, str], n: int) -> dict[int, str]:
+        # Small files into the page cache: not worth a thread hop.
+        files: dict[int, str] = {}
+        for rank in sorted(dumps):
+            path = os.path.join(self._rank_dir(rank), f"stacks-{n}.txt")
+            try:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(dumps[rank])
+                files[rank] = path
+            except OSError as exc:
+                logger.warning("aiolaunch: cannot write %s: %s", path, exc)
+        return files
+
+    # -- status ---------------------------------------------------------------
+    def status(self) -> list[WorkerStatus]:
+        """Every rank's state now (see :class:`WorkerStatus`)."""
+        from ._control import WorkerStatus
+
+        ctx = self._ctx
+        now = time.monotonic()
+        out: list[WorkerStatus] = []
+        for rank in range(ctx.nprocs):
+            w = ctx._workers.get(rank)
+            if w is None:
+                out.append(WorkerStatus(rank, 0, "starting", 0, None, 0.0, 0))
+                continue
+            restarts = ctx._restarts.attempts.get(rank, 0)
+            if rank in ctx._restarts.pending:
+                out.append(WorkerStatus(rank, w.pid, "restarting", restarts, None, 0.0, 0))
+                continue
+            if not w.alive:
+                out.append(
+                    WorkerStatus(rank, w.pid, "exited", restarts, None, 0.0, 0, w.returncode)
+                )
+                continue
+            act = self._tracked(rank, w.pid, now)
+            if self.watchdog is None or self._task is None:
+                act.sample(now, progress=False)  # no watchdog: sample on demand
+            age = ctx._logs.last_output(rank)
+            if age is not None:
+                act.seen(now - age)
+            state = _STATES.get(act.state, act.state)
+            if rank in self.flagged:
+                state = "stalled"
+            age = None if act.last_output is None else round(now - act.last_output, 3)
+            out.append(
+                WorkerStatus(rank, w.pid, state, restarts, age, round(act.cpu_percent, 1), act.rss)
+            )
+        return out
+
+    def _tracked(self, rank: int, pid: int, now: float) -> RankActivity:
+        act = self._activity.get(rank)
+        if act is None or act.pid != pid:  # first sight, or a restarted rank
+            act = self._activity[rank] = RankActivity(pid, now)
+            act.sample(now, progress=self._progress is not None)
+            act.last_active = now
+        return act
+
+    async def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        cmd = req.get("cmd")
+        if cmd == "status":
+            return {
+                "ok": True,
+                "name": self._ctx.name,
+                "log_dir": self.log_dir,
+                "workers": [s.to_json() for s in self.status()],
+            }
+        if cmd == "stacks":
+            timeout = float(req.get("timeout", 5.0))
+            dumps, files = await self.dump(None, timeout)
+            report = StackReport.from_dumps(dumps)
+            return {
+                "ok": True,
+                "stacks": {str(r): t for r, t in dumps.items()},
+                "files": {str(r): p for r, p in files.items()},
+                "verdict": str(report),
+                "report": report.to_json(),
+            }
+        return {"ok": False, "error": f"unknown command {cmd!r} (status, stacks)"}
+
+    # -- watchdog -------------------------------------------------------------
+    async def _read_progress(self, regex: re.Pattern[str]) -> None:
+        from ._events import LogLine
+
+        async for event in self._ctx._bus.iterate(lines=True, maxsize=100_000):
+            if isinstance(event, LogLine) and event.rank is not None and regex.search(event.text):
+                act = self._activity.get(event.rank)
+                if act is not None:
+                    act.progressed = True
+
+    async def _watch(self, wd: Watchdog) -> None:
+        ctx = self._ctx
+        while True:
+            await asyncio.sleep(wd.period)  # allowed: /proc has no change events
+            now = time.monotonic()
+            newly: list[Stall] = []
+            for rank, w in list(ctx._workers.items()):
+                if not w.alive or rank in ctx._restarts.pending:
+                    self.flagged.pop(rank, None)
+                    continue
+                fresh = rank not in self._activity or self._activity[rank].pid != w.pid
+                act = self._tracked(rank, w.pid, now)
+                if fresh:
+                    continue
+                if act.sample(now, progress=self._progress is not None) is None:
+                    continue
+                if self._progress is None:
+                    age = ctx._logs.last_output(rank)  # bytes the pipe readers saw
+                    if age is not None:
+                        act.seen(now - age)
+                idle = now - act.last_active
+                d_for = 0.0 if act.d_since is None else now - act.d_since
+                if idle < wd.stall_after and d_for < wd.stall_after:
+                    self.flagged.pop(rank, None)  # active again: the next stall is new
+                    continue
+                if rank in self.flagged or rank in self.failing:
+                    continue
+                if d_for >= wd.stall_after:
+                    where = wchan(w.pid)
+                    reason = f"in uninterruptible sleep (D state) for {d_for:.1f}s" + (
+                        f" in {where}" if where else ""
+                    )
+                    idle = max(idle, d_for)
+                else:
+                    what = "no progress line" if self._progress is not None else "no output"
+                    reason = f"{what} and no CPU for {idle:.1f}s (stall_after={wd.stall_after:g}s)"
+                stall = Stall(rank, w.pid, round(idle, 3), reason, detected=time.time())
+                self.flagged[rank] = stall
+                newly.append(stall)
+            if newly:
+                await self._on_stall(wd, newly)
+
+    async def _on_stall(self, wd: Watchdog, stalls: list[Stall]) -> None:
+        from ._events import WorkerStalled
+
+        ctx = self._ctx
+        for s in stalls:
+            ctx._bus.emit(
+                WorkerStalled(rank=s.rank, time=time.monotonic(), idle_s=s.idle_s, reason=s.reason)
+            )
+        # Every rank's stacks before anything is stopped: the others show what
+        # the stalled one is waiting for (or what waits for it).
+        dumps, files = await self.dump(None, timeout=5.0)
+        report = StackReport.from_dumps(dumps)
+        self.stall_report, self.stall_dumps = report, dumps
+        for s in stalls:
+            s.verdict_line = report.line_for(s.rank) or ""
+            s.stacks_file = files.get(s.rank, "")
+        from ._report import write_report
+
+        paths = self.reported = write_report(self, None)
+        ranks = rank_ranges(s.rank for s in stalls)
+        logger.warning(
+            "aiolaunch: %s %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
+            "Report: %s",
+            "rank" if len(stalls) == 1 else "ranks", ranks, ctx.name, stalls[0].reason,
+            report, paths[1] if paths else "(not written)",
+        )  # fmt: skip
+        if wd.action == "observe":
+            return
+        for s in stalls:
+            w = ctx._workers.get(s.rank)
+            if (
+                wd.action == "restart"
+                and s.rank in ctx._restarts._trackers
+                and w is not None
+                and w.alive
+            ):
+                # The rank's restart policy takes it from here: a SIGKILLed
+                # worker is a failed exit (stacks are already on disk).
+                w.failure_reason = f"stalled: {s.reason}"
+                w.signal_tree(signal.SIGKILL)
+                continue
+            self.failing[s.rank] = s
+        if self.failing:
+            ctx._changed.set()
+
+    # -- result ---------------------------------------------------------------
+    def finish(self, result: RunProcsResult) -> RunProcsResult:
+        """The group ended: amend ``result``, write the report if it failed, clean up."""
+        from ._report import write_report
+
+        result = self.amend(result)
+        if result.is_failed():
+            self.reported = write_report(self, result)
+            if self.reported is not None:
+                logger.warning(
+                    "aiolaunch: group %r failed; report: %s", self._ctx.name, self.reported[1]
+                )
+        self.cleanup()
+        return result
+
+    def amend(self, result: RunProcsResult) -> RunProcsResult:
+        """Put the stalled ranks first among ``result.failures``, saying why."""
+        from ._results import ProcessFailure
+
+        if not self.failing:
+            return result
+        failures: dict[int, ProcessFailure] = {}
+        for rank, s in sorted(self.failing.items()):
+            old = result.failures.get(rank)
+            w = self._ctx._workers[rank]
+            f = old or ProcessFailure(
+                local_rank=rank,
+                pid=s.pid,
+                exitcode=w.returncode if w.returncode is not None else -signal.SIGTERM,
+                error_file=self._ctx.error_files.get(rank, ""),
+            )
+            f.message = s.message()
+            f.timestamp = min(f.timestamp, int(s.detected))  # the root cause
+            failures[rank] = f
+        for rank, f in result.failures.items():
+            failures.setdefault(rank, f)
+        result.failures = failures
+        result.return_values = {}
+        return result
+
+
+def _group_dir(error_files: dict[int, str]) -> tuple[str, bool]:
+    # The folder holding the rank folders: {log_dir} in aiolaunch's layout,
+    # {run}/attempt_N in torch's. Without one (logs to /dev/null), our own.
+    for path in error_files.values():
+        if path and path != os.devnull:
+            return os.path.dirname(os.path.dirname(path)), False
+    return tempfile.mkdtemp(prefix="aiolaunch_forensics_"), True

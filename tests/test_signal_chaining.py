@@ -1,0 +1,303 @@
+"""An application's own signal handling beside ``wait()``; a second signal escalates.
+
+Real supervisors (a tiny service script, the CLI) get real signals; workers
+are ``/bin/sh`` loops. Signals go to processes we start, never to the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import textwrap
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+
+from _helpers import alive, driver, start, wait_dead
+
+if TYPE_CHECKING:
+    import subprocess
+    from collections.abc import Iterator
+    from pathlib import Path
+
+# A service: it may install its own SIGTERM handler (mode), waits on a group
+# in a background task, and reports what happened as one JSON line.
+SERVICE = textwrap.dedent(
+    """
+    import asyncio, json, os, signal, sys, time
+    import aiolaunch
+
+    async def main():
+        mode, logdir, grace = sys.argv[1], sys.argv[2], float(sys.argv[3])
+        loop = asyncio.get_running_loop()
+        graceful = asyncio.Event()
+        calls = []
+
+        def on_loop_term():
+            calls.append("loop")
+            graceful.set()
+
+        def on_python_term(signum, frame):
+            calls.append(f"python:{signum}")
+            graceful.set()
+
+        if mode == "loop":
+            loop.add_signal_handler(signal.SIGTERM, on_loop_term)
+        elif mode == "python":
+            signal.signal(signal.SIGTERM, on_python_term)
+        elif mode == "ignore":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if mode == "stubborn":
+            # Survives SIGINT and SIGTERM, noting them (the test's handshake).
+            script = f"trap 'echo x >> {logdir}.sig' INT TERM; while :; do sleep 0.05; done"
+        else:
+            script = "trap 'exit 0' INT TERM; while :; do sleep 0.05; done"
+        before_int = signal.getsignal(signal.SIGINT)
+        ctx = await aiolaunch.start_processes(
+            name="s", entrypoint="/bin/sh", args={0: ("-c", script), 1: ("-c", script)},
+            envs={0: {}, 1: {}}, log_dir=logdir, shutdown_timeout=grace)
+        outcome = {}
+
+        async def waiter():
+            try:
+                await ctx.wait()
+                outcome["wait"] = "returned"
+            except aiolaunch.SignalException as exc:
+                outcome["wait"] = exc.sigval.name
+
+        task = asyncio.ensure_future(waiter())
+        # Handshake: wait() has taken the signals over before the test sends any.
+        deadline = time.monotonic() + 30
+        while signal.getsignal(signal.SIGINT) is before_int:
+            assert time.monotonic() < deadline and not task.done(), "wait() took no signals"
+            await asyncio.sleep(0.001)
+        print(json.dumps({"pids": list(ctx.pids().values())}), flush=True)
+        t0 = time.monotonic()
+        if mode in ("loop", "python"):
+            await asyncio.wait_for(graceful.wait(), 60)
+        await task
+        if mode == "loop":
+            handle = loop._signal_handlers[signal.SIGTERM]
+            restored = handle._callback is on_loop_term
+        elif mode == "python":
+            restored = signal.getsignal(signal.SIGTERM) is on_python_term
+        else:
+            restored = signal.getsignal(signal.SIGTERM) in (signal.SIG_IGN, signal.SIG_DFL)
+        print(json.dumps({
+            "calls": calls, "restored": restored, "elapsed": time.monotonic() - t0,
+            "term_ignored": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN, **outcome,
+        }), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+@contextlib.contextmanager
+def _service(
+    tmp_path: Path, mode: str, grace: float
+) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    script = tmp_path / "service.py"
+    script.write_text(SERVICE)
+    argv = [sys.executable, str(script), mode, str(tmp_path / "logs"), str(grace)]
+    with driver(argv) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            _, err = proc.communicate()
+            pytest.fail(f"service died early: {err}")
+        yield proc, json.loads(line)["pids"]
+
+
+def _report(proc: subprocess.Popen[str]) -> tuple[dict[str, object], str]:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+@pytest.mark.parametrize("mode", ["loop", "python"])
+def test_application_sigterm_handler_runs_after_workers_are_signalled(
+    tmp_path: Path, mode: str
+) -> None:
+    # The service's own SIGTERM handler runs (once), the group waited on in the
+    # background is stopped and its wait() raises, and the service keeps
+    # running with its handler back in place.
+    with _service(tmp_path, mode, 300) as (proc, pids):
+        proc.send_signal(signal.SIGTERM)
+        report, err = _report(proc)
+    expected = ["loop"] if mode == "loop" else [f"python:{int(signal.SIGTERM)}"]
+    assert report["calls"] == expected, err
+    assert report["wait"] == "SIGTERM"
+    assert report["restored"] is True
+    assert not wait_dead(pids)
+
+
+def test_application_sig_ign_keeps_sigterm_ignored(tmp_path: Path) -> None:
+    # SIGTERM ignored by the application stays ignored while wait() runs: it
+    # neither stops the group nor reaches the workers; SIGINT still does.
+    with _service(tmp_path, "ignore", 300) as (proc, pids):
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
+        report, err = _report(proc)
+    assert report["wait"] == "SIGINT", err
+    assert report["term_ignored"] is True
+    assert not wait_dead(pids)
+
+
+def test_second_sigint_escalates_to_sigkill(tmp_path: Path) -> None:
+    # Workers survive SIGINT and SIGTERM; the grace is 300 s. The second SIGINT
+    # ends it at once, with a one-line note.
+    with _service(tmp_path, "stubborn", 300) as (proc, pids):
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        # The first one reached the workers (two pending SIGINTs would merge into one).
+        marker = tmp_path / "logs.sig"
+        while not marker.exists():
+            assert time.monotonic() - t0 < 30, "SIGINT never forwarded"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        report, err = _report(proc)
+        assert time.monotonic() - t0 < 30
+    assert report["wait"] == "SIGINT"
+    assert "second SIGINT during shutdown; sending SIGKILL" in err
+    assert not wait_dead(pids)
+
+
+def test_single_sigint_waits_for_the_grace_period(tmp_path: Path) -> None:
+    # Without the second signal, stubborn workers get the whole grace (1.5 s)
+    # before SIGKILL: escalation only happens on a repeat.
+    with _service(tmp_path, "stubborn", 1.5) as (proc, pids):
+        proc.send_signal(signal.SIGINT)
+        report, err = _report(proc)
+    assert report["wait"] == "SIGINT"
+    assert isinstance(report["elapsed"], float) and report["elapsed"] >= 1.4
+    assert "second" not in err
+    assert not wait_dead(pids)
+
+
+def test_cli_second_sigint_kills_workers_at_once(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    script = (
+        f"trap 'echo x >> {ready}/sig' INT TERM; echo $$ > " + str(ready) + "/$LOCAL_RANK.tmp; "
+        "mv " + str(ready) + "/$LOCAL_RANK.tmp " + str(ready) + "/$LOCAL_RANK; "
+        "while :; do sleep 0.05; done"
+    )
+    argv = [
+        sys.executable, "-m", "aiolaunch", "--nproc-per-node", "2", "--shutdown-timeout", "30",
+        "--log-dir", str(tmp_path / "logs"), "--no-python", "/bin/sh", "-c", script,
+    ]  # fmt: skip
+    with driver(argv) as proc:
+        deadline = time.monotonic() + 60
+        while len(list(ready.glob("[01]"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "workers never started"
+            time.sleep(0.01)
+        pids = [int((ready / r).read_text()) for r in ("0", "1")]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        while not (ready / "sig").exists():  # forwarded: the second is a repeat
+            assert time.monotonic() - t0 < 30, "SIGINT never forwarded"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    assert took < 20, err  # far below the 30 s grace
+    assert proc.returncode != 0
+    assert "sending SIGKILL" in err
+    assert not wait_dead(pids)
+
+
+def _stubborn(tmp_path: Path) -> tuple[str, Path, Path]:
+    """A worker that survives SIGTERM, noting each one in a file (a handshake)."""
+    up, term = tmp_path / "up", tmp_path / "term"
+    script = (
+        f"trap 'echo t > {term}' TERM; echo $$ > {up}.tmp; mv {up}.tmp {up}; "
+        "while :; do sleep 0.05; done"
+    )
+    return script, up, term
+
+
+async def _until(path: Path) -> None:
+    with anyio.fail_after(30):
+        while not path.exists():
+            await asyncio.sleep(0.01)
+
+
+async def test_second_cancellation_of_close_escalates(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    script, up, term = _stubborn(tmp_path)
+    ctx = await start(tmp_path, "/bin/sh", ("-c", script))
+    try:
+        await _until(up)
+        pid = int(up.read_text())
+        closing = asyncio.ensure_future(ctx.close(timeout=300))
+        await _until(term)  # close() sent SIGTERM and now waits out the grace
+        closing.cancel()
+        # The first cancellation is held back: the cleanup goes on (a window
+        # in which an escalation would have killed the worker).
+        await asyncio.sleep(0.3)
+        assert not closing.done() and alive(pid)
+        with caplog.at_level(logging.WARNING, logger="aiolaunch"):
+            closing.cancel()
+            with anyio.fail_after(20), pytest.raises(asyncio.CancelledError):
+                await closing
+        assert "second cancellation of close() during shutdown" in caplog.text
+        assert not alive(pid)
+    finally:
+        await asyncio.shield(ctx.close(signal.SIGKILL, 0))
+
+
+async def test_cancelled_async_with_then_one_more_cancel_escalates(tmp_path: Path) -> None:
+    # Leaving ``async with`` because of a cancellation is the first; one more
+    # cancellation while close() waits out the grace is the second.
+    script, up, term = _stubborn(tmp_path)
+
+    async def service() -> None:
+        async with start(tmp_path, "/bin/sh", ("-c", script), shutdown_timeout=300):
+            await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(service())
+    try:
+        await _until(up)
+        pid = int(up.read_text())
+        task.cancel()
+        await _until(term)  # close() runs, the worker ignored SIGTERM
+        assert not task.done() and alive(pid)
+        task.cancel()
+        with anyio.fail_after(20), pytest.raises(asyncio.CancelledError):
+            await task
+        assert not alive(pid)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def test_no_forwarding_outside_the_main_thread_is_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import aiolaunch._signals
+
+    monkeypatch.setattr(aiolaunch._signals, "_said_degraded", False)
+
+    async def run() -> None:
+        async with start(tmp_path, "/bin/true") as ctx:
+            await ctx.wait()
+
+    with caplog.at_level(logging.INFO, logger="aiolaunch"):
+        thread = threading.Thread(target=lambda: asyncio.run(run()))
+        thread.start()
+        thread.join(60)
+    assert not thread.is_alive()
+    notes = [r for r in caplog.records if "not forwarded" in r.getMessage()]
+    assert [r.levelno for r in notes] == [logging.WARNING]
+    assert "outside the main thread" in notes[0].getMessage()
