@@ -413,7 +413,7 @@ class Forensics:
                 error_file=self._ctx.error_files.get(rank, ""),
             )
             f.message = s.message()
-            f.timestamp = min(f.timestamp, int(s.detected))  # the root cause
+            f.timestamp = min(f.timestamp, s.detected)  # the root cause
             failures[rank] = f
         for rank, f in result.failures.items():
             failures.setdefault(rank, f)

@@ -16,6 +16,8 @@ import anyio
 from .._api import start_processes
 from .._errors import SignalException
 from .._logs_specs import prune_empty_dirs
+from .._results import root_cause
+from .._signames import describe_signal
 from .._validate import log_dir_error
 from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
@@ -185,7 +187,7 @@ class LocalElasticAgent:
             self._record_final(result)
             return result
         except SignalException as exc:
-            log.warning("received %s, stopped the workers", _signame(exc.sigval))
+            log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
             self._state = WorkerState.STOPPED
             self._events.record("FAILED", "AGENT")
             raise
@@ -263,7 +265,7 @@ class LocalElasticAgent:
                     return_values={base + r: v for r, v in result.return_values.items()},
                 )
             failures = {base + r: f for r, f in result.failures.items()}
-            rank, root = _root_cause(failures)
+            rank, root = root_cause(failures)
             if remaining > 0:
                 remaining -= 1
                 self._restart_count += 1
@@ -468,12 +470,6 @@ def _backend_name(rdzv: Rendezvous) -> str:
     return str(get_backend()) if callable(get_backend) else "static"
 
 
-def _root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
-    """The earliest failure (ties: lowest rank)."""
-    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
-    return rank, failures[rank]
-
-
 def _describe(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         what = f"killed by {failure.signal_name()}"
@@ -486,15 +482,6 @@ def _describe(failure: ProcessFailure) -> str:
         message = message.get("message", "")
     lines = str(message or "").strip().splitlines()
     return f"{what}: {lines[-1]}" if lines else what
-
-
-def _signame(sig: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def failure_summary(name: str, failures: dict[int, ProcessFailure]) -> str:
