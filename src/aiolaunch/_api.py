@@ -11,18 +11,21 @@ import warnings
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
+from ._results import root_cause
 from ._types import Std
 from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
 from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    from ._context import PContext
 
 __all__ = ["free_port", "launch", "start_processes"]
 
@@ -358,7 +361,6 @@ async def launch(
             raise MainProcessError(exc.sigval) from exc
         assert result is not None
         if result.is_failed():
-            rank = min(result.failures, key=lambda r: (result.failures[r].timestamp, r))
-            failure = result.failures[rank]
+            rank, failure = root_cause(result.failures)
             raise WorkerError(failure.exitcode, rank)
         return dict(result.return_values)

@@ -16,6 +16,7 @@ import anyio
 from .._api import start_processes
 from .._errors import SignalException
 from .._logs_specs import prune_empty_dirs
+from .._results import root_cause
 from .._signames import describe_signal
 from .._validate import log_dir_error
 from ._elastic_events import EventRecorder
@@ -264,7 +265,7 @@ class LocalElasticAgent:
                     return_values={base + r: v for r, v in result.return_values.items()},
                 )
             failures = {base + r: f for r, f in result.failures.items()}
-            rank, root = _root_cause(failures)
+            rank, root = root_cause(failures)
             if remaining > 0:
                 remaining -= 1
                 self._restart_count += 1
@@ -467,12 +468,6 @@ def _backend_name(rdzv: Rendezvous) -> str:
     handler = getattr(rdzv, "handler", None)
     get_backend = getattr(handler, "get_backend", None)
     return str(get_backend()) if callable(get_backend) else "static"
-
-
-def _root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
-    """The earliest failure (ties: lowest rank)."""
-    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
-    return rank, failures[rank]
 
 
 def _describe(failure: ProcessFailure) -> str:
