@@ -20,7 +20,7 @@ from ._sink import Sink
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["FileSink", "open_log_file"]
+__all__ = ["FileSink", "file_executor", "open_log_file"]
 
 _HIGH_WATER = 16 * 1024 * 1024
 _LOW_WATER = 4 * 1024 * 1024
@@ -30,7 +30,7 @@ _executor_pid = 0
 _executor_lock = threading.Lock()
 
 
-def _file_executor() -> ThreadPoolExecutor:
+def file_executor() -> ThreadPoolExecutor:
     # Our own pool: the loop's default executor may be saturated by user work
     # (to_thread calls), and log writes must not queue behind it.
     global _executor, _executor_pid
@@ -92,7 +92,7 @@ class FileSink(Sink):
         self._pending_bytes = 0
         self._drained.clear()
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(_file_executor(), _write_all, self._fd, chunks)
+        fut = loop.run_in_executor(file_executor(), _write_all, self._fd, chunks)
         self._in_flight = fut
         fut.add_done_callback(self._write_done)
 
