@@ -42,6 +42,7 @@ from ._shutdown import shielded, terminate
 from ._signals import watch_signals
 from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
+from ._workers._proc import CONTEXT_ENV, new_context_token
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -122,6 +123,8 @@ class PContext:
         # Set once the death signal went out; set to end the grace period now.
         self._sent = asyncio.Event()
         self._kill_now = asyncio.Event()
+        #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
+        self._token = new_context_token()
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
         self._bus = EventBus()
@@ -194,7 +197,13 @@ class PContext:
         raise NotImplementedError
 
     def _env(self, rank: int) -> dict[str, str]:
-        return {**self.envs[rank], **self._restarts.env(rank), **self._forensics.env()}
+        return {
+            **self.envs[rank],
+            **self._restarts.env(rank),
+            **self._forensics.env(),
+            # Inherited by every descendant: close() finds daemons by it.
+            CONTEXT_ENV: self._token,
+        }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         rank = handle.local_rank
@@ -462,7 +471,14 @@ class PContext:
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
-        await terminate(workers, death_sig, grace, on_sent=self._sent.set, escalate=self._kill_now)
+        await terminate(
+            workers,
+            death_sig,
+            grace,
+            on_sent=self._sent.set,
+            escalate=self._kill_now,
+            token=self._token,
+        )
         await self._logs.aclose()
         for w in workers:
             w.release()
