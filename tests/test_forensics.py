@@ -446,4 +446,3 @@ async def _wait_lines(log_dir: Path, n: int, needle: str, timeout: float = 30) -
             return
         await asyncio.sleep(0.05)  # allowed: polling a log file the test reads
     pytest.fail(f"workers did not print {needle!r} within {timeout}s")
-

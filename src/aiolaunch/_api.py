@@ -80,14 +80,15 @@ class _Starting:
         # (pickle, copy, hasattr probes) get the plain error.
         if attr.startswith("_"):
             raise AttributeError(attr)
-        if hasattr(PContext, attr):
-            raise AttributeError(
-                f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
-                f"context: nothing has started yet. Await it before using .{attr}: "
-                "`ctx = await aiolaunch.start_processes(...)` or "
-                "`async with aiolaunch.start_processes(...) as ctx:`"
-            )
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        # Any public name - a method (wait, pids) or an attribute (nprocs,
+        # stdouts) - means the caller took this for the context.
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {attr!r}: "
+            f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
+            f"context, and nothing has started yet. Await it before using .{attr}: "
+            "`ctx = await aiolaunch.start_processes(...)` or "
+            "`async with aiolaunch.start_processes(...) as ctx:`"
+        )
 
     def __del__(self) -> None:
         if not getattr(self, "_used", True):

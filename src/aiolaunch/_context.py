@@ -37,11 +37,11 @@ from ._logs import LineSink, LogWiring
 from ._logs._filters import open_duplicate_filters
 from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
-from ._report import write_report
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
 from ._signals import STOP_SIGNALS, SignalPlan, watch_signals
+from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ class PContext:
                 time=time.monotonic(),
                 pid=handle.pid,
                 exitcode=rc,
-                signal=_signal_name(rc),
+                signal=exit_signal_name(rc),
                 stopped=handle.stopped_by_us,
             )
         )
@@ -508,10 +508,7 @@ class PContext:
             self.stdouts,
             self.stderrs,
         )
-        self._result = self._forensics.amend(self._result)
-        if self._result.is_failed():
-            self._forensics.reported = write_report(self._forensics, self._result)
-        self._forensics.cleanup()
+        self._result = self._forensics.finish(self._result)
         # After the error files are written: a folder that holds one is kept.
         prune_empty_dirs(self._temp_dirs, self.name)
         self._bus.emit(
@@ -605,12 +602,3 @@ def _fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
         "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
         "streams",
     )
-
-
-def _signal_name(exitcode: int) -> str | None:
-    if exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return None

@@ -18,7 +18,7 @@ Input errors are builtin exceptions (``ValueError``, ``TypeError``,
 Each exception builds its message in ``__init__`` from its fields, and those
 with constructor arguments beyond a message define ``__reduce__``, so they
 survive pickling (e.g. a ``ChildFailedError`` raised in a function worker).
-This is a leaf module: it imports nothing else from aiolaunch at run time.
+Nearly a leaf module: at run time it imports only the leaf ``_signames``.
 """
 
 from __future__ import annotations
@@ -28,19 +28,14 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
+from ._signames import describe_signal
+
 if TYPE_CHECKING:
     from ._results import ProcessFailure
 
 __all__ = ["ChildFailedError", "MainProcessError", "SignalException", "WorkerError"]
 
 _NOT_AVAILABLE = "<N/A>"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 class SignalException(Exception):
@@ -213,7 +208,7 @@ class MainProcessError(Exception):
             description = signal.strsignal(signal_no) or "unknown signal"
         except ValueError:  # out of range
             description = "unknown signal"
-        super().__init__(f"{_signal_name(signal_no)} received, exiting due to {description}.")
+        super().__init__(f"{describe_signal(signal_no)} received, exiting due to {description}.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.signal_no,), self.__dict__)

@@ -353,6 +353,20 @@ class Forensics:
             ctx._changed.set()
 
     # -- result ---------------------------------------------------------------
+    def finish(self, result: RunProcsResult) -> RunProcsResult:
+        """The group ended: amend ``result``, write the report if it failed, clean up."""
+        from ._report import write_report
+
+        result = self.amend(result)
+        if result.is_failed():
+            self.reported = write_report(self, result)
+            if self.reported is not None:
+                logger.warning(
+                    "aiolaunch: group %r failed; report: %s", self._ctx.name, self.reported[1]
+                )
+        self.cleanup()
+        return result
+
     def amend(self, result: RunProcsResult) -> RunProcsResult:
         """Put the stalled ranks first among ``result.failures``, saying why."""
         from ._results import ProcessFailure

@@ -2,8 +2,8 @@
 
 Both classes are plain dataclasses that pickle by value (no file is read on
 unpickling), so results can cross process boundaries. :func:`build_result`
-makes a group's result from its worker handles. Nearly a leaf module: only
-``build_result`` imports (lazily) the error-file writer.
+makes a group's result from its worker handles. Nearly a leaf module: it imports
+the leaf ``_signames``, and ``build_result`` (lazily) the error-file writer.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from ._signames import exit_signal_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -146,12 +147,7 @@ class ProcessFailure:
         :returns: the name when ``exitcode`` is ``-N`` for a known signal
             ``N``, else ``"<N/A>"`` (torch's placeholder).
         """
-        if self.exitcode < 0:
-            try:
-                return signal.Signals(-self.exitcode).name
-            except ValueError:
-                return NOT_AVAILABLE
-        return NOT_AVAILABLE
+        return exit_signal_name(self.exitcode) or NOT_AVAILABLE
 
     def timestamp_isoformat(self) -> str:
         """:attr:`timestamp` as local time, ``YYYY-MM-DD_HH:MM:SS`` (torch's format)."""

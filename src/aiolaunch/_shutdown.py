@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from ._workers._proc import ProcTable, open_exit_fd
+from ._workers._proc import ProcTable, open_exit_fd, read_stat
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -214,12 +214,7 @@ def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
 def _alive_pids(pids: set[int]) -> set[int]:
     alive = set()
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-        if state not in (b"Z", b"X"):
+        stat = read_stat(pid)
+        if stat is not None and stat.alive:
             alive.add(pid)
     return alive

@@ -144,15 +144,12 @@ def _all_pids() -> set[int]:
 
 
 def _read_proc(pid: int) -> Proc | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:  # exited meanwhile
+    from ._workers._proc import read_stat
+
+    stat = read_stat(pid)
+    if stat is None:  # exited meanwhile
         return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-    lpar, rpar = stat.find("("), stat.rfind(")")
-    fields = stat[rpar + 2 :].split()
-    return Proc(pid, int(fields[1]), fields[0], _read_cmdline(pid, stat[lpar + 1 : rpar]))
+    return Proc(pid, stat.ppid, stat.state, _read_cmdline(pid, stat.comm))
 
 
 def _process_table_ps() -> dict[int, Proc]:  # pragma: no cover - macOS

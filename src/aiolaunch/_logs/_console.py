@@ -3,9 +3,12 @@
 Sinks on the event loop hand text to :class:`ConsoleWriter` and return at once;
 one writer thread does the (possibly slow) writes. So a slow console - a
 terminal being scrolled, a pipe nobody reads fast, a busy notebook - never
-stalls the event loop, the log files or the workers. If the console falls more
-than ``MAX_PENDING`` characters behind, further lines are dropped and counted,
-and a marker says so (the log files keep every byte).
+stalls the event loop, the log files or the workers. Lossless writers (tee'd
+log files, followed by ``_follow``) stop reading while the console is more
+than ``MAX_PENDING`` characters behind and resume on :meth:`ConsoleWriter.when_room`
+(the file keeps every byte meanwhile), so memory stays bounded and no line is
+lost. Other writers (pipes with nowhere else to keep bytes) have further
+lines dropped and counted past that backlog, and a marker says so.
 
 Progress bars:
 
@@ -33,6 +36,9 @@ from typing import TextIO
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
 
 MAX_PENDING = 8 * 1024 * 1024
+# The console thread writes at most this many characters at once (cut at a
+# line end), so progress is visible to a flush that waits on a slow console.
+_PIECE = 1 << 20
 STATUS_INTERVAL = 0.1
 _CLEAR_LINE = "\r\x1b[K"
 
@@ -111,18 +117,53 @@ class ConsoleWriter:
         self._status_shown: dict[str, bool] = {"stdout": False, "stderr": False}
         self._last_draw = 0.0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._room: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
+        #: characters written so far (progress of a slow console)
+        self.written = 0
 
     # -- called on the event loop -----------------------------------------
-    def write(self, stream: str, text: str) -> None:
-        """Queue whole lines (or unprefixed passthrough text) for ``stream``."""
+    def write(self, stream: str, text: str, lossless: bool = False) -> None:
+        """Queue whole lines (or unprefixed passthrough text) for ``stream``.
+
+        Past a backlog of ``MAX_PENDING`` characters the text is dropped
+        (counted, and a marker written) - unless ``lossless``: then the caller
+        keeps the backlog bounded itself (:attr:`backlog`, :meth:`when_room`).
+        """
         with self._cond:
-            if self._pending + len(text) > MAX_PENDING:
+            if not lossless and self._pending + len(text) > MAX_PENDING:
                 self._dropped += text.count("\n") or 1
                 return
             self._queue.append((stream, text))
             self._pending += len(text)
             self._ensure_thread()
             self._cond.notify()
+
+    @property
+    def backlog(self) -> int:
+        """Characters queued and not yet taken by the console thread."""
+        return self._pending
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once on this loop when the console thread takes its next batch."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if not self._queue and not self._busy:
+                loop.call_soon(callback)
+                return
+            self._room.append((loop, callback))
+
+    async def settle(self, stall: float) -> bool:
+        """Wait until everything queued so far is written, as long as the console
+        keeps making progress: ``False`` if it wrote nothing for ``stall`` seconds."""
+        import anyio
+
+        while True:
+            before = self.written
+            with anyio.move_on_after(stall):
+                await self.flush()
+                return True
+            if self.written == before:
+                return False
 
     def set_status(self, stream: str, key: object, text: str | None) -> None:
         """Show ``text`` as ``key``'s in-place status line (TTY only); ``None`` clears."""
@@ -157,15 +198,26 @@ class ConsoleWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._waiters and not self._status_dirty:
+                while (
+                    not self._queue
+                    and not self._waiters
+                    and not self._room
+                    and not self._status_dirty
+                ):
                     self._cond.wait()
                 batch = list(self._queue)
                 self._queue.clear()
                 self._pending = 0
                 dropped, self._dropped = self._dropped, 0
                 waiters, self._waiters = self._waiters, []
+                room, self._room = self._room, []
                 status_changed = self._status_dirty
                 self._busy = bool(batch)
+            for loop, callback in room:
+                try:
+                    loop.call_soon_threadsafe(callback)
+                except RuntimeError:  # loop closed
+                    pass
             if dropped:
                 batch.append(
                     (
@@ -203,7 +255,15 @@ class ConsoleWriter:
                 text = _CLEAR_LINE + text
                 self._status_shown[stream] = False
                 status_changed = True
-            _write(stream, text)
+            start = 0
+            while start < len(text):
+                end = start + _PIECE
+                if end < len(text):
+                    cut = text.rfind("\n", start, end)
+                    end = cut + 1 if cut >= start else end
+                _write(stream, text[start:end])
+                self.written += end - start
+                start = end
         if status_changed:
             with self._cond:
                 self._status_dirty = False

@@ -37,10 +37,24 @@ _READ_SIZE = 1 << 20
 
 
 class _ResultReader(asyncio.Protocol):
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    """Collects the worker's length-prefixed return record from the result pipe.
+
+    Fd ownership: from ``connect_read_pipe`` on, the read end belongs to the
+    transport alone. The transport closes it when it sees EOF (in
+    ``connection_lost``, a loop iteration later) or on :meth:`close`, and the
+    very next ``os.pipe()`` - another rank's blocking log pipe, whose write end
+    the supervisor holds - may get the same number. So nothing here keeps the
+    fd number: :meth:`read_rest` reads through the transport's own file object,
+    and only while the transport is not closing (then it provably still holds
+    the open fd). Once the transport is closing because of EOF, every byte was
+    already delivered to :meth:`data_received`.
+    """
+
+    def __init__(self) -> None:
         self.buf = bytearray()
         self.transport: asyncio.ReadTransport | None = None
+        #: the writer side reached EOF: ``buf`` holds everything ever written
+        self.eof = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.ReadTransport)
@@ -49,13 +63,36 @@ class _ResultReader(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
 
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
     def read_rest(self) -> None:
+        """Take what the kernel still buffers, without waiting (the writer exited).
+
+        Every byte the worker wrote before exiting is in the pipe; a
+        descendant that inherited the write end (``os.fork``) may keep it
+        open, so this reads until the pipe is empty rather than until EOF.
+        """
+        transport = self.transport
+        # is_closing() turns true in the same callback that sees EOF (all data
+        # delivered) and on close(); while it is false the fd is open and ours.
+        if self.eof or transport is None or transport.is_closing():
+            return
+        pipe = transport.get_extra_info("pipe")
+        if pipe is None:  # pragma: no cover - every pipe transport sets it
+            return
         while True:
             try:
-                data = os.read(self.fd, _READ_SIZE)
+                # Non-blocking: connect_read_pipe set O_NONBLOCK on this fd.
+                data = os.read(pipe.fileno(), _READ_SIZE)
             except (BlockingIOError, InterruptedError, OSError):
                 return
             if not data:
+                self.eof = True
                 return
             self.buf += data
 
@@ -78,6 +115,10 @@ class FunctionWorker(WorkerHandle):
     def __init__(self, local_rank: int) -> None:
         super().__init__(local_rank)
         self.process: multiprocessing.process.BaseProcess | None = None
+        # Fd owners: the exit fd is our pidfd (_own_exit_fd: closed in
+        # release()) or the process sentinel (owned and closed by
+        # self.process.close()); its reader is removed before either closes
+        # it. The result pipe's read end is owned by _result's transport.
         self._exit_fd: int | None = None
         self._own_exit_fd = False
         self._result: _ResultReader | None = None
@@ -156,7 +197,9 @@ def _no_main_reimport() -> Iterator[None]:
             multiprocessing.spawn.get_preparation_data = original
 
 
-_lifeline: tuple[int, int, int] | None = None  # (pid, read end, write end)
+# (pid, read end, write end). Owned by this module for the supervisor's
+# lifetime, never closed here: every function worker inherits the read end.
+_lifeline: tuple[int, int, int] | None = None
 
 
 def _lifeline_fds() -> tuple[int, int]:
@@ -255,8 +298,9 @@ async def spawn_function(
     else:
         handle._exit_fd = exit_fd
         handle._own_exit_fd = True
-    reader = _ResultReader(result_r)
+    reader = _ResultReader()
     handle._result = reader
+    # From here on the transport owns result_r (see _ResultReader).
     pipe = os.fdopen(result_r, "rb", buffering=0)
     try:
         await loop.connect_read_pipe(lambda: reader, pipe)

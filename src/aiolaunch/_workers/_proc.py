@@ -14,16 +14,50 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
 __all__ = [
+    "ProcStat",
     "ProcTable",
     "open_exit_fd",
+    "read_stat",
     "signal_tree",
 ]
+
+
+class ProcStat(NamedTuple):
+    """The fields of ``/proc/<pid>/stat`` that aiolaunch reads."""
+
+    comm: str
+    #: one letter: ``R``, ``S``, ``D``, ``T``, ``Z`` (zombie), ``X`` (dead)...
+    state: str
+    ppid: int
+    pgid: int
+
+    @property
+    def alive(self) -> bool:
+        """Running or sleeping: neither a zombie nor dead."""
+        return self.state not in ("Z", "X")
+
+
+def read_stat(pid: int | str) -> ProcStat | None:
+    """Parse ``/proc/<pid>/stat``; ``None`` when it cannot be read (the
+    process is gone, or there is no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses,
+    # so split after the last ')'.
+    lpar, rpar = stat.find("("), stat.rfind(")")
+    fields = stat[rpar + 2 :].split()
+    if len(fields) < 3:
+        return None
+    return ProcStat(stat[lpar + 1 : rpar], fields[0], int(fields[1]), int(fields[2]))
 
 
 def open_exit_fd(pid: int) -> int | None:
@@ -61,18 +95,12 @@ class ProcTable:
         for entry in entries:
             if not entry.isdigit() or int(entry) < since:
                 continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            # The command name may hold spaces and parentheses: split after the last ')'.
-            fields = stat[stat.rfind(b")") + 2 :].split()
-            if len(fields) < 3:
+            stat = read_stat(entry)
+            if stat is None:
                 continue
             pid = int(entry)
-            self.children.setdefault(int(fields[1]), []).append(pid)
-            self.groups.setdefault(int(fields[2]), []).append(pid)
+            self.children.setdefault(stat.ppid, []).append(pid)
+            self.groups.setdefault(stat.pgid, []).append(pid)
 
     def tree(self, pid: int) -> set[int]:
         """Descendants of ``pid`` and members of its process group, minus ``pid``.

@@ -16,6 +16,7 @@ import anyio
 from .._api import start_processes
 from .._errors import SignalException
 from .._logs_specs import prune_empty_dirs
+from .._signames import describe_signal
 from .._validate import log_dir_error
 from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
@@ -185,7 +186,7 @@ class LocalElasticAgent:
             self._record_final(result)
             return result
         except SignalException as exc:
-            log.warning("received %s, stopped the workers", _signame(exc.sigval))
+            log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
             self._state = WorkerState.STOPPED
             self._events.record("FAILED", "AGENT")
             raise
@@ -375,6 +376,7 @@ class LocalElasticAgent:
             shutdown_timeout=self._shutdown_timeout,
             duplicate_stdout_filters=spec.duplicate_stdout_filters,
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            watchdog=spec.watchdog,
             **logs,
         )
         self._state = WorkerState.HEALTHY
@@ -485,15 +487,6 @@ def _describe(failure: ProcessFailure) -> str:
         message = message.get("message", "")
     lines = str(message or "").strip().splitlines()
     return f"{what}: {lines[-1]}" if lines else what
-
-
-def _signame(sig: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def failure_summary(name: str, failures: dict[int, ProcessFailure]) -> str:
