@@ -166,7 +166,7 @@ def test_parse_signals_forms() -> None:
 
 
 @pytest.mark.parametrize("bad", ["SIGBOGUS", "SIGKILL,SIGTERM", "SIGSTOP", "CHLD", 0])
-def test_bad_signal_keyword_raises_before_anything_starts(tmp_path: Path, bad: object) -> None:
+def test_bad_signal_keyword_raises_before_anything_starts(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match=r"signals_to_handle: .*SIGKILL, SIGSTOP"):
         aiolaunch.start_processes(
             name="s", entrypoint="/bin/true", args={0: ()}, envs={0: {}},
@@ -175,7 +175,7 @@ def test_bad_signal_keyword_raises_before_anything_starts(tmp_path: Path, bad: o
     with pytest.raises(TypeError, match="forward_signals"):
         aiolaunch.start_processes(
             name="s", entrypoint="/bin/true", args={0: ()}, envs={0: {}},
-            log_dir=str(tmp_path / "logs"), forward_signals=3.5,
+            log_dir=str(tmp_path / "logs"), forward_signals=3.5,  # type: ignore[arg-type]
         )  # fmt: skip
     assert not (tmp_path / "logs").exists()
 
