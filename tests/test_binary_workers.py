@@ -381,3 +381,30 @@ async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
     assert guard.pid != old and alive(guard.pid), "a new guardian took over"
     with pytest.raises(ChildProcessError):
         os.waitpid(old, os.WNOHANG)  # the old one was reaped, not left a zombie
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd on this platform")
+async def test_binaries_are_reaped_through_pidfds_not_a_thread_each() -> None:
+    """32 binaries: no reaper thread per child (asyncio's ThreadedChildWatcher
+    names them ``asyncio-waitpid-N``), each exit code still right, and every child reaped.
+    """
+    import threading
+
+    n = 32
+    before = threading.active_count()
+    async with aiolaunch.start_processes(
+        name="p",
+        entrypoint=SH,
+        args={r: ("-c", f"sleep 0.5; exit {r % 2}") for r in range(n)},
+        envs=no_env(n),
+    ) as ctx:
+        waiters = [t.name for t in threading.enumerate() if "waitpid" in t.name]
+        assert waiters == []
+        assert threading.active_count() < before + 4
+        pids = ctx.pids()
+        result = await ctx.wait()
+    assert result is not None and result.is_failed()
+    assert {f.exitcode for f in result.failures.values()} <= {1}
+    for pid in pids.values():
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # already reaped: not our child any more

@@ -253,6 +253,10 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
     assert report["verdict"]["outliers"] == [2]
     assert "stuck_here" in str(result.failures[2].message)
     assert all((tmp_path / str(r) / "stacks-1.txt").exists() for r in range(4))
+    # Every rank went quiet, but only the odd one out is the failure.
+    assert list(result.failures) == [2]
+    assert sorted(s["rank"] for s in report["stalled"]) == [0, 1, 2, 3]
+    assert report["root_cause"]["rank"] == 2
 
 
 async def test_watchdog_observe_emits_once_per_stall_and_keeps_running(tmp_path: Path) -> None:
@@ -446,3 +450,44 @@ async def _wait_lines(log_dir: Path, n: int, needle: str, timeout: float = 30) -
             return
         await asyncio.sleep(0.05)  # allowed: polling a log file the test reads
     pytest.fail(f"workers did not print {needle!r} within {timeout}s")
+
+
+# -- a real collective ------------------------------------------------------------
+
+
+def gloo_rank(rank: int, world: int, port: int, late: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    print(f"rank {rank} joined", flush=True)
+    if rank == late:
+        slow_loader()
+    dist.all_reduce(torch.ones(4))
+
+
+def slow_loader() -> None:
+    time.sleep(3600)
+
+
+async def test_gloo_peers_are_shown_in_the_collective(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    port = aiolaunch.free_port()
+    async with aiolaunch.start_processes(
+        "g", gloo_rank, {r: (r, 3, port, 1) for r in range(3)}, _envs(3), log_dir=tmp_path,
+        redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await _wait_lines(tmp_path, 3, "joined", timeout=120)
+        deadline = time.monotonic() + 60
+        while True:
+            dumps = await asyncio.wait_for(ctx.dump_stacks(), 30)
+            report = StackReport.from_dumps(dumps)
+            if report.outliers == [1] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)  # allowed: ranks 0 and 2 are entering all_reduce
+    assert report.outliers == [1], str(report)
+    assert report.groups[0][0] == [0, 2]
+    assert report.groups[0][1].startswith("all_reduce (distributed_c10d.py:")
+    assert "slow_loader" in (report.line_for(1) or "")

@@ -11,12 +11,13 @@ import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
+from ._results import root_cause
 from ._signals import (
     DEFAULT_SIGNALS_TO_HANDLE,
     FORWARD_SIGNALS_ENV,
@@ -30,6 +31,8 @@ from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    from ._context import PContext
 
 __all__ = ["free_port", "launch", "start_processes"]
 
@@ -337,7 +340,13 @@ def _per_rank(what: str, value: Any, cls: type[T], nprocs: int) -> dict[int, T]:
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it back)."""
+    """A TCP port that was free a moment ago (bind to port 0, read it back).
+
+    The socket closes before a worker binds it, so another process could take
+    it in between; a fresh port per attempt keeps that window (and TIME_WAIT
+    leftovers of a crashed attempt) out of the way. ``SO_REUSEADDR`` lets a
+    worker bind the port while the probe's socket is still in TIME_WAIT.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
@@ -393,7 +402,6 @@ async def launch(
             raise MainProcessError(exc.sigval) from exc
         assert result is not None
         if result.is_failed():
-            rank = min(result.failures, key=lambda r: (result.failures[r].timestamp, r))
-            failure = result.failures[rank]
+            rank, failure = root_cause(result.failures)
             raise WorkerError(failure.exitcode, rank)
         return dict(result.return_values)

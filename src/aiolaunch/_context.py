@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._compat import task_cancelling
-from ._errors import SignalException
+from ._errors import SignalException, fd_limit_error
 from ._events import (
     Event,
     EventBus,
@@ -43,6 +43,7 @@ from ._shutdown import shielded, terminate
 from ._signals import STOP_SIGNALS, SignalPlan, watch_signals
 from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
+from ._workers._proc import CONTEXT_ENV, new_context_token
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
-__all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
+__all__ = ["PContext"]
 
 logger = logging.getLogger("aiolaunch")
 
@@ -127,6 +128,8 @@ class PContext:
         # Set once the death signal went out; set to end the grace period now.
         self._sent = asyncio.Event()
         self._kill_now = asyncio.Event()
+        #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
+        self._token = new_context_token()
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
         self._bus = EventBus()
@@ -152,7 +155,7 @@ class PContext:
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise _fd_limit_error(exc, rank, self.nprocs) from exc
+                raise fd_limit_error(exc, rank, self.nprocs) from exc
             raise
 
     async def _start_one(self, rank: int) -> None:
@@ -204,6 +207,8 @@ class PContext:
             **self._restarts.env(rank),
             **self._forensics.env(),
             **self._signals.env(),
+            # Inherited by every descendant: close() finds daemons by it.
+            CONTEXT_ENV: self._token,
         }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
@@ -494,7 +499,12 @@ class PContext:
         self._signals.set_deadline(0.0 if now else grace)
         try:
             await terminate(
-                workers, death_sig, grace, on_sent=self._sent.set, escalate=self._kill_now
+                workers,
+                death_sig,
+                grace,
+                on_sent=self._sent.set,
+                escalate=self._kill_now,
+                token=self._token,
             )
         finally:
             self._signals.release()
@@ -539,66 +549,3 @@ class PContext:
             f"<{type(self).__name__} name={self.name!r} nprocs={self.nprocs} "
             f"state={state} pids={self.pids()}>"
         )
-
-
-class SubprocessContext(PContext):
-    """Binary workers (``entrypoint`` is a str): asyncio subprocesses.
-
-    Each leads its own process group, inherits the parent's environment plus
-    ``envs[rank]`` and ``TORCHELASTIC_ERROR_FILE``, and is killed by the
-    kernel if the supervisor dies (Linux; the worker's own children are
-    reached only through ``close()``).
-    """
-
-    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
-        from ._workers._binary import spawn_binary
-
-        assert isinstance(self.entrypoint, str)
-        env = {**os.environ, **self._env(rank)}
-        argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
-        return await spawn_binary(rank, argv, env, stdout, stderr)
-
-
-class MultiprocessContext(PContext):
-    """Function workers (``entrypoint`` is callable): multiprocessing children.
-
-    The function and its args travel by value where plain pickle cannot name
-    them (``__main__``, notebook cells, lambdas, closures). ``envs[rank]`` is
-    applied before they are unpickled. The return value is sent back as soon
-    as the function returns and lands in ``result.return_values[rank]``.
-    """
-
-    def __init__(self, *, fn_bytes: bytes, args_bytes: dict[int, bytes], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._fn_bytes = fn_bytes
-        self._args_bytes = args_bytes
-
-    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
-        from ._workers._function import spawn_function
-
-        return await spawn_function(
-            local_rank=rank,
-            name=self.name,
-            start_method=self.start_method,
-            fn=self._fn_bytes,
-            args=self._args_bytes[rank],
-            env=self._env(rank),
-            stdout=stdout,
-            stderr=stderr,
-            error_file=self.error_files.get(rank, ""),
-        )
-
-
-def _fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return OSError(
-        exc.errno,
-        f"{exc.strerror} while starting local rank {rank} of {nprocs} (the {rank} "
-        f"started were stopped): the open-file limit RLIMIT_NOFILE is {soft} (hard "
-        f"{hard}), and each worker holds up to 4 fds (2 pipes, 2 log files) until the "
-        "group ends. Raise it (`ulimit -n 65536`, or resource.setrlimit("
-        "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
-        "streams",
-    )

@@ -33,7 +33,13 @@ from ._signames import describe_signal
 if TYPE_CHECKING:
     from ._results import ProcessFailure
 
-__all__ = ["ChildFailedError", "MainProcessError", "SignalException", "WorkerError"]
+__all__ = [
+    "ChildFailedError",
+    "MainProcessError",
+    "SignalException",
+    "WorkerError",
+    "fd_limit_error",
+]
 
 _NOT_AVAILABLE = "<N/A>"
 
@@ -72,8 +78,8 @@ class ChildFailedError(Exception):
     The summary (:meth:`format_msg`) has the shape of torch's
     ``ChildFailedError``: a title, the other failures, then the *root cause*,
     the failure observed first (earliest :attr:`ProcessFailure.timestamp`;
-    ties go to the failure that comes first in ``failures``, which aiolaunch
-    fills in exit order). Raising it from a function decorated with
+    ties go to the lowest rank - the rule of ``aiolaunch._results.root_cause``,
+    shared with :func:`aiolaunch.launch` and the agent). Raising it from a function decorated with
     :func:`aiolaunch.record` copies the root cause's error file to the
     caller's ``$TORCHELASTIC_ERROR_FILE``, as torch does.
 
@@ -95,10 +101,12 @@ class ChildFailedError(Exception):
     def get_first_failure(self) -> tuple[int, ProcessFailure]:
         """The root cause: ``(rank, failure)`` with the earliest timestamp.
 
-        Ties go to the first of them in ``failures`` order (as torch).
+        Ties go to the lowest rank (torch takes the first in ``failures``
+        order; one deterministic rule for every caller instead).
         """
-        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
-        return rank, self.failures[rank]
+        from ._results import root_cause
+
+        return root_cause(self.failures)
 
     def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
         """The summary: title, other failures, root cause (torch's layout).
@@ -212,3 +220,21 @@ class MainProcessError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.signal_no,), self.__dict__)
+
+
+def fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
+    """The ``OSError`` to raise when starting local rank ``rank`` of ``nprocs``
+    hit the open-file limit (``exc``: EMFILE or ENFILE): it names the limit
+    and the fix."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OSError(
+        exc.errno,
+        f"{exc.strerror} while starting local rank {rank} of {nprocs} (the {rank} "
+        f"started were stopped): the open-file limit RLIMIT_NOFILE is {soft} (hard "
+        f"{hard}), and each worker holds up to 4 fds (2 pipes, 2 log files) until the "
+        "group ends. Raise it (`ulimit -n 65536`, or resource.setrlimit("
+        "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
+        "streams",
+    )

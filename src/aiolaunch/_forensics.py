@@ -60,12 +60,11 @@ class Stall:
 
     def message(self) -> str:
         """The text that becomes the rank's ``ProcessFailure.message``."""
-        lines = [f"stalled: {self.reason}"]
-        if self.verdict_line:
-            lines.append(f"where: {self.verdict_line}")
-        if self.stacks_file:
-            lines.append(f"stacks: {self.stacks_file}")
-        return "\n  ".join(lines)
+        # The summary goes last, as an exception's line ends a traceback (the
+        # agent's one-line log of the root cause shows the last line).
+        head = f"stacks: {self.stacks_file}\n" if self.stacks_file else ""
+        where = f"; {self.verdict_line}" if self.verdict_line else ""
+        return f"{head}stalled: {self.reason}{where}"
 
 
 class Forensics:
@@ -75,6 +74,7 @@ class Forensics:
         self._ctx = ctx
         self.watchdog = watchdog
         self.log_dir, self._own_dir = _group_dir(ctx.error_files)
+        self.log_dir = os.path.abspath(self.log_dir)
         self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
         os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
         self._activity: dict[int, RankActivity] = {}
@@ -335,7 +335,15 @@ class Forensics:
         )  # fmt: skip
         if wd.action == "observe":
             return
-        for s in stalls:
+        # Ranks that stalled together usually wait for one another: when some
+        # of them are the odd ones out, those are the failure, and the rest
+        # (stopped by aiolaunch) are listed as stalled in the report only.
+        chosen = [s for s in stalls if s.rank in report.outliers]
+        if not chosen:
+            # The odd one out may have gone quiet a moment after the others
+            # (its stall would be detected next period): it is still the cause.
+            chosen = self._quiet_outliers(wd, report.outliers, files) or stalls
+        for s in chosen:
             w = ctx._workers.get(s.rank)
             if (
                 wd.action == "restart"
@@ -351,6 +359,24 @@ class Forensics:
             self.failing[s.rank] = s
         if self.failing:
             ctx._changed.set()
+
+    def _quiet_outliers(
+        self, wd: Watchdog, outliers: list[int], files: dict[int, str]
+    ) -> list[Stall]:
+        now = time.monotonic()
+        out: list[Stall] = []
+        for rank in outliers:
+            act = self._activity.get(rank)
+            if act is None or now - act.last_active < wd.period:
+                continue
+            idle = now - act.last_active
+            reason = f"no output and no CPU for {idle:.1f}s while its peers stalled"
+            s = Stall(rank, act.pid, round(idle, 3), reason, detected=time.time())
+            s.verdict_line = (self.stall_report.line_for(rank) if self.stall_report else "") or ""
+            s.stacks_file = files.get(rank, "")
+            self.flagged[rank] = s
+            out.append(s)
+        return out
 
     # -- result ---------------------------------------------------------------
     def finish(self, result: RunProcsResult) -> RunProcsResult:
@@ -374,7 +400,10 @@ class Forensics:
         if not self.failing:
             return result
         failures: dict[int, ProcessFailure] = {}
-        for rank, s in sorted(self.failing.items()):
+        # The outliers first: among ranks stalled together, the odd one out is
+        # the root cause (the others wait for it).
+        outliers = set(self.stall_report.outliers) if self.stall_report else set()
+        for rank, s in sorted(self.failing.items(), key=lambda kv: (kv[0] not in outliers, kv[0])):
             old = result.failures.get(rank)
             w = self._ctx._workers[rank]
             f = old or ProcessFailure(
@@ -384,7 +413,7 @@ class Forensics:
                 error_file=self._ctx.error_files.get(rank, ""),
             )
             f.message = s.message()
-            f.timestamp = min(f.timestamp, int(s.detected))  # the root cause
+            f.timestamp = min(f.timestamp, s.detected)  # the root cause
             failures[rank] = f
         for rank, f in result.failures.items():
             failures.setdefault(rank, f)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ._types import JSON
     from ._workers._handle import WorkerHandle
 
-__all__ = ["ProcessFailure", "RunProcsResult", "build_result"]
+__all__ = ["ProcessFailure", "RunProcsResult", "build_result", "root_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,9 @@ class ProcessFailure:
       ``{"message": "<Type>: <msg>", "extraInfo": {"py_callstack": ...,
       "timestamp": ...}}`` as in torch, or a plain string in the older
       format - and ``timestamp`` the time the error was recorded.
-    * Otherwise ``error_file`` becomes ``"<N/A>"``, ``timestamp`` is now, and
+    * Otherwise ``error_file`` becomes ``"<N/A>"``, ``timestamp`` is now
+      (``time.time()``, sub-second; a supervisor sets it to the moment it
+      detected the exit), and
       ``message`` is made up: ``"Signal 9 (SIGKILL) received by PID 123"`` for
       a worker killed by a signal (``exitcode == -signum``), else a hint to
       decorate the entrypoint with ``@record``.
@@ -91,12 +93,14 @@ class ProcessFailure:
     error_file: str
     error_file_data: JSON = field(init=False)
     message: str | JSON = field(init=False)  # the error file's dict, as in torch
-    timestamp: int = field(init=False)
+    #: unix seconds: whole seconds from an error file (torch writes
+    #: ``int(time.time())``), else sub-second (see :func:`root_cause`)
+    timestamp: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.error_file_data = _empty_error_data()
         self.message = ""
-        self.timestamp = int(time.time())
+        self.timestamp = time.time()
         if self.error_file and os.path.isfile(self.error_file):
             self._read_error_file()
         else:
@@ -151,7 +155,7 @@ class ProcessFailure:
 
     def timestamp_isoformat(self) -> str:
         """:attr:`timestamp` as local time, ``YYYY-MM-DD_HH:MM:SS`` (torch's format)."""
-        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+        return datetime.fromtimestamp(int(self.timestamp)).isoformat(sep="_")
 
     @property
     def error_message(self) -> str:
@@ -195,6 +199,23 @@ class RunProcsResult:
         return len(self.failures) > 0
 
 
+def root_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The root cause of a failed group: ``(rank, failure)`` observed first.
+
+    The one rule, used by :class:`ChildFailedError`, :func:`aiolaunch.launch`
+    and the agent: the earliest :attr:`ProcessFailure.timestamp`; ties go to
+    the lowest rank (deterministic, whatever the order of ``failures``).
+    Timestamps are sub-second for failures the supervisor observed (exit
+    detection time) and whole seconds for those read from an error file.
+
+    :raises ValueError: if ``failures`` is empty.
+    """
+    if not failures:
+        raise ValueError("root_cause() needs at least one failure")
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    return rank, failures[rank]
+
+
 def build_result(
     workers: Mapping[int, WorkerHandle],
     failed: Iterable[int],
@@ -210,6 +231,8 @@ def build_result(
         the order of ``failures``. A failure without an error file whose
         handle knows why (``failure_reason``, e.g. a function worker that
         exited 0 without returning) gets that reason written as its error file.
+        A failure the worker did not record itself is timestamped with the
+        moment its exit was detected (sub-second), not when this runs.
     :returns: the return values of every rank that exited 0 on its own when
         nothing failed, else the failures only.
     """
@@ -217,12 +240,16 @@ def build_result(
     for rank in failed:
         w = workers[rank]
         error_file = error_files.get(rank, "")
+        recorded = bool(error_file) and os.path.isfile(error_file)
         if w.failure_reason is not None and error_file and error_file != os.devnull:
             _record_reason(error_file, w.failure_reason)
         assert w.returncode is not None
-        failures[rank] = ProcessFailure(
+        failure = ProcessFailure(
             local_rank=rank, pid=w.pid, exitcode=w.returncode, error_file=error_file
         )
+        if not recorded and w.exit_time is not None:
+            failure.timestamp = w.exit_time
+        failures[rank] = failure
     return_values: dict[int, Any] = {}
     if not failures:
         for rank, w in sorted(workers.items()):

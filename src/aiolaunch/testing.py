@@ -253,16 +253,9 @@ def _multiprocessing_helpers() -> tuple[set[int], set[int]]:
 
 
 def _aiolaunch_helpers() -> tuple[set[int], set[int]]:
-    pids: set[int] = set()
-    fds: set[int] = set()
-    lifeline = getattr(sys.modules.get("aiolaunch._workers._function"), "_lifeline", None)
-    if isinstance(lifeline, tuple) and len(lifeline) == 3 and lifeline[0] == os.getpid():
-        fds |= {fd for fd in lifeline[1:] if isinstance(fd, int)}
-    guard = getattr(sys.modules.get("aiolaunch._workers._guardian"), "_guardian", None)
-    if guard is not None and getattr(guard, "owner", None) == os.getpid():
-        pids.add(guard.pid)
-        fds.add(guard.fd)
-    return pids, fds
+    from ._workers import long_lived_helpers
+
+    return long_lived_helpers()
 
 
 _HELPERS: list[Callable[[], tuple[set[int], set[int]]]] = [

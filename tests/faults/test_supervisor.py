@@ -112,6 +112,64 @@ def test_sigkilled_supervisor_and_setsid_grandchildren(tmp_path: Path, kind: str
     assert report.leaked == [], "survivors:\n" + report.leaked_summary()  # type: ignore[attr-defined]
 
 
+DAEMON_SUPERVISOR = (
+    PRELUDE
+    + """
+DAEMONIZE = '''
+import os, sys, time
+pid_dir = sys.argv[1]
+if os.fork() == 0:
+    os.setsid()
+    middle = os.getpid()
+    if os.fork() == 0:
+        while os.getppid() == middle:  # announce once re-parented away
+            time.sleep(0.01)
+        open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w").write(f"{os.getpid()}.")
+        time.sleep(60)
+        os._exit(0)
+    os._exit(0)
+time.sleep(60)
+'''
+
+async def main():
+    pid_dir = sys.argv[1]
+    script = os.path.join(pid_dir, "daemon.py")
+    with open(script, "w") as f:
+        f.write(DAEMONIZE)
+    ctx = await aiolaunch.start_processes(
+        name="d", entrypoint=sys.executable, args={0: (script, pid_dir)}, envs={0: {}},
+        log_dir=pid_dir + "/logs", redirects=Std.ALL)
+    say(pids=list(ctx.pids().values()))
+    await ctx.wait()
+
+asyncio.run(main())
+"""
+)
+
+
+def test_sigkilled_supervisor_double_forked_daemon_is_reaped_by_the_guardian(
+    tmp_path: Path,
+) -> None:
+    """A real daemon (setsid, middle parent exited) of a binary worker, then SIGKILL.
+
+    No group and no parent chain lead to the daemon; the guardian finds it by
+    its token in ``/proc/<pid>/environ`` once the supervisor's pipe reaches
+    EOF. The subreaper would report it as leaked had it survived.
+    """
+    pid_dir = tmp_path / "w"
+    pid_dir.mkdir()
+    sup = start_supervised(tmp_path, DAEMON_SUPERVISOR, str(pid_dir), settle=5)
+    workers = sup.read_json()["pids"]
+    daemon = read_pids(pid_dir, 1)
+    assert len(daemon) == 1
+    assert daemon[0] not in descendants(workers[0]), "precondition: the daemon escaped"
+    sup.send(signal.SIGKILL)
+    report = sup.finish()
+    assert report.rc == -signal.SIGKILL
+    assert report.leaked == [], "survivors:\n" + report.leaked_summary()
+    assert wait_dead([*workers, *daemon], 1) == []
+
+
 STARTUP = (
     PRELUDE
     + """

@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TextIO
 
+from .._types import PerProcess
+
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
 
 MAX_PENDING = 8 * 1024 * 1024
@@ -295,14 +297,9 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-_console: ConsoleWriter | None = None
-_console_lock = threading.Lock()
+_CONSOLE: PerProcess[ConsoleWriter] = PerProcess(ConsoleWriter)
 
 
 def console() -> ConsoleWriter:
     """The process-wide console writer (one per process, created on first use)."""
-    global _console
-    with _console_lock:
-        if _console is None or _console._pid != os.getpid():
-            _console = ConsoleWriter()
-        return _console
+    return _CONSOLE.get()

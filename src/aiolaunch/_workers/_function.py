@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle, close_fd
+from ._lifeline import lifeline_fds
 from ._proc import open_exit_fd
 
 if TYPE_CHECKING:
@@ -197,30 +198,12 @@ def _no_main_reimport() -> Iterator[None]:
             multiprocessing.spawn.get_preparation_data = original
 
 
-# (pid, read end, write end). Owned by this module for the supervisor's
-# lifetime, never closed here: every function worker inherits the read end.
-_lifeline: tuple[int, int, int] | None = None
-
-
-def _lifeline_fds() -> tuple[int, int]:
-    """A process-wide pipe whose write end only the supervisor holds.
-
-    Its EOF tells every function worker that the supervisor is gone, even
-    after SIGKILL; they then kill their whole process group.
-    """
-    global _lifeline
-    if _lifeline is None or _lifeline[0] != os.getpid():
-        r, w = os.pipe()
-        _lifeline = (os.getpid(), r, w)
-    return _lifeline[1], _lifeline[2]
-
-
 def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
-    from . import _guardian
+    from ._guardian import current_guardian
 
     fds = [lifeline_w]
-    g = _guardian._guardian
-    if g is not None and g.owner == os.getpid():
+    g = current_guardian()
+    if g is not None:
         fds.append(g.fd)
     return tuple(fds)
 
@@ -250,7 +233,7 @@ async def spawn_function(
         # reaches descendants that left it (setsid) if the supervisor dies.
         env = {**env, GUARDIAN_ENV: g.token}
     result_r, result_w = os.pipe()
-    lifeline_r, lifeline_w = _lifeline_fds()
+    lifeline_r, lifeline_w = lifeline_fds()
     spec = ChildSpec(
         local_rank=local_rank,
         fn=fn,

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
-__all__ = ["GUARDIAN_ENV", "GUARDIAN_NAME", "Guardian", "guardian"]
+from .._types import PerProcess
+
+__all__ = ["GUARDIAN_ENV", "GUARDIAN_NAME", "Guardian", "current_guardian", "guardian"]
 
 #: Environment variable carrying the guardian's token into binary workers.
 GUARDIAN_ENV = "AIOLAUNCH_GUARDIAN"
@@ -110,16 +111,20 @@ class Guardian:
             self._send(f"-{pgid}\n")
 
 
-_guardian: Guardian | None = None
-_lock = threading.Lock()
+def _start() -> Guardian | None:
+    if not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
+        return None
+    return Guardian()
+
+
+_GUARDIAN: PerProcess[Guardian | None] = PerProcess(_start)
 
 
 def guardian() -> Guardian | None:
     """The guardian of this process, started on first use; ``None`` without /bin/sh."""
-    global _guardian
-    with _lock:
-        if _guardian is None or _guardian.owner != os.getpid():
-            if not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
-                return None
-            _guardian = Guardian()
-        return _guardian
+    return _GUARDIAN.get()
+
+
+def current_guardian() -> Guardian | None:
+    """The guardian of this process if it was started; starts nothing."""
+    return _GUARDIAN.peek()

@@ -20,12 +20,62 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 __all__ = [
+    "CONTEXT_ENV",
     "ProcStat",
     "ProcTable",
+    "find_tagged",
+    "new_context_token",
     "open_exit_fd",
     "read_stat",
     "signal_tree",
 ]
+
+
+#: Environment variable carrying a per-context token into every worker; every
+#: descendant that inherits the environment carries it too, so ``close()``
+#: finds double-forked daemons (re-parented away, in a session of their own)
+#: that neither the process group nor the parent chain reaches.
+CONTEXT_ENV = "AIOLAUNCH_CONTEXT"
+
+
+def new_context_token() -> str:
+    """A token unique to one context of one supervisor process."""
+    return f"{os.getpid()}-{os.urandom(8).hex()}"
+
+
+def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[int]:
+    """Live processes whose environment holds ``CONTEXT_ENV=token``.
+
+    Reads ``/proc/<pid>/environ`` - the environment the process was *exec'd*
+    with - of pids >= ``since`` (see :class:`ProcTable` for that bound), other
+    than ours and ``exclude``. So it finds what a binary worker and its
+    descendants inherit; a process that only changed ``os.environ`` (a function
+    worker) passes the token on to what it execs, not to its own entry.
+    Processes of other users are unreadable and skipped. Empty without
+    ``/proc``. Costs about one ``open``+``read`` per scanned process.
+    """
+    needle = f"\0{CONTEXT_ENV}={token}\0".encode()
+    skip = {os.getpid(), *exclude}
+    found: set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if pid < since or pid in skip:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        # A zombie's environ reads empty: nothing to signal there.
+        if needle in b"\0" + data + b"\0":
+            found.add(pid)
+    return found
 
 
 class ProcStat(NamedTuple):
