@@ -305,7 +305,13 @@ def _per_rank(what: str, value: Any, cls: type[T], nprocs: int) -> dict[int, T]:
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it back)."""
+    """A TCP port that was free a moment ago (bind to port 0, read it back).
+
+    The socket closes before a worker binds it, so another process could take
+    it in between; a fresh port per attempt keeps that window (and TIME_WAIT
+    leftovers of a crashed attempt) out of the way. ``SO_REUSEADDR`` lets a
+    worker bind the port while the probe's socket is still in TIME_WAIT.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
