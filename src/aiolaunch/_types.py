@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["JSON", "PerProcess", "RankMap", "Std", "StdSpec", "to_map"]
+__all__ = ["JSON", "START_METHODS", "PerProcess", "RankMap", "Std", "StdSpec", "to_map"]
+
+#: The multiprocessing start methods a function worker may use (CLI choices too).
+START_METHODS = ("spawn", "fork", "forkserver")
 
 _T = TypeVar("_T")
 

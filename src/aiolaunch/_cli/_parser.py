@@ -9,6 +9,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
+from .._types import START_METHODS
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -156,7 +158,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_Env,
         type=str,
         default="spawn",
-        choices=["spawn", "fork", "forkserver"],
+        choices=list(START_METHODS),
         help="Multiprocessing start method (used with --run-path).",
     )
     add(

@@ -20,7 +20,7 @@ from ._sink import Sink
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["FileSink", "open_log_file"]
+__all__ = ["FileSink", "file_executor", "open_log_file"]
 
 _HIGH_WATER = 16 * 1024 * 1024
 _LOW_WATER = 4 * 1024 * 1024
@@ -32,7 +32,8 @@ _EXECUTOR: PerProcess[ThreadPoolExecutor] = PerProcess(
 )
 
 
-def _file_executor() -> ThreadPoolExecutor:
+def file_executor() -> ThreadPoolExecutor:
+    """The process's log-writer pool (also closes inotify instances off the loop)."""
     return _EXECUTOR.get()
 
 
@@ -87,7 +88,7 @@ class FileSink(Sink):
         self._pending_bytes = 0
         self._drained.clear()
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(_file_executor(), _write_all, self._fd, chunks)
+        fut = loop.run_in_executor(file_executor(), _write_all, self._fd, chunks)
         self._in_flight = fut
         fut.add_done_callback(self._write_done)
 

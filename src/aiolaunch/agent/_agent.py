@@ -15,10 +15,10 @@ import anyio
 
 from .._api import start_processes
 from .._errors import SignalException
-from .._logs_specs import prune_empty_dirs
+from .._logs_specs import attempt_dir_path, make_run_dir, prune_empty_dirs
 from .._results import root_cause
 from .._signames import describe_signal
-from .._validate import log_dir_error
+from .._validate import START_METHODS, check_log_dir_not_file, log_dir_error
 from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
 from ._numa import numa_cpus, wrap_for_numa
@@ -33,7 +33,6 @@ __all__ = ["LocalElasticAgent"]
 
 log = logging.getLogger("aiolaunch.agent")
 
-_START_METHODS = ("spawn", "fork", "forkserver")
 #: the slowest pace of the membership check (``num_nodes_waiting``), seconds
 _MEMBERSHIP_POLL_MIN = 1.0
 
@@ -97,9 +96,9 @@ class LocalElasticAgent:
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec={spec!r} must be an aiolaunch.agent.WorkerSpec")
-        if start_method not in _START_METHODS:
+        if start_method not in START_METHODS:
             raise ValueError(
-                f"start_method={start_method!r} is not one of {', '.join(_START_METHODS)}"
+                f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}"
             )
         for what, value in (
             ("exit_barrier_timeout", exit_barrier_timeout),
@@ -113,11 +112,8 @@ class LocalElasticAgent:
             raise ValueError(
                 "log_dir and logs_specs were both given; pass the folder inside logs_specs"
             )
-        if log_dir is not None and os.path.isfile(log_dir):
-            raise NotADirectoryError(
-                f"log_dir={os.fspath(log_dir)!r} is a file; pass a directory "
-                "(it is created if missing)"
-            )
+        if log_dir is not None:
+            check_log_dir_not_file("log_dir", os.fspath(log_dir))
         self._spec = spec
         self._start_method = start_method
         self._exit_barrier_timeout = float(exit_barrier_timeout)
@@ -412,12 +408,8 @@ class LocalElasticAgent:
                 except OSError as exc:
                     raise log_dir_error("log_dir", self._log_dir, exc) from exc
                 root = self._log_dir
-            # a unique folder per run, so a log_dir can be reused (torch's layout)
-            self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
-        name = f"attempt_{self._restart_count}"
-        if membership_round:
-            name += f"_round_{membership_round}"
-        return os.path.join(self._run_log_dir, name)
+            self._run_log_dir = make_run_dir(root, run_id)
+        return attempt_dir_path(self._run_log_dir, self._restart_count, membership_round)
 
     async def _monitor(self, ctx: PContext) -> RunProcsResult | None:
         if not self._rdzv.elastic:
