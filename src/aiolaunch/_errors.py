@@ -28,7 +28,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
-from ._signames import describe_signal
+from ._signames import describe_signal, exit_signal_name
 
 if TYPE_CHECKING:
     from ._results import ProcessFailure
@@ -40,8 +40,6 @@ __all__ = [
     "WorkerError",
     "fd_limit_error",
 ]
-
-_NOT_AVAILABLE = "<N/A>"
 
 
 class SignalException(Exception):
@@ -157,19 +155,15 @@ class ChildFailedError(Exception):
 
 
 def _format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
-    # ``message`` is a str (signals, no error file) or the error file's dict:
-    # show the traceback, else its message, else <N/A>.
-    message = failure.message
-    if isinstance(message, dict):
-        extra = message.get("extraInfo")
-        text = extra.get("py_callstack") if isinstance(extra, dict) else None
-        if not isinstance(text, str):
-            text = str(message.get("message", _NOT_AVAILABLE))
-        text = text.rstrip("\n").replace("\n", "\n  ")  # indent the traceback
-    else:
-        text = str(message).rstrip("\n").replace("\n", "\n  ")  # e.g. quoted stderr lines
-    sig = failure.signal_name()
-    sig_str = f" ({sig})" if sig != _NOT_AVAILABLE else ""
+    # The recorded traceback, else the message (a signal's description, or
+    # the error file's message).
+    text = failure.py_callstack
+    if text is None:
+        text = failure.error_message
+    # Indent a traceback, or the quoted stderr lines of a message.
+    text = text.rstrip("\n").replace("\n", "\n  ")
+    sig = exit_signal_name(failure.exitcode)
+    sig_str = f" ({sig})" if sig else ""
     return (
         f"[{idx}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"
