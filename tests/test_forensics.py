@@ -100,7 +100,7 @@ def test_watchdog_validates() -> None:
         {"progress": "("},
     ):
         with pytest.raises(ValueError, match="Watchdog"):
-            Watchdog(**bad)  # type: ignore[arg-type]
+            Watchdog(**bad)
 
 
 # -- dumps ----------------------------------------------------------------------
