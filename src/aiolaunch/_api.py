@@ -403,5 +403,5 @@ async def launch(
         assert result is not None
         if result.is_failed():
             rank, failure = root_cause(result.failures)
-            raise WorkerError(failure.exitcode, rank)
+            raise WorkerError(failure.exitcode, rank, failure)
         return dict(result.return_values)

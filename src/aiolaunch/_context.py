@@ -238,6 +238,11 @@ class PContext:
                 # queues its own restart behind this one.
                 self._restarts.run(rank, lambda: self._restart(rank, delay))
                 return
+            spent = self._restarts.budget_spent(rank)
+            if spent is not None and not failed:
+                # "always" promises a service that keeps running: an exit it
+                # cannot restart any more fails the group, even with code 0.
+                handle.failure_reason = spent
         self._gone(rank)
 
     def _gone(self, rank: int) -> None:

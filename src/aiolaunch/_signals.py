@@ -190,7 +190,7 @@ class _Hub:
             with contextlib.suppress(Exception):
                 self.loop.remove_signal_handler(sig)
             with contextlib.suppress(Exception):
-                signal.signal(sig, slot.previous)  # type: ignore[arg-type]
+                signal.signal(sig, slot.previous)
 
     def acknowledge(self, watch: SignalWatch) -> None:
         for pending in list(self.pending):
