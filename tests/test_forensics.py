@@ -9,15 +9,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import pytest
 
 import aiolaunch
 from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 # -- workers ------------------------------------------------------------------
 
@@ -103,7 +100,7 @@ def test_watchdog_validates() -> None:
         {"progress": "("},
     ):
         with pytest.raises(ValueError, match="Watchdog"):
-            Watchdog(**bad)  # type: ignore[arg-type]
+            Watchdog(**bad)
 
 
 # -- dumps ----------------------------------------------------------------------
@@ -491,3 +488,46 @@ async def test_gloo_peers_are_shown_in_the_collective(tmp_path: Path) -> None:
     assert report.groups[0][0] == [0, 2]
     assert report.groups[0][1].startswith("all_reduce (distributed_c10d.py:")
     assert "slow_loader" in (report.line_for(1) or "")
+
+
+# -- the agent ------------------------------------------------------------------
+
+
+def hang_in_first_attempt() -> str:
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "1":
+        stuck_here()
+    return "ok"
+
+
+async def test_agent_watchdog_restarts_the_group_and_watches_every_attempt(
+    tmp_path: Path,
+) -> None:
+    from aiolaunch.agent import LocalElasticAgent, WorkerSpec, WorkerState
+
+    spec = WorkerSpec(
+        role="w", local_world_size=2, entrypoint=hang_in_first_attempt, max_restarts=1,
+        watchdog=Watchdog(stall_after=1.5, action="restart"),
+    )  # fmt: skip
+    agent = LocalElasticAgent(spec, log_dir=tmp_path)
+    result = await asyncio.wait_for(agent.run(), 90)
+    assert result.state == WorkerState.SUCCEEDED, result.failures
+    run_dir = Path(agent.run_log_dir or "")
+    report = json.loads((run_dir / "attempt_0" / "report.json").read_text())
+    assert report["root_cause"]["rank"] == 1 and "stuck_here" in report["stalled"][0]["stacks"]
+    assert not (run_dir / "attempt_1" / "report.json").exists()
+
+    # Each attempt is watched: with no restart left, the stall fails the run.
+    spec2 = WorkerSpec(
+        role="w", local_world_size=2, entrypoint=hang_in_first_attempt, max_restarts=0,
+        watchdog=Watchdog(stall_after=1.5),
+    )  # fmt: skip
+    result = await asyncio.wait_for(LocalElasticAgent(spec2, log_dir=tmp_path).run(), 90)
+    assert result.state == WorkerState.FAILED
+    assert "stalled" in str(result.failures[1].message)
+
+
+def test_worker_spec_rejects_a_bad_watchdog() -> None:
+    from aiolaunch.agent import WorkerSpec
+
+    with pytest.raises(TypeError, match="watchdog"):
+        WorkerSpec(role="w", local_world_size=1, entrypoint="x", watchdog=600)  # type: ignore[arg-type]

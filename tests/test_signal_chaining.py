@@ -181,6 +181,15 @@ def test_single_sigint_waits_for_the_grace_period(tmp_path: Path) -> None:
     assert not wait_dead(pids)
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (``SigCgt`` in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def test_cli_second_sigint_kills_workers_at_once(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     ready.mkdir()
@@ -199,10 +208,17 @@ def test_cli_second_sigint_kills_workers_at_once(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, "workers never started"
             time.sleep(0.01)
         pids = [int((ready / r).read_text()) for r in ("0", "1")]
+        # Workers run before the agent's wait() takes the signals over: wait
+        # until the CLI catches SIGTERM (only wait() installs a handler for it).
+        while not _catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, "wait() never ran"
+            time.sleep(0.01)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         while not (ready / "sig").exists():  # forwarded: the second is a repeat
-            assert time.monotonic() - t0 < 30, "SIGINT never forwarded"
+            if time.monotonic() - t0 > 30:
+                proc.kill()
+                pytest.fail(f"SIGINT never forwarded: {proc.communicate()[1]}")
             time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -259,12 +275,17 @@ async def test_cancelled_async_with_then_one_more_cancel_escalates(tmp_path: Pat
     # cancellation while close() waits out the grace is the second.
     script, up, term = _stubborn(tmp_path)
 
+    entered = asyncio.Event()
+
     async def service() -> None:
         async with start(tmp_path, "/bin/sh", ("-c", script), shutdown_timeout=300):
+            entered.set()
             await asyncio.Event().wait()
 
     task = asyncio.ensure_future(service())
     try:
+        with anyio.fail_after(30):
+            await entered.wait()  # started: a cancel now leaves the block through close()
         await _until(up)
         pid = int(up.read_text())
         task.cancel()

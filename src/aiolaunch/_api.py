@@ -8,7 +8,7 @@ import socket
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._errors import MainProcessError, SignalException, WorkerError
@@ -18,6 +18,13 @@ from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
+from ._signals import (
+    DEFAULT_SIGNALS_TO_HANDLE,
+    FORWARD_SIGNALS_ENV,
+    SIGNALS_TO_HANDLE_ENV,
+    SignalPlan,
+    resolve_signals,
+)
 from ._types import Std
 from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
 from ._watchdog import Watchdog
@@ -144,6 +151,8 @@ def start_processes(
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
     watchdog: Watchdog | None = None,
+    signals_to_handle: str | Iterable[str | int] | None = None,
+    forward_signals: str | Iterable[str | int] | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -191,6 +200,22 @@ def start_processes(
     :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
     :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
         no CPU), dump every rank's stacks, then observe, fail or restart.
+    :param signals_to_handle: the signals that, sent to the supervisor while
+        ``wait()`` runs, are forwarded to the workers and stop the group
+        (``wait()`` raises :class:`SignalException`), as torch's
+        ``TORCHELASTIC_SIGNALS_TO_HANDLE``: ``"SIGTERM,SIGUSR1"`` or a list of
+        names or numbers. ``None``: ``$TORCHELASTIC_SIGNALS_TO_HANDLE``, else
+        SIGTERM, SIGINT, SIGHUP and SIGQUIT.
+    :param forward_signals: beyond torch, a preemption protocol: signals that
+        are only passed on to each worker process (not its children) while
+        ``wait()`` runs; the group keeps running (e.g. Slurm's
+        ``--signal=USR1@90`` as "checkpoint now"). Wins over
+        ``signals_to_handle`` for a signal in both. ``None``:
+        ``$AIOLAUNCH_FORWARD_SIGNALS``, else none. Every worker gets
+        ``AIOLAUNCH_SHUTDOWN_TIMEOUT`` (seconds from the death signal to
+        SIGKILL when ``wait()`` stops the group) and
+        ``AIOLAUNCH_STOP_DEADLINE_FILE``: empty while the group runs; once it
+        is being stopped, the Unix time at which survivors get SIGKILL.
     Every argument is checked before anything starts or any folder is made;
     each message names the argument and the fix.
 
@@ -234,6 +259,15 @@ def start_processes(
     dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
     if watchdog is not None and not isinstance(watchdog, Watchdog):
         raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
+    stop_signals = resolve_signals(
+        signals_to_handle,
+        what="signals_to_handle",
+        env=SIGNALS_TO_HANDLE_ENV,
+        default=DEFAULT_SIGNALS_TO_HANDLE,
+    )
+    only_forwarded = resolve_signals(
+        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default=""
+    )
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -281,6 +315,7 @@ def start_processes(
             "duplicate_stdout_filters": dup_out,
             "duplicate_stderr_filters": dup_err,
             "watchdog": watchdog,
+            "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)
@@ -368,5 +403,5 @@ async def launch(
         assert result is not None
         if result.is_failed():
             rank, failure = root_cause(result.failures)
-            raise WorkerError(failure.exitcode, rank)
+            raise WorkerError(failure.exitcode, rank, failure)
         return dict(result.return_values)

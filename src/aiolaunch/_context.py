@@ -10,6 +10,7 @@ into its sinks before returning. No step polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import math
@@ -39,7 +40,7 @@ from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
-from ._signals import watch_signals
+from ._signals import STOP_SIGNALS, SignalPlan, watch_signals
 from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
@@ -89,6 +90,7 @@ class PContext:
         duplicate_stdout_filters: Sequence[str] | None = None,
         duplicate_stderr_filters: Sequence[str] | None = None,
         watchdog: Watchdog | None = None,
+        signal_plan: SignalPlan | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -117,6 +119,9 @@ class PContext:
             filters=filters,
         )
         self._shutdown_timeout = shutdown_timeout
+        self._signals = signal_plan or SignalPlan(
+            frozenset(STOP_SIGNALS), frozenset(), shutdown_timeout
+        )
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
         self._end: asyncio.Task[RunProcsResult] | None = None
@@ -201,6 +206,7 @@ class PContext:
             **self.envs[rank],
             **self._restarts.env(rank),
             **self._forensics.env(),
+            **self._signals.env(),
             # Inherited by every descendant: close() finds daemons by it.
             CONTEXT_ENV: self._token,
         }
@@ -232,6 +238,11 @@ class PContext:
                 # queues its own restart behind this one.
                 self._restarts.run(rank, lambda: self._restart(rank, delay))
                 return
+            spent = self._restarts.budget_spent(rank)
+            if spent is not None and not failed:
+                # "always" promises a service that keeps running: an exit it
+                # cannot restart any more fails the group, even with code 0.
+                handle.failure_reason = spent
         self._gone(rank)
 
     def _gone(self, rank: int) -> None:
@@ -395,7 +406,10 @@ class PContext:
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
         with watch_signals(
             lambda sig: self._changed.set(),
+            stop=self._signals.stop,
+            forward=self._signals.forward,
             on_repeat=lambda sig: self._escalate(f"second {sig.name}"),
+            on_forward=self._forward_signal,
         ) as watch:
             while True:
                 self._changed.clear()
@@ -436,9 +450,13 @@ class PContext:
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)
+        await self._close(death_sig, timeout, cancelled=False)
+
+    async def _close(self, death_sig: int, timeout: float, *, cancelled: bool) -> None:
         # Cancellations the task already had when close() began (leaving
-        # ``async with`` because of one): the next one is the second.
-        before = task_cancelling(asyncio.current_task())
+        # ``async with`` because of one - seen by __aexit__ on every Python,
+        # by Task.cancelling() on 3.11+): the next one is the second.
+        before = max(int(cancelled), task_cancelling(asyncio.current_task()))
 
         def on_cancel(count: int) -> None:
             if before + count >= 2:
@@ -451,7 +469,22 @@ class PContext:
         if self._kill_now.is_set() or self._result is not None:
             return
         self._kill_now.set()
+        self._signals.set_deadline(0.0)
         logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
+
+    def _forward_signal(self, sig: signal.Signals) -> None:
+        """Pass a forward-only signal to each running worker; the group keeps running.
+
+        Only the worker process itself gets it (not its process group: a
+        DataLoader child with the default action would die of SIGUSR1).
+        """
+        count = 0
+        for w in self._workers.values():
+            if w.alive:  # not reaped yet: the pid is still ours
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, sig)
+                    count += 1
+        logger.info("aiolaunch: forwarded %s to %d workers of %r", sig.name, count, self.name)
 
     async def _death_signal_sent(self, end: asyncio.Task[RunProcsResult]) -> None:
         sent = asyncio.ensure_future(self._sent.wait())
@@ -471,14 +504,19 @@ class PContext:
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
-        await terminate(
-            workers,
-            death_sig,
-            grace,
-            on_sent=self._sent.set,
-            escalate=self._kill_now,
-            token=self._token,
-        )
+        now = death_sig == signal.SIGKILL or self._kill_now.is_set()
+        self._signals.set_deadline(0.0 if now else grace)
+        try:
+            await terminate(
+                workers,
+                death_sig,
+                grace,
+                on_sent=self._sent.set,
+                escalate=self._kill_now,
+                token=self._token,
+            )
+        finally:
+            self._signals.release()
         await self._logs.aclose()
         for w in workers:
             w.release()
@@ -507,7 +545,8 @@ class PContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.close(timeout=self._shutdown_timeout)
+        cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        await self._close(signal.SIGTERM, self._shutdown_timeout, cancelled=cancelled)
 
     def __repr__(self) -> str:
         if self._result is not None:

@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 #: The environment variable that names a worker's error file (torch's name).
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
-_NOT_AVAILABLE = "<N/A>"
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

@@ -28,7 +28,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
-from ._signames import describe_signal
+from ._signames import describe_signal, exit_signal_name
 
 if TYPE_CHECKING:
     from ._results import ProcessFailure
@@ -40,8 +40,6 @@ __all__ = [
     "WorkerError",
     "fd_limit_error",
 ]
-
-_NOT_AVAILABLE = "<N/A>"
 
 
 class SignalException(Exception):
@@ -157,19 +155,15 @@ class ChildFailedError(Exception):
 
 
 def _format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
-    # ``message`` is a str (signals, no error file) or the error file's dict:
-    # show the traceback, else its message, else <N/A>.
-    message = failure.message
-    if isinstance(message, dict):
-        extra = message.get("extraInfo")
-        text = extra.get("py_callstack") if isinstance(extra, dict) else None
-        if not isinstance(text, str):
-            text = str(message.get("message", _NOT_AVAILABLE))
-        text = text.rstrip("\n").replace("\n", "\n  ")  # indent the traceback
-    else:
-        text = str(message)
-    sig = failure.signal_name()
-    sig_str = f" ({sig})" if sig != _NOT_AVAILABLE else ""
+    # The recorded traceback, else the message (a signal's description, or
+    # the error file's message).
+    text = failure.py_callstack
+    if text is None:
+        text = failure.error_message
+    # Indent a traceback, or the quoted stderr lines of a message.
+    text = text.rstrip("\n").replace("\n", "\n  ")
+    sig = exit_signal_name(failure.exitcode)
+    sig_str = f" ({sig})" if sig else ""
     return (
         f"[{idx}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"
@@ -185,16 +179,43 @@ class WorkerError(Exception):
     """:func:`aiolaunch.launch`: a worker failed; the other workers were stopped.
 
     ``str(exc)`` is ``worker[<worker_id>] failed with exitcode=<exitcode>``.
-    The worker's traceback (if recorded) is in its error file and was logged.
+    Like torch's ``mp.spawn`` ``ProcessRaisedException``, it carries what the
+    worker raised: :attr:`error_type` (e.g. ``"ValueError"``),
+    :attr:`error_message`, :attr:`traceback` (the child's, as text) - each
+    ``None`` when the worker died without a Python exception; then
+    :attr:`error_message` says how it died (exit code or signal, last stderr
+    lines). On Python 3.11+ the child's traceback is also added as a note, so
+    an uncaught ``WorkerError`` shows it. :attr:`failure` is the whole
+    :class:`ProcessFailure` (``None`` when built by hand).
 
     :param exitcode: the worker's exit status (``-N``: killed by signal ``N``).
     :param worker_id: the worker's rank.
+    :param failure: the worker's failure, whose error fills the fields above.
     """
 
-    def __init__(self, exitcode: int, worker_id: int) -> None:
+    def __init__(
+        self, exitcode: int, worker_id: int, failure: ProcessFailure | None = None
+    ) -> None:
         self.exitcode = exitcode
         self.worker_id = worker_id
+        self.failure = failure
+        self.error_type: str | None = None
+        self.error_message: str | None = None
+        self.traceback: str | None = None
         super().__init__(f"worker[{worker_id}] failed with exitcode={exitcode}")
+        if failure is None:
+            return
+        text = failure.error_message
+        self.traceback = failure.py_callstack
+        if isinstance(failure.message, dict):
+            # A recorded exception: "<Type>: <message>".
+            kind, sep, rest = text.partition(": ")
+            self.error_type, self.error_message = (kind, rest) if sep else (kind, "")
+        else:
+            self.error_message = text
+        note = self.traceback or self.error_message
+        if note and hasattr(self, "add_note"):  # Python 3.11+
+            self.add_note(f"\n-- worker {worker_id} terminated with the following error:\n{note}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.exitcode, self.worker_id), self.__dict__)

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._types import Std, to_map
+from ._types import Std, StdSpec, to_map
 from ._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
 
 if TYPE_CHECKING:
@@ -265,8 +265,8 @@ def _layout(
     base: str,
     envs: dict[int, dict[str, str]],
     nprocs: int,
-    redirects: Std | dict[int, Std],
-    tee: Std | dict[int, Std],
+    redirects: StdSpec,
+    tee: StdSpec,
     local_ranks_filter: set[int] | None,
 ) -> LogsDest:
     redirs = to_map(redirects, nprocs)
@@ -313,8 +313,8 @@ def _mkdir_nofollow(path: str) -> None:
 def plain_logs_dest(
     log_dir: str,
     envs: dict[int, dict[str, str]],
-    redirects: Std | dict[int, Std],
-    tee: Std | dict[int, Std],
+    redirects: StdSpec,
+    tee: StdSpec,
     local_ranks_filter: set[int] | None = None,
 ) -> LogsDest:
     """aiolaunch's own layout: ``{log_dir}/{rank}/...`` (``log_dir`` must exist)."""

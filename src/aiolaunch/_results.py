@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,25 @@ logger = logging.getLogger(__name__)
 NOT_AVAILABLE = "<N/A>"
 
 _NO_TRACEBACK_HINT = "To enable traceback, decorate the entrypoint with @aiolaunch.record"
+
+#: Lines of a worker's stderr log quoted when it died without an exception.
+STDERR_TAIL_LINES = 10
+
+
+def tail_lines(path: str, n: int) -> list[str]:
+    """The last ``n`` lines of the log file ``path`` (its last 64 KiB at most).
+
+    ``[]`` when there is no such file (``""``, ``/dev/null``, unreadable).
+    """
+    if not path or path == os.devnull:
+        return []
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    return list(deque(lines, maxlen=n))
 
 
 def _empty_error_data() -> JSON:
@@ -232,7 +252,10 @@ def build_result(
         handle knows why (``failure_reason``, e.g. a function worker that
         exited 0 without returning) gets that reason written as its error file.
         A failure the worker did not record itself is timestamped with the
-        moment its exit was detected (sub-second), not when this runs.
+        moment its exit was detected (sub-second), not when this runs. A
+        function worker that died without a Python exception (``os._exit``,
+        a signal) gets its exit code or signal and the last lines of its
+        stderr log as ``message`` (not torch's "decorate with @record" hint).
     :returns: the return values of every rank that exited 0 on its own when
         nothing failed, else the failures only.
     """
@@ -249,6 +272,10 @@ def build_result(
         )
         if not recorded and w.exit_time is not None:
             failure.timestamp = w.exit_time
+        if not recorded and w.failure_reason is None and w.records_exceptions:
+            # "Decorate with @record" cannot help a function worker: it
+            # records every exception it raises. It died without one.
+            failure.message = _died_without_exception(failure, stderrs.get(rank, ""))
         failures[rank] = failure
     return_values: dict[int, Any] = {}
     if not failures:
@@ -261,6 +288,24 @@ def build_result(
         stdouts=dict(stdouts),
         stderrs=dict(stderrs),
     )
+
+
+def _died_without_exception(failure: ProcessFailure, stderr: str) -> str:
+    if failure.exitcode < 0:
+        text = (
+            f"Signal {-failure.exitcode} ({failure.signal_name()}) received by PID "
+            f"{failure.pid}: local rank {failure.local_rank} died without a Python exception"
+        )
+    else:
+        text = (
+            f"local rank {failure.local_rank} (pid {failure.pid}) exited with code "
+            f"{failure.exitcode} without raising a Python exception (os._exit(), or a "
+            "crash in native code)"
+        )
+    lines = tail_lines(stderr, STDERR_TAIL_LINES)
+    if lines:
+        text += f"; the last lines of its stderr ({stderr}):\n" + "\n".join(lines)
+    return text
 
 
 def _record_reason(path: str, reason: str) -> None:

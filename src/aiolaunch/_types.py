@@ -16,16 +16,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["JSON", "START_METHODS", "PerProcess", "RankMap", "Std", "StdSpec", "to_map"]
+__all__ = ["JSON", "START_METHODS", "PerProcess", "Std", "StdSpec", "to_map"]
 
 #: The multiprocessing start methods a function worker may use (CLI choices too).
 START_METHODS = ("spawn", "fork", "forkserver")
 
 _T = TypeVar("_T")
-
-#: ``{local_rank: value}``; every per-rank argument of the API has this shape
-#: (``args``, ``envs``, ``stdouts``, ``failures``...).
-RankMap: TypeAlias = dict[int, _T]
 
 #: A decoded JSON object, e.g. the contents of an error file.
 JSON: TypeAlias = dict[str, Any]

@@ -317,7 +317,7 @@ async def test_strip_ansi_on_the_console_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = f"import sys; sys.stdout.write({ANSI!r} + '\\n')"
-    async with aiolaunch.start_processes(  # type: ignore[call-arg]
+    async with aiolaunch.start_processes(
         name="a",
         entrypoint=sys.executable,
         args={0: ("-c", code)},

@@ -265,7 +265,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
         endpoint = args.rdzv_endpoint
         if args.rdzv_backend == "static":
-            rdzv_conf["rank"] = args.node_rank  # type: ignore[assignment]
+            # A string like every --rdzv-conf value (torch reads it with get_as_int).
+            rdzv_conf["rank"] = str(args.node_rank)
             if not endpoint:
                 port_ = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
                 endpoint = f"{args.master_addr}:{port_}"

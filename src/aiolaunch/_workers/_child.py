@@ -54,7 +54,7 @@ class PassFd:
         popen = context.get_spawning_popen()
         if popen is None:  # pragma: no cover - only pickled while spawning
             raise RuntimeError("PassFd can only be pickled while spawning a process")
-        dup = popen.DupFd(popen.duplicate_for_child(self.fd))  # type: ignore[attr-defined]
+        dup = popen.DupFd(popen.duplicate_for_child(self.fd))
         return (_rebuild_fd, (dup,))
 
 

@@ -113,6 +113,8 @@ class _ResultReader(asyncio.Protocol):
 
 
 class FunctionWorker(WorkerHandle):
+    records_exceptions = True
+
     def __init__(self, local_rank: int) -> None:
         super().__init__(local_rank)
         self.process: multiprocessing.process.BaseProcess | None = None

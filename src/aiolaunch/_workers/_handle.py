@@ -20,6 +20,10 @@ class WorkerHandle:
     as the exit is known - never later because a pipe is still open.
     """
 
+    #: the worker writes its own Python exception to its error file (function
+    #: workers): a failure without one died without a Python exception
+    records_exceptions = False
+
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
         self.pid = 0

@@ -467,17 +467,5 @@ def _describe(failure: ProcessFailure) -> str:
         what = f"killed by {failure.signal_name()}"
     else:
         what = f"exit code {failure.exitcode}"
-    # torch's ProcessFailure.message is the error file's "message": a str, or
-    # a {"message": ..., "extraInfo": ...} dict in the nested format
-    message: Any = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    lines = str(message or "").strip().splitlines()
+    lines = failure.error_message.strip().splitlines()
     return f"{what}: {lines[-1]}" if lines else what
-
-
-def failure_summary(name: str, failures: dict[int, ProcessFailure]) -> str:
-    """The root-cause summary of a failed run (``ChildFailedError``'s format)."""
-    from .._errors import ChildFailedError
-
-    return str(ChildFailedError(name, failures).format_msg())
