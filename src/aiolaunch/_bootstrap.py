@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
         tb = exc.__traceback__
         while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
-        sys.excepthook(type(exc), exc, tb)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         raise SystemExit(1) from None
     raise SystemExit(0)
 
