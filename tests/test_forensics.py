@@ -183,7 +183,7 @@ def test_bootstrap_exit_codes_and_module_mode(tmp_path: Path) -> None:
     assert (
         r.stderr.startswith("Traceback (most recent call last):\n  File ") and "boom.py" in r.stderr
     )
-    assert "runpy" not in r.stderr and "_bootstrap" not in r.stderr
+    assert "runpy" not in r.stderr and "_bootstrap.py" not in r.stderr
     r = subprocess.run(
         [*boot, "-m", "modx", "a"], env=env, cwd=tmp_path, capture_output=True, text=True,
         check=False,
