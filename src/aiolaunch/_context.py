@@ -450,9 +450,13 @@ class PContext:
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)
+        await self._close(death_sig, timeout, cancelled=False)
+
+    async def _close(self, death_sig: int, timeout: float, *, cancelled: bool) -> None:
         # Cancellations the task already had when close() began (leaving
-        # ``async with`` because of one): the next one is the second.
-        before = task_cancelling(asyncio.current_task())
+        # ``async with`` because of one - seen by __aexit__ on every Python,
+        # by Task.cancelling() on 3.11+): the next one is the second.
+        before = max(int(cancelled), task_cancelling(asyncio.current_task()))
 
         def on_cancel(count: int) -> None:
             if before + count >= 2:
@@ -541,7 +545,8 @@ class PContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.close(timeout=self._shutdown_timeout)
+        cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        await self._close(signal.SIGTERM, self._shutdown_timeout, cancelled=cancelled)
 
     def __repr__(self) -> str:
         if self._result is not None:

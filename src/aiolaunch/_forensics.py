@@ -125,6 +125,8 @@ class Forensics:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._task = self._lines_task = None
+        for act in self._activity.values():
+            act.close()
         if self._server is not None:
             await self._server.aclose()
             self._server = None
@@ -134,6 +136,9 @@ class Forensics:
         if self._closed:
             return
         self._closed = True
+        for act in self._activity.values():
+            act.close()
+        self._activity.clear()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
         # A temporary log dir of our own is kept when it holds stacks or a report.
         if self._own_dir and not self._dumps and not self.reported:
@@ -143,7 +148,7 @@ class Forensics:
     def _rank_dir(self, rank: int) -> str:
         path = self._ctx.error_files.get(rank, "")
         if path and path != os.devnull:
-            return os.path.dirname(path)
+            return os.path.dirname(os.path.abspath(path))
         d = os.path.join(self.log_dir, str(rank))
         os.makedirs(d, exist_ok=True)
         return d
@@ -228,6 +233,8 @@ class Forensics:
     def _tracked(self, rank: int, pid: int, now: float) -> RankActivity:
         act = self._activity.get(rank)
         if act is None or act.pid != pid:  # first sight, or a restarted rank
+            if act is not None:
+                act.close()
             act = self._activity[rank] = RankActivity(pid, now)
             act.sample(now, progress=self._progress is not None)
             act.last_active = now
@@ -274,6 +281,9 @@ class Forensics:
             for rank, w in list(ctx._workers.items()):
                 if not w.alive or rank in ctx._restarts.pending:
                     self.flagged.pop(rank, None)
+                    gone = self._activity.pop(rank, None)
+                    if gone is not None:
+                        gone.close()
                     continue
                 fresh = rank not in self._activity or self._activity[rank].pid != w.pid
                 act = self._tracked(rank, w.pid, now)
@@ -281,8 +291,9 @@ class Forensics:
                     continue
                 if act.sample(now, progress=self._progress is not None) is None:
                     continue
-                if self._progress is None:
-                    age = ctx._logs.last_output(rank)  # bytes the pipe readers saw
+                if self._progress is None and not act.sees_writes:
+                    # No /proc/<pid>/io here: what the log pipeline saw instead.
+                    age = ctx._logs.last_output(rank)
                     if age is not None:
                         act.seen(now - age)
                 idle = now - act.last_active

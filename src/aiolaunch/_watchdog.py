@@ -19,6 +19,8 @@ so detection comes at most two periods after ``stall_after``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 from dataclasses import dataclass
@@ -114,31 +116,38 @@ class ProcSample:
 def read_proc(pid: int, with_io: bool = True) -> ProcSample | None:
     """Read ``/proc/<pid>/stat`` (and ``io``); ``None`` when the process is gone."""
     try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         try:
             stat = os.read(fd, 4096)
         finally:
             os.close(fd)
     except OSError:
         return None
+    return _parse_stat(stat, _read_wchar(pid) if with_io else None)
+
+
+def _parse_stat(stat: bytes, wchar: int | None) -> ProcSample | None:
     # The command name may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
     if len(fields) < 22:
         return None
     cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    wchar = _read_wchar(pid) if with_io else None
     return ProcSample(fields[0].decode(), cpu, int(fields[21]) * _PAGE, wchar)
 
 
 def _read_wchar(pid: int) -> int | None:
     try:
-        fd = os.open(f"/proc/{pid}/io", os.O_RDONLY)
+        fd = os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
         try:
             data = os.read(fd, 1024)
         finally:
             os.close(fd)
     except OSError:
         return None
+    return _parse_wchar(data)
+
+
+def _parse_wchar(data: bytes) -> int | None:
     i = data.find(b"wchar:")
     if i < 0:
         return None
@@ -171,10 +180,46 @@ class RankActivity:
         self._wchar: int | None = None
         #: a progress line matched since the last sample
         self.progressed = False
+        # /proc/<pid>/stat and io kept open and re-read with pread(): a third
+        # of the cost of open+read+close each period (and a held fd can never
+        # read a recycled pid: it fails with ESRCH once the process is gone).
+        self._fds: dict[str, int | None] = {}
+
+    def _pread(self, name: str, size: int) -> bytes | None:
+        fd = self._fds.get(name, -1)
+        if fd == -1:
+            try:
+                fd = os.open(f"/proc/{self.pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    fd = None  # out of fds: read by path each time instead
+                else:
+                    return None
+            self._fds[name] = fd
+        try:
+            if fd is None:
+                with open(f"/proc/{self.pid}/{name}", "rb", buffering=0) as f:
+                    return f.read(size)
+            return os.pread(fd, size, 0)
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        """Close the held /proc fds. Idempotent."""
+        for fd in self._fds.values():
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fds.clear()
+
+    def _wchar_now(self) -> int | None:
+        data = self._pread("io", 1024)
+        return None if data is None else _parse_wchar(data)
 
     def sample(self, now: float, *, progress: bool) -> ProcSample | None:
         """Take a sample; update activity. ``None`` when the process is gone."""
-        s = read_proc(self.pid, with_io=False)
+        raw = self._pread("stat", 4096)
+        s = None if raw is None else _parse_stat(raw, None)
         if s is None:
             return None
         dt = now - self._t
@@ -186,7 +231,7 @@ class RankActivity:
         wrote = False
         if not progress:
             # Skip the second read when the CPU already says "active".
-            wchar = None if busy and self._wchar is not None else _read_wchar(self.pid)
+            wchar = None if busy and self._wchar is not None else self._wchar_now()
             if wchar is not None:
                 wrote = self._wchar is not None and wchar != self._wchar
                 self._wchar = wchar
@@ -204,6 +249,11 @@ class RankActivity:
         self._t, self._cpu = now, s.cpu_s
         return s
 
+    @property
+    def sees_writes(self) -> bool:
+        """Whether ``wchar`` could be read (it counts every write, to any fd)."""
+        return self._wchar is not None
+
     def seen(self, when: float) -> None:
         """Output was seen at ``when`` (monotonic) by other means (the pipe readers)."""
         if self.last_output is None or when > self.last_output:
@@ -212,6 +262,6 @@ class RankActivity:
 
     def rebase(self) -> None:
         """Forget writes made since the last sample (our own stack dump, say)."""
-        wchar = _read_wchar(self.pid)
+        wchar = self._wchar_now()
         if wchar is not None:
             self._wchar = wchar

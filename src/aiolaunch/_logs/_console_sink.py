@@ -87,7 +87,7 @@ class ConsoleSink(Sink):
             return
         # Prefix every line with one C-level replace, not a Python loop.
         prefix = self._prefix
-        framed = prefix + block[:-1].replace("\n", "\n" + prefix) + "\n"
+        framed = "".join((prefix, block[:-1].replace("\n", "\n" + prefix), "\n"))
         if self._strip:
             framed = _ANSI_RE.sub("", framed)
         console().write(self._stream, framed, self._lossless)

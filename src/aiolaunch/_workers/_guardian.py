@@ -42,12 +42,19 @@ for p in $g; do kill -s KILL -- "-$p" 2>/dev/null; done
 # Workers spawned but not yet registered, and descendants that left their
 # group (setsid), carry our token in their environment: find them in /proc.
 [ -d /proc/self ] || exit 0
+kill_path() { p=${1#/proc/}; kill -s KILL "${p%/environ}" 2>/dev/null; }
 for pass in 1 2; do
-  for f in /proc/[0-9]*/environ; do
-    if tr '\0' '\n' < "$f" 2>/dev/null | grep -qx "AIOLAUNCH_GUARDIAN=$1"; then
-      p=${f#/proc/}; kill -s KILL "${p%/environ}" 2>/dev/null
-    fi
-  done
+  if printf 'x\0' | grep -qzx x 2>/dev/null; then
+    # One grep for all processes (NUL-separated entries: -z): a fork+exec of
+    # tr and grep per process took seconds on a busy host.
+    for f in $(grep -lsxzF "AIOLAUNCH_GUARDIAN=$1" /proc/[0-9]*/environ); do kill_path "$f"; done
+  else
+    for f in /proc/[0-9]*/environ; do
+      if tr '\0' '\n' < "$f" 2>/dev/null | grep -qx "AIOLAUNCH_GUARDIAN=$1"; then
+        kill_path "$f"
+      fi
+    done
+  fi
 done
 """
 
@@ -60,6 +67,9 @@ class Guardian:
         #: put in every binary worker's environment (GUARDIAN_ENV)
         self.token = f"{os.getpid()}-{os.urandom(8).hex()}"
         self.groups: set[int] = set()
+        # The write end of the guardian's pipe: owned by this object alone,
+        # never closed while the supervisor lives (its EOF *is* the signal);
+        # closed and replaced only after the guardian died (_send).
         self.fd = -1
         self.pid = 0
         self._start()
