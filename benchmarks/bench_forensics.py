@@ -32,6 +32,12 @@ import time
 import aiolaunch
 
 SLEEPER = "import time\nprint('up', flush=True)\nwhile True:\n    time.sleep(3600)\n"
+# Idle, yet never stalled: a write to /dev/null every 3 s (wchar advances) costs
+# the supervisor nothing to observe.
+TICKER = (
+    "import os, time\nprint('up', flush=True)\nnull = os.open(os.devnull, os.O_WRONLY)\n"
+    "while True:\n    os.write(null, b'x')\n    time.sleep(3)\n"
+)
 QUIET_AFTER = (
     "import sys, time\nprint('up', flush=True)\ntime.sleep(float(sys.argv[1]))\n"
     "print('quiet', time.monotonic(), flush=True)\nwhile True:\n    time.sleep(3600)\n"
@@ -102,7 +108,7 @@ async def dump_time(tmp: str, n: int, repeats: int) -> list[float]:
 
 
 async def idle_cpu(tmp: str, n: int, seconds: float, watchdog: aiolaunch.Watchdog | None) -> float:
-    script = _script(tmp, "sleeper.py", SLEEPER)
+    script = _script(tmp, "ticker.py", TICKER)
     tag = "none" if watchdog is None else f"{watchdog.stall_after:g}"
     async with aiolaunch.start_processes(
         "idle", sys.executable, {r: _boot(script) for r in range(n)},

@@ -235,6 +235,19 @@ def plan(quick: bool) -> list[Case]:
                 timeout=300,
             )
         )
+    # startup: `import aiolaunch` and `aiolaunch --help` (fresh interpreters) -
+    k = 3 if q else 10
+    cases.append(
+        Case(
+            "startup",
+            "import, --help (fresh interpreter)",
+            "startup",
+            {},
+            {"aiolaunch": k, "torch": 1 if q else 3},  # torch imports for seconds
+            ["import_ms", "help_ms"],
+            targets=[Target("import_ms", "median", "<=", 1000.0)],
+        )
+    )
     # end to end ------------------------------------------------------------
     k = 1 if q else 5
     cases.append(

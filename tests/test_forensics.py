@@ -180,6 +180,10 @@ def test_bootstrap_exit_codes_and_module_mode(tmp_path: Path) -> None:
         [*boot, str(tmp_path / "boom.py")], env=env, capture_output=True, text=True, check=False
     )
     assert r.returncode == 1 and "KeyError: 'boom'" in r.stderr
+    assert (
+        r.stderr.startswith("Traceback (most recent call last):\n  File ") and "boom.py" in r.stderr
+    )
+    assert "runpy" not in r.stderr and "_bootstrap.py" not in r.stderr
     r = subprocess.run(
         [*boot, "-m", "modx", "a"], env=env, cwd=tmp_path, capture_output=True, text=True,
         check=False,
@@ -531,3 +535,51 @@ def test_worker_spec_rejects_a_bad_watchdog() -> None:
 
     with pytest.raises(TypeError, match="watchdog"):
         WorkerSpec(role="w", local_world_size=1, entrypoint="x", watchdog=600)  # type: ignore[arg-type]
+
+
+# -- the run report ---------------------------------------------------------------
+
+
+async def test_report_of_a_binary_without_record_has_its_last_stderr_lines(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import sys\nfor i in range(30):\n    print(f'err line {i}', file=sys.stderr)\nsys.exit(3)"
+    )
+    async with aiolaunch.start_processes(
+        "rep", sys.executable, {0: ("-c", code), 1: ("-c", "import time; time.sleep(60)")},
+        _envs(2), log_dir=tmp_path, redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        result = await asyncio.wait_for(ctx.wait(), 30)
+    assert result is not None and list(result.failures) == [0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    root = report["root_cause"]
+    assert (root["rank"], root["exitcode"], root["signal"]) == (0, 3, None)
+    assert root["stderr_tail"] == [f"err line {i}" for i in range(10, 30)]
+    assert report["failed"] == [0] and report["stopped_by_aiolaunch"] == [1]
+    assert "stalled" not in report
+    text = (tmp_path / "report.txt").read_text()
+    assert "Root cause: rank 0" in text and "exit code 3" in text and "err line 29" in text
+
+
+def raise_value_error() -> None:
+    raise ValueError("bad batch")
+
+
+async def test_report_of_a_function_worker_has_its_traceback(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        "tb", raise_value_error, {0: ()}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await asyncio.wait_for(ctx.wait(), 30)
+    root = json.loads((tmp_path / "report.json").read_text())["root_cause"]
+    assert root["message"] == "ValueError: bad batch"
+    assert "raise_value_error" in root["traceback"]
+
+
+async def test_a_successful_group_writes_no_report_and_leaves_no_socket(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        "ok", chatty, {0: (0.1,)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        result = await asyncio.wait_for(ctx.wait(), 30)
+    assert result is not None and not result.is_failed()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]

@@ -148,7 +148,7 @@ class Forensics:
     def _rank_dir(self, rank: int) -> str:
         path = self._ctx.error_files.get(rank, "")
         if path and path != os.devnull:
-            return os.path.dirname(path)
+            return os.path.dirname(os.path.abspath(path))
         d = os.path.join(self.log_dir, str(rank))
         os.makedirs(d, exist_ok=True)
         return d

@@ -286,10 +286,12 @@ def test_sigterm_twice_in_quick_succession(tmp_path: Path) -> None:
     """Two SIGTERMs 5 ms apart while workers take 0.5 s to stop.
 
     The first is forwarded and ``wait()`` raises ``SignalException``. The
-    second arrives during the shutdown; it must neither cut the grace short
-    (no SIGKILL warning: the workers exit cleanly within 0.5 s) nor leave a
-    worker behind. If it is re-delivered once the previous handler (SIG_DFL)
-    is back, the supervisor then dies of SIGTERM - after the cleanup.
+    second arrives during the shutdown and escalates (issue #12.4, as
+    torchrun): the survivors get SIGKILL at once, with a one-line note. Under
+    load the kernel may merge the two into one pending SIGTERM; then the
+    workers exit through their trap within the grace. Either way no worker is
+    left behind, and a re-delivered signal may only end the supervisor after
+    the cleanup.
     """
     sup = start_supervised(tmp_path, SIGTERM_TWICE, str(tmp_path / "logs"), settle=2)
     workers = sup.read_json()["pids"]
@@ -302,7 +304,9 @@ def test_sigterm_twice_in_quick_succession(tmp_path: Path) -> None:
         report.stdout,
         report.stderr,
     )
-    assert "SIGKILL" not in report.stderr, "the second SIGTERM cut the grace short"
+    if "SIGKILL" in report.stderr:
+        assert "second SIGTERM during shutdown; sending SIGKILL" in report.stderr
+        assert "still running" not in report.stderr  # not the grace running out
     assert report.rc in (0, -signal.SIGTERM)
     assert report.leaked == [], report.leaked_summary()
     assert wait_dead(workers, 1) == []
