@@ -59,7 +59,6 @@ import gc
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -230,26 +229,9 @@ def new_processes(before: set[int]) -> list[Proc]:
 
 
 def _multiprocessing_helpers() -> tuple[set[int], set[int]]:
-    pids: set[int] = set()
-    fds: set[int] = set()
-    tracker = getattr(
-        sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None
-    )
-    if tracker is not None:
-        pid, fd = getattr(tracker, "_pid", None), getattr(tracker, "_fd", None)
-        if isinstance(pid, int):
-            pids.add(pid)
-        if isinstance(fd, int):
-            fds.add(fd)
-    forkserver = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
-    if forkserver is not None:
-        pid = getattr(forkserver, "_forkserver_pid", None)
-        fd = getattr(forkserver, "_forkserver_alive_fd", None)
-        if isinstance(pid, int):
-            pids.add(pid)
-        if isinstance(fd, int):
-            fds.add(fd)
-    return pids, fds
+    from ._compat import multiprocessing_helpers
+
+    return multiprocessing_helpers()
 
 
 def _aiolaunch_helpers() -> tuple[set[int], set[int]]:

@@ -67,6 +67,9 @@ class Guardian:
         #: put in every binary worker's environment (GUARDIAN_ENV)
         self.token = f"{os.getpid()}-{os.urandom(8).hex()}"
         self.groups: set[int] = set()
+        # The write end of the guardian's pipe: owned by this object alone,
+        # never closed while the supervisor lives (its EOF *is* the signal);
+        # closed and replaced only after the guardian died (_send).
         self.fd = -1
         self.pid = 0
         self._start()
