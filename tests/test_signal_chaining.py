@@ -39,12 +39,29 @@ SERVICE = textwrap.dedent(
         graceful = asyncio.Event()
         calls = []
 
+        def signalled(pid):
+            # The worker blocks SIGTERM: once sent, it shows as pending in
+            # /proc until the worker sees it and exits (then it is gone or a
+            # zombie). Either way: it was signalled.
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f)
+            except OSError:
+                return True
+            if status["State"].split()[0] in ("Z", "X"):
+                return True
+            pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
+            return bool(pending >> (signal.SIGTERM - 1) & 1)
+
+        def workers_signalled():
+            return all(signalled(pid) for pid in ctx.pids().values())
+
         def on_loop_term():
-            calls.append("loop")
+            calls.append(["loop", workers_signalled()])
             graceful.set()
 
         def on_python_term(signum, frame):
-            calls.append(f"python:{signum}")
+            calls.append([f"python:{signum}", workers_signalled()])
             graceful.set()
 
         if mode == "loop":
@@ -53,14 +70,24 @@ SERVICE = textwrap.dedent(
             signal.signal(signal.SIGTERM, on_python_term)
         elif mode == "ignore":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        entrypoint = "/bin/sh"
         if mode == "stubborn":
             # Survives SIGINT and SIGTERM, noting them (the test's handshake).
-            script = f"trap 'echo x >> {logdir}.sig' INT TERM; while :; do sleep 0.05; done"
+            argv = ("-c", f"trap 'echo x >> {logdir}.sig' INT TERM; while :; do sleep 0.05; done")
+        elif mode in ("loop", "python"):
+            # Blocks SIGTERM/SIGINT and exits once one is pending (see signalled()).
+            entrypoint, argv = sys.executable, ("-c", (
+                "import signal, time\\n"
+                "stop = {signal.SIGTERM, signal.SIGINT}\\n"
+                "signal.pthread_sigmask(signal.SIG_BLOCK, stop)\\n"
+                "while not signal.sigpending() & stop:\\n"
+                "    time.sleep(0.01)\\n"
+            ))
         else:
-            script = "trap 'exit 0' INT TERM; while :; do sleep 0.05; done"
+            argv = ("-c", "trap 'exit 0' INT TERM; while :; do sleep 0.05; done")
         before_int = signal.getsignal(signal.SIGINT)
         ctx = await aiolaunch.start_processes(
-            name="s", entrypoint="/bin/sh", args={0: ("-c", script), 1: ("-c", script)},
+            name="s", entrypoint=entrypoint, args={0: argv, 1: argv},
             envs={0: {}, 1: {}}, log_dir=logdir, shutdown_timeout=grace)
         outcome = {}
 
@@ -125,13 +152,13 @@ def _report(proc: subprocess.Popen[str]) -> tuple[dict[str, object], str]:
 def test_application_sigterm_handler_runs_after_workers_are_signalled(
     tmp_path: Path, mode: str
 ) -> None:
-    # The service's own SIGTERM handler runs (once), the group waited on in the
-    # background is stopped and its wait() raises, and the service keeps
-    # running with its handler back in place.
+    # The service's own SIGTERM handler runs (once) after every worker was
+    # sent SIGTERM, the group waited on in the background is stopped and its
+    # wait() raises, and the service keeps running with its handler back.
     with _service(tmp_path, mode, 300) as (proc, pids):
         proc.send_signal(signal.SIGTERM)
         report, err = _report(proc)
-    expected = ["loop"] if mode == "loop" else [f"python:{int(signal.SIGTERM)}"]
+    expected = [["loop", True]] if mode == "loop" else [[f"python:{int(signal.SIGTERM)}", True]]
     assert report["calls"] == expected, err
     assert report["wait"] == "SIGTERM"
     assert report["restored"] is True

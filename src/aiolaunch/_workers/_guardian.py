@@ -16,6 +16,7 @@ the pipe open and so delays the guardian until it exits.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 
@@ -67,8 +68,13 @@ class Guardian:
         #: put in every binary worker's environment (GUARDIAN_ENV)
         self.token = f"{os.getpid()}-{os.urandom(8).hex()}"
         self.groups: set[int] = set()
+        # The write end of the guardian's pipe: owned by this object alone,
+        # never closed while the supervisor lives (its EOF *is* the signal);
+        # closed and replaced only after the guardian died (_send).
         self.fd = -1
         self.pid = 0
+        self._pending: list[str] = []
+        self._flush_loop: asyncio.AbstractEventLoop | None = None
         self._start()
 
     def _start(self) -> None:
@@ -109,13 +115,41 @@ class Guardian:
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies."""
         self.groups.add(pgid)
-        self._send(f"+{pgid}\n")
+        self._queue(f"+{pgid}\n")
 
     def unwatch(self, pgid: int) -> None:
         """Forget ``pgid`` (its processes are gone)."""
         if pgid in self.groups:
             self.groups.discard(pgid)
-            self._send(f"-{pgid}\n")
+            self._queue(f"-{pgid}\n")
+
+    def _queue(self, line: str) -> None:
+        # On an event loop, lines are sent once per loop iteration: starting
+        # 256 workers is one write (and one wakeup of the shell, which would
+        # otherwise preempt the supervisor between spawns), not 256. Safe: a
+        # worker not yet registered carries the token in its environment and
+        # is found by the guardian's /proc scan if the supervisor dies now.
+        self._pending.append(line)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        if self._flush_loop is loop:
+            return  # already scheduled
+        if self._flush_loop is not None:
+            # Scheduled on a loop that is gone (or another thread's): send now.
+            self.flush()
+            return
+        self._flush_loop = loop
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send the queued registrations now."""
+        self._flush_loop = None
+        if self._pending:
+            text, self._pending = "".join(self._pending), []
+            self._send(text)
 
 
 def _start() -> Guardian | None:
