@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import driver
 from aiolaunch import _compat
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -236,3 +237,55 @@ async def test_loop_signal_handler_round_trip() -> None:
         assert got == ["handled", "handled"]
     finally:
         loop.remove_signal_handler(signal.SIGUSR1)
+
+
+_RUNNER = """
+import asyncio, signal
+from aiolaunch._compat import is_asyncio_run_sigint_handler, is_default_handler
+
+async def main():
+    h = signal.getsignal(signal.SIGINT)
+    return is_asyncio_run_sigint_handler(h), is_default_handler(h)
+
+print(*asyncio.run(main()))
+"""
+
+
+def test_asyncio_run_sigint_handler_is_recognised() -> None:
+    # asyncio.run() installs its own SIGINT handler on 3.11+ (none before).
+    with driver([sys.executable, "-c", _RUNNER]) as proc:
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    runner = sys.version_info >= (3, 11)
+    assert out.split() == [str(runner), "True"]
+
+
+def test_default_handlers() -> None:
+    assert _compat.is_default_handler(signal.SIG_DFL)
+    assert _compat.is_default_handler(None)
+    assert _compat.is_default_handler(signal.default_int_handler)
+    assert not _compat.is_default_handler(signal.SIG_IGN)
+    assert not _compat.is_default_handler(lambda s, f: None)
+    assert not _compat.is_asyncio_run_sigint_handler(signal.default_int_handler)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is 3.11+")
+async def test_task_cancelling_counts_pending_cancellations() -> None:
+    seen: list[int] = []
+    started = asyncio.Event()
+
+    async def victim() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append(_compat.task_cancelling(asyncio.current_task()))
+            raise
+
+    task = asyncio.ensure_future(victim())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [1]
+    assert _compat.task_cancelling(None) == 0

@@ -417,9 +417,12 @@ class PContext:
                     watch.consumed = True
                     sig = watch.received
                     end = self._finish(sig, self._shutdown_timeout)
-                    await shielded(self._death_signal_sent(end))
-                    # The application's own handler for ``sig`` runs now.
-                    watch.signalled()
+                    try:
+                        await shielded(self._death_signal_sent(end))
+                    finally:
+                        # The application's own handler for ``sig`` runs now
+                        # (also when this wait() was cancelled meanwhile).
+                        watch.signalled()
                     await shielded(end)
                     raise SignalException(
                         f"Process {os.getpid()} got signal: {sig.value}", sigval=sig
