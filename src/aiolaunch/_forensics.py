@@ -218,6 +218,7 @@ class Forensics:
             act = self._tracked(rank, w.pid, now)
             if self.watchdog is None or self._task is None:
                 act.sample(now, progress=False)  # no watchdog: sample on demand
+            act.refresh_stat()
             age = ctx._logs.last_output(rank)
             if age is not None:
                 act.seen(now - age)
@@ -289,7 +290,7 @@ class Forensics:
                 act = self._tracked(rank, w.pid, now)
                 if fresh:
                     continue
-                if act.sample(now, progress=self._progress is not None) is None:
+                if not act.sample(now, progress=self._progress is not None):
                     continue
                 if self._progress is None and not act.sees_writes:
                     # No /proc/<pid>/io here: what the log pipeline saw instead.
@@ -297,18 +298,18 @@ class Forensics:
                     if age is not None:
                         act.seen(now - age)
                 idle = now - act.last_active
-                d_for = 0.0 if act.d_since is None else now - act.d_since
-                if idle < wd.stall_after and d_for < wd.stall_after:
+                if idle < wd.stall_after:
                     self.flagged.pop(rank, None)  # active again: the next stall is new
                     continue
                 if rank in self.flagged or rank in self.failing:
                     continue
-                if d_for >= wd.stall_after:
+                act.refresh_stat()
+                if act.state == "D":
                     where = wchan(w.pid)
-                    reason = f"in uninterruptible sleep (D state) for {d_for:.1f}s" + (
-                        f" in {where}" if where else ""
+                    reason = (
+                        f"in uninterruptible sleep (D state){f' in {where}' if where else ''}, "
+                        f"no CPU for {idle:.1f}s (stall_after={wd.stall_after:g}s)"
                     )
-                    idle = max(idle, d_for)
                 else:
                     what = "no progress line" if self._progress is not None else "no output"
                     reason = f"{what} and no CPU for {idle:.1f}s (stall_after={wd.stall_after:g}s)"

@@ -9,9 +9,14 @@ die too (``PR_SET_PDEATHSIG`` would reach the worker alone), and because it
 needs no code in the child between fork and exec, binary workers are spawned
 on CPython's fast ``vfork`` path.
 
-Limits: a worker registered within microseconds of the supervisor's death may
-be missed; a process the supervisor forks without exec (``os.fork``) keeps
-the pipe open and so delays the guardian until it exits.
+Workers spawned but not yet registered, and descendants that left their
+worker's group (``setsid()``), are found by the token every worker carries in
+``AIOLAUNCH_GUARDIAN``: at EOF the guardian also scans ``/proc/*/environ``.
+
+Limits: a descendant that both leaves the group and scrubs its environment
+is not found; without ``/proc`` (macOS) only registered groups are killed; a
+process the supervisor forks without exec (``os.fork``) inherits the pipe's
+write end and so delays the guardian until that process exits too.
 """
 
 from __future__ import annotations
