@@ -40,6 +40,7 @@ __all__ = [
     "reinstall_loop_signal_handler",
     "spawn_without_main",
     "task_cancelling",
+    "task_uncancel",
 ]
 
 
@@ -112,6 +113,18 @@ def task_cancelling(task: asyncio.Task[Any] | None) -> int:
     """Pending cancellation requests of ``task`` (``Task.cancelling()``; 0 before 3.11)."""
     cancelling = getattr(task, "cancelling", None)
     return int(cancelling()) if callable(cancelling) else 0
+
+
+def task_uncancel(task: asyncio.Task[Any] | None) -> None:
+    """Withdraw one cancellation request of ``task`` that was handled (3.11+; no-op before).
+
+    Needed after catching a ``CancelledError`` to go on with cleanup: anyio's
+    cancel scopes read ``Task.cancelling()`` to tell their own cancellations
+    from outside ones.
+    """
+    uncancel = getattr(task, "uncancel", None)
+    if callable(uncancel):
+        uncancel()
 
 
 def is_default_handler(handler: object) -> bool:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._compat import task_cancelling
+from ._compat import task_cancelling, task_uncancel
 from ._errors import SignalException, fd_limit_error
 from ._events import (
     Event,
@@ -518,6 +518,13 @@ class PContext:
                 escalate=self._kill_now,
                 token=self._token,
             )
+        except asyncio.CancelledError:
+            # This task itself was cancelled: the loop is being torn down
+            # (asyncio.run cancels every task after a second Ctrl-C). The
+            # workers must still go - now, not after the grace period.
+            task_uncancel(asyncio.current_task())
+            self._escalate("cancellation of the event loop's tasks")
+            await terminate(workers, signal.SIGKILL, 0.0, token=self._token)
         finally:
             self._signals.release()
         await self._logs.aclose()
