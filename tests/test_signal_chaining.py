@@ -349,3 +349,46 @@ def test_no_forwarding_outside_the_main_thread_is_a_warning(
     notes = [r for r in caplog.records if "not forwarded" in r.getMessage()]
     assert [r.levelno for r in notes] == [logging.WARNING]
     assert "outside the main thread" in notes[0].getMessage()
+
+
+# No wait(): asyncio.run's own SIGINT handler is in place. The first Ctrl-C
+# cancels main() and ``async with`` closes the group with a 300 s grace; the
+# second makes asyncio.run raise KeyboardInterrupt and cancel every task -
+# close() and the shutdown task included - which must SIGKILL the workers at
+# once instead of leaving them to the guardian.
+_NO_WAIT = """
+import asyncio, sys, aiolaunch
+
+async def main():
+    marks = sys.argv[1]
+    script = f"trap 'echo x >> {marks}/sig' INT TERM; while :; do sleep 0.05; done"
+    async with aiolaunch.start_processes(
+        name="s", entrypoint="/bin/sh", args={0: ("-c", script)}, envs={0: {}},
+        log_dir=marks + "/logs", shutdown_timeout=300,
+    ) as ctx:
+        print(ctx.pids()[0], flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.run handles SIGINT from 3.11")
+def test_second_ctrl_c_outside_wait_kills_workers_before_exit(tmp_path: Path) -> None:
+    script = tmp_path / "no_wait.py"
+    script.write_text(_NO_WAIT)
+    with driver([sys.executable, str(script), str(tmp_path)]) as proc:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        while not (tmp_path / "sig").exists():  # close() sent SIGTERM: grace running
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "first SIGINT lost"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30, err
+    # Killed and reaped by the supervisor itself, before it exited.
+    assert not alive(pid), err
+    assert "sending SIGKILL to the workers now" in err
+    assert "KeyboardInterrupt" in err

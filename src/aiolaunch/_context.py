@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._compat import task_cancelling
+from ._compat import task_cancelling, task_uncancel
 from ._errors import SignalException, fd_limit_error
 from ._events import (
     Event,
@@ -330,7 +330,8 @@ class PContext:
         """Iterate over the group's lifecycle events, in order, until it stops.
 
         Yields :class:`WorkerStarted`, :class:`WorkerReady`,
-        :class:`WorkerExited`, :class:`WorkerRestarting` and, last,
+        :class:`WorkerExited`, :class:`WorkerRestarting`,
+        :class:`WorkerStalled` (with a watchdog) and, last,
         :class:`GroupStopped`; with ``lines=True`` also a :class:`LogLine` per
         line of every stream the supervisor reads (redirected, tee'd or
         probed). Events from before the call are replayed first. Several
@@ -417,9 +418,12 @@ class PContext:
                     watch.consumed = True
                     sig = watch.received
                     end = self._finish(sig, self._shutdown_timeout)
-                    await shielded(self._death_signal_sent(end))
-                    # The application's own handler for ``sig`` runs now.
-                    watch.signalled()
+                    try:
+                        await shielded(self._death_signal_sent(end))
+                    finally:
+                        # The application's own handler for ``sig`` runs now
+                        # (also when this wait() was cancelled meanwhile).
+                        watch.signalled()
                     await shielded(end)
                     raise SignalException(
                         f"Process {os.getpid()} got signal: {sig.value}", sigval=sig
@@ -515,6 +519,13 @@ class PContext:
                 escalate=self._kill_now,
                 token=self._token,
             )
+        except asyncio.CancelledError:
+            # This task itself was cancelled: the loop is being torn down
+            # (asyncio.run cancels every task after a second Ctrl-C). The
+            # workers must still go - now, not after the grace period.
+            task_uncancel(asyncio.current_task())
+            self._escalate("cancellation of the event loop's tasks")
+            await terminate(workers, signal.SIGKILL, 0.0, token=self._token)
         finally:
             self._signals.release()
         await self._logs.aclose()

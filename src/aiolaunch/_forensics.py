@@ -76,7 +76,12 @@ class Forensics:
         self.log_dir, self._own_dir = _group_dir(ctx.error_files)
         self.log_dir = os.path.abspath(self.log_dir)
         self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
-        os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        except OSError:
+            # A LogsSpecs with an unusual layout may leave no writable group
+            # folder: dumps still work from a private one.
+            self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
         self._activity: dict[int, RankActivity] = {}
         self._progress = re.compile(watchdog.progress) if watchdog and watchdog.progress else None
         self._dumps = 0
@@ -218,6 +223,7 @@ class Forensics:
             act = self._tracked(rank, w.pid, now)
             if self.watchdog is None or self._task is None:
                 act.sample(now, progress=False)  # no watchdog: sample on demand
+            act.refresh_stat()
             age = ctx._logs.last_output(rank)
             if age is not None:
                 act.seen(now - age)
@@ -289,7 +295,7 @@ class Forensics:
                 act = self._tracked(rank, w.pid, now)
                 if fresh:
                     continue
-                if act.sample(now, progress=self._progress is not None) is None:
+                if not act.sample(now, progress=self._progress is not None):
                     continue
                 if self._progress is None and not act.sees_writes:
                     # No /proc/<pid>/io here: what the log pipeline saw instead.
@@ -297,18 +303,18 @@ class Forensics:
                     if age is not None:
                         act.seen(now - age)
                 idle = now - act.last_active
-                d_for = 0.0 if act.d_since is None else now - act.d_since
-                if idle < wd.stall_after and d_for < wd.stall_after:
+                if idle < wd.stall_after:
                     self.flagged.pop(rank, None)  # active again: the next stall is new
                     continue
                 if rank in self.flagged or rank in self.failing:
                     continue
-                if d_for >= wd.stall_after:
+                act.refresh_stat()
+                if act.state == "D":
                     where = wchan(w.pid)
-                    reason = f"in uninterruptible sleep (D state) for {d_for:.1f}s" + (
-                        f" in {where}" if where else ""
+                    reason = (
+                        f"in uninterruptible sleep (D state){f' in {where}' if where else ''}, "
+                        f"no CPU for {idle:.1f}s (stall_after={wd.stall_after:g}s)"
                     )
-                    idle = max(idle, d_for)
                 else:
                     what = "no progress line" if self._progress is not None else "no output"
                     reason = f"{what} and no CPU for {idle:.1f}s (stall_after={wd.stall_after:g}s)"
@@ -316,7 +322,10 @@ class Forensics:
                 self.flagged[rank] = stall
                 newly.append(stall)
             if newly:
-                await self._on_stall(wd, newly)
+                try:
+                    await self._on_stall(wd, newly)
+                except Exception:  # the watchdog must outlive a failed dump or report
+                    logger.exception("aiolaunch: handling the stall of %r failed", ctx.name)
 
     async def _on_stall(self, wd: Watchdog, stalls: list[Stall]) -> None:
         from ._events import WorkerStalled
@@ -424,7 +433,7 @@ class Forensics:
                 error_file=self._ctx.error_files.get(rank, ""),
             )
             f.message = s.message()
-            f.timestamp = min(f.timestamp, s.detected)  # the root cause
+            f.timestamp = min(f.timestamp, int(s.detected))
             failures[rank] = f
         for rank, f in result.failures.items():
             failures.setdefault(rank, f)

@@ -18,12 +18,15 @@ __all__ = ["MultiprocessContext", "SubprocessContext"]
 
 
 class SubprocessContext(PContext):
-    """Binary workers (``entrypoint`` is a str): asyncio subprocesses.
+    """Binary workers (``entrypoint`` is a str): subprocesses watched by a pidfd.
 
-    Each leads its own process group, inherits the parent's environment plus
-    ``envs[rank]`` and ``TORCHELASTIC_ERROR_FILE``, and is killed by the
-    kernel if the supervisor dies (Linux; the worker's own children are
-    reached only through ``close()``).
+    Each leads its own process group and inherits the parent's environment
+    plus ``envs[rank]`` and ``TORCHELASTIC_ERROR_FILE``. If the supervisor
+    dies, even by SIGKILL, the guardian (``_workers/_guardian.py``) SIGKILLs
+    the worker's whole process group and every process that carries the
+    guardian's token in its environment (descendants that called
+    ``setsid()`` included). No ``PR_SET_PDEATHSIG``: it would reach the
+    worker alone, and setting it needs code between fork and exec.
     """
 
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:

@@ -412,8 +412,14 @@ class SignalPlan:
     def env(self) -> dict[str, str]:
         """What every worker's environment gets (the deadline file is made on first use)."""
         if not self._deadline_file and not self._released:
-            fd, self._deadline_file = tempfile.mkstemp(prefix="aiolaunch_stop_deadline_")
-            os.close(fd)
+            try:
+                fd, self._deadline_file = tempfile.mkstemp(prefix="aiolaunch_stop_deadline_")
+            except OSError as exc:
+                # No writable temp folder: the workers still start, without a deadline file.
+                logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
+                self._released = True
+            else:
+                os.close(fd)
         return {
             SHUTDOWN_TIMEOUT_ENV: repr(float(self._shutdown_timeout)),
             STOP_DEADLINE_FILE_ENV: self._deadline_file,

@@ -16,21 +16,16 @@ import asyncio
 import contextlib
 import multiprocessing
 import multiprocessing.process
-import multiprocessing.spawn
 import os
 import signal
-import threading
 import warnings
-from typing import TYPE_CHECKING, Any
 
+from .._compat import forget_child, process_popen, spawn_without_main
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle, close_fd
 from ._lifeline import lifeline_fds
 from ._proc import open_exit_fd
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 __all__ = ["FunctionWorker", "spawn_function"]
 
@@ -130,8 +125,7 @@ class FunctionWorker(WorkerHandle):
         loop = asyncio.get_running_loop()
         assert self._exit_fd is not None and self.process is not None
         loop.remove_reader(self._exit_fd)
-        popen = self.process._popen  # type: ignore[attr-defined]
-        rc = popen.poll()
+        rc = process_popen(self.process).poll()
         if rc is None:  # pragma: no cover - pidfd readable means exited
             loop.add_reader(self._exit_fd, self._on_exit_readable)
             return
@@ -174,30 +168,6 @@ class FunctionWorker(WorkerHandle):
         if self._result is not None and self.returncode is not None:
             self._result.close()
             self._result = None
-
-
-_prep_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _no_main_reimport() -> Iterator[None]:
-    # multiprocessing's spawn re-imports the parent's __main__ in every child
-    # (slow: a training script imports torch). Entrypoints travel by value
-    # (cloudpickle), so the child needs only sys.path and cwd.
-    original = multiprocessing.spawn.get_preparation_data
-
-    def get_preparation_data(name: str) -> dict[str, Any]:
-        data = original(name)
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-        return data
-
-    with _prep_lock:
-        multiprocessing.spawn.get_preparation_data = get_preparation_data
-        try:
-            yield
-        finally:
-            multiprocessing.spawn.get_preparation_data = original
 
 
 def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
@@ -255,7 +225,7 @@ async def spawn_function(
         target=run_worker, args=(spec,), name=f"{name}{local_rank}"
     )
     try:
-        with _no_main_reimport(), warnings.catch_warnings():
+        with spawn_without_main(), warnings.catch_warnings():
             # Python 3.12+ warns about fork() in a process with threads (ours:
             # the log and console writers). The user asked for fork; a warning
             # turned into an error here would orphan the forked child.
@@ -268,7 +238,7 @@ async def spawn_function(
         close_fd(result_w)
     # We reap our workers ourselves; multiprocessing must neither reap them in
     # its _cleanup() nor join them at interpreter exit.
-    multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
+    forget_child(proc)
     handle.process = proc
     assert proc.pid is not None
     handle.pid = proc.pid

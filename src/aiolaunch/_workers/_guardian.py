@@ -9,13 +9,19 @@ die too (``PR_SET_PDEATHSIG`` would reach the worker alone), and because it
 needs no code in the child between fork and exec, binary workers are spawned
 on CPython's fast ``vfork`` path.
 
-Limits: a worker registered within microseconds of the supervisor's death may
-be missed; a process the supervisor forks without exec (``os.fork``) keeps
-the pipe open and so delays the guardian until it exits.
+Workers spawned but not yet registered, and descendants that left their
+worker's group (``setsid()``), are found by the token every worker carries in
+``AIOLAUNCH_GUARDIAN``: at EOF the guardian also scans ``/proc/*/environ``.
+
+Limits: a descendant that both leaves the group and scrubs its environment
+is not found; without ``/proc`` (macOS) only registered groups are killed; a
+process the supervisor forks without exec (``os.fork``) inherits the pipe's
+write end and so delays the guardian until that process exits too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 
@@ -75,6 +81,8 @@ class Guardian:
         # closed and replaced only after the guardian died (_send).
         self.fd = -1
         self.pid = 0
+        self._pending: list[str] = []
+        self._flush_loop: asyncio.AbstractEventLoop | None = None
         self._start()
 
     def _start(self) -> None:
@@ -115,13 +123,41 @@ class Guardian:
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies."""
         self.groups.add(pgid)
-        self._send(f"+{pgid}\n")
+        self._queue(f"+{pgid}\n")
 
     def unwatch(self, pgid: int) -> None:
         """Forget ``pgid`` (its processes are gone)."""
         if pgid in self.groups:
             self.groups.discard(pgid)
-            self._send(f"-{pgid}\n")
+            self._queue(f"-{pgid}\n")
+
+    def _queue(self, line: str) -> None:
+        # On an event loop, lines are sent once per loop iteration: starting
+        # 256 workers is one write (and one wakeup of the shell, which would
+        # otherwise preempt the supervisor between spawns), not 256. Safe: a
+        # worker not yet registered carries the token in its environment and
+        # is found by the guardian's /proc scan if the supervisor dies now.
+        self._pending.append(line)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        if self._flush_loop is loop:
+            return  # already scheduled
+        if self._flush_loop is not None:
+            # Scheduled on a loop that is gone (or another thread's): send now.
+            self.flush()
+            return
+        self._flush_loop = loop
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send the queued registrations now."""
+        self._flush_loop = None
+        if self._pending:
+            text, self._pending = "".join(self._pending), []
+            self._send(text)
 
 
 def _start() -> Guardian | None:
