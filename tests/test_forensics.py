@@ -583,3 +583,26 @@ async def test_a_successful_group_writes_no_report_and_leaves_no_socket(tmp_path
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and not result.is_failed()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]
+
+
+async def test_py_spy_serves_unregistered_python_workers_where_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stand-in py-spy on PATH (the real one is optional and not installed
+    # here): the fallback branch runs it for a worker that did not register.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    spy = bin_dir / "py-spy"
+    spy.write_text('#!/bin/sh\necho "Thread $3 (idle): \\"MainThread\\""\necho "    f (x.py:1)"\n')
+    spy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code = "import time\nprint('up', flush=True)\nwhile True: time.sleep(3600)"
+    async with aiolaunch.start_processes(
+        "spy", sys.executable, {0: ("-c", code)}, _envs(1), log_dir=tmp_path / "logs",
+        redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await _wait_lines(tmp_path / "logs", 1, "up")
+        dumps = await asyncio.wait_for(ctx.dump_stacks(), 20)
+        assert dumps[0].startswith("(py-spy dump)\n")
+        assert f"Thread {ctx.pids()[0]} (idle)" in dumps[0]
+        assert _Alive(ctx.pids()[0]).alive

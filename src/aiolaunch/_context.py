@@ -330,7 +330,8 @@ class PContext:
         """Iterate over the group's lifecycle events, in order, until it stops.
 
         Yields :class:`WorkerStarted`, :class:`WorkerReady`,
-        :class:`WorkerExited`, :class:`WorkerRestarting` and, last,
+        :class:`WorkerExited`, :class:`WorkerRestarting`,
+        :class:`WorkerStalled` (with a watchdog) and, last,
         :class:`GroupStopped`; with ``lines=True`` also a :class:`LogLine` per
         line of every stream the supervisor reads (redirected, tee'd or
         probed). Events from before the call are replayed first. Several

@@ -76,7 +76,12 @@ class Forensics:
         self.log_dir, self._own_dir = _group_dir(ctx.error_files)
         self.log_dir = os.path.abspath(self.log_dir)
         self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
-        os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        except OSError:
+            # A LogsSpecs with an unusual layout may leave no writable group
+            # folder: dumps still work from a private one.
+            self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
         self._activity: dict[int, RankActivity] = {}
         self._progress = re.compile(watchdog.progress) if watchdog and watchdog.progress else None
         self._dumps = 0
@@ -317,7 +322,10 @@ class Forensics:
                 self.flagged[rank] = stall
                 newly.append(stall)
             if newly:
-                await self._on_stall(wd, newly)
+                try:
+                    await self._on_stall(wd, newly)
+                except Exception:  # the watchdog must outlive a failed dump or report
+                    logger.exception("aiolaunch: handling the stall of %r failed", ctx.name)
 
     async def _on_stall(self, wd: Watchdog, stalls: list[Stall]) -> None:
         from ._events import WorkerStalled
@@ -425,7 +433,7 @@ class Forensics:
                 error_file=self._ctx.error_files.get(rank, ""),
             )
             f.message = s.message()
-            f.timestamp = min(f.timestamp, s.detected)  # the root cause
+            f.timestamp = min(f.timestamp, int(s.detected))
             failures[rank] = f
         for rank, f in result.failures.items():
             failures.setdefault(rank, f)
