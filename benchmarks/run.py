@@ -176,55 +176,53 @@ def plan(quick: bool) -> list[Case]:
             targets=[Target("line_ms", "p50", "<=", 1.0), Target("line_ms", "p99", "<=", 5.0)],
         )
     )
-    mib = 8 if q else 64
-    k = 2 if q else 4
-    cases.append(
-        Case(
-            "throughput",
-            f"redirect 8 x {mib} MiB",
-            "throughput",
-            {"n": 8, "mib": mib, "tee": False},
-            {"aiolaunch": k, "torch-p0.1": k, "raw": k},
-            ["MB_per_s", "cpu_ms_per_MB"],
-            higher_better=True,
-            targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=0.5)],
-            timeout=300,
-        )
-    )
-    mib = 2 if q else 16
-    k = 2 if q else 3
-    cases.append(
-        Case(
-            "throughput",
-            f"tee 8 x {mib} MiB",
-            "throughput",
-            {"n": 8, "mib": mib, "tee": True},
-            {"aiolaunch": k, "torch-p0.1": k, "raw": k},
-            ["MB_per_s", "cpu_ms_per_MB"],
-            higher_better=True,
-            targets=[Target("MB_per_s", "median", ">=", vs="torch-p0.1", factor=3.0)],
-            timeout=300,
-        )
-    )
+    # 32 MiB per worker (16 for tee: torch's tee is slow), 128-byte lines in
+    # 64 KiB blocks; first write -> last worker done, files (and console)
+    # verified byte for byte.
+    for tee in (False, True):
+        for n in (1, 4) if q else (1, 4, 16):
+            mib = (4 if q else 32) if not tee else (2 if q else 16)
+            k = 2 if q else (5 if not tee else 3)
+            cases.append(
+                Case(
+                    "throughput",
+                    f"{'tee' if tee else 'redirect'} {n} x {mib} MiB",
+                    "throughput",
+                    {"n": n, "mib": mib, "tee": tee},
+                    {"aiolaunch": k, "torch-p0.1": k, "raw": k},
+                    ["MB_per_s", "cpu_ms_per_MB"],
+                    higher_better=True,
+                    warmup=1 if n == 1 else 0,
+                    targets=[
+                        Target(
+                            "MB_per_s", "median", ">=", vs="torch-p0.1", factor=3.0 if tee else 1.0
+                        )
+                    ],
+                    timeout=300,
+                )
+            )
     # idle CPU --------------------------------------------------------------
     secs = 3 if q else 10
     k = 1 if q else 2
     cases.append(
         Case(
             "idle_cpu",
-            f"16 sleeping workers, wait(timeout={secs})",
+            f"64 sleeping workers, wait(timeout={secs})",
             "idle_cpu",
-            {"n": 16, "secs": secs},
+            {"n": 64, "secs": secs},
             {"aiolaunch": k, "torch": k, "raw": k}
             if q
             else {"aiolaunch": k, "torch": k, "torch-p0.1": k, "raw": k},
             ["cpu_ms_per_s"],
-            targets=[Target("cpu_ms_per_s", "median", "<=", 1.0)],
+            targets=[
+                Target("cpu_ms_per_s", "median", "<=", 1.0),
+                Target("cpu_ms_per_s", "median", "<=", vs="torch", factor=1.0),
+            ],
         )
     )
-    # scale -----------------------------------------------------------------
-    for n in (256,) if q else (256, 1024):
-        k = 1 if q else (3 if n == 256 else 2)
+    # scale: launched -> released -> reaped --------------------------------------
+    for n in (64,) if q else (64, 256):
+        k = 1 if q else 3
         cases.append(
             Case(
                 "scale",
@@ -233,6 +231,7 @@ def plan(quick: bool) -> list[Case]:
                 {"n": n},
                 {"aiolaunch": k, "torch-p0.1": k, "raw": k},
                 ["wall_ms", "launch_ms", "reap_ms", "peak_rss_MB", "fds", "threads"],
+                targets=[Target("wall_ms", "median", ">=", vs="torch-p0.1", factor=1.0)],
                 timeout=300,
             )
         )
@@ -504,7 +503,7 @@ def main() -> int:
             f.write(md)
         render_png(out, os.path.join(a.out, "results.png"))
         if a.readme:
-            update_readme(md, a.out)
+            update_readme(out, md, a.out)
         return 0
 
     cases = plan(a.quick)
@@ -667,7 +666,10 @@ def main() -> int:
                     }
                 )
             row["targets"] = tres
-            fail = any(errors.values())
+            # A row fails when aiolaunch (or the raw floor, i.e. the benchmark
+            # itself) fails a correctness check; torch failing its own check
+            # (e.g. its tee losing console lines) is reported, not ours to fail.
+            fail = any(e for v, e in errors.items() if v not in TORCH_VARIANTS)
             any_fail |= fail
             row["status"] = "FAIL" if fail else "ok"
             results.append(row)
@@ -704,30 +706,15 @@ def main() -> int:
         print(f"worker logs and driver logs kept in {tmp}", file=sys.stderr)
     print(f"\n{md}\nwrote {a.out}/results.{{json,md,png}} in {meta['total_seconds']} s")
     if a.readme:
-        update_readme(md, a.out)
+        update_readme(out, md, a.out)
     return 1 if any_fail else 0
 
 
-README_START = "<!-- bench:start (written by benchmarks/run.py --readme; do not edit) -->"
-README_END = "<!-- bench:end -->"
+def update_readme(out: dict, md: str, out_dir: str) -> None:
+    """README's marked blocks (the table, "Why not torch's?") from this run."""
+    from readme_table import update_readme as rewrite
 
-
-def update_readme(md: str, out_dir: str) -> None:
-    """Put the results table (and the plot) into README.md between the markers."""
-    readme = os.path.join(os.path.dirname(HERE), "README.md")
-    with open(readme) as f:
-        text = f.read()
-    if README_START not in text or README_END not in text:
-        print("README.md has no bench markers; not updated", file=sys.stderr)
-        return
-    png = os.path.relpath(os.path.join(out_dir, "results.png"), os.path.dirname(readme))
-    body = "\n".join(line for line in md.strip().splitlines() if not line.startswith("# "))
-    block = f"{README_START}\n\n![benchmark results]({png})\n\n{body.strip()}\n\n{README_END}"
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    with open(readme, "w") as f:
-        f.write(head + block + tail)
-    print(f"updated {readme}")
+    rewrite(out, md, out_dir)
 
 
 # ------------------------------------------------------------- rendering
@@ -772,13 +759,15 @@ def render_md(out: dict) -> str:
     for n in meta["notes"]:
         lines.append(f"> note: {n}\n")
     lines.append(
-        "Cells: median (p99) [min-max], n samples. `speedup` = torch/aiolaunch for times, "
-        "aiolaunch/torch for throughput (> 1: aiolaunch better).\n"
+        "Cells: median (p99) [min-max], n samples. `ratio` = other/aiolaunch for times, "
+        "aiolaunch/other for throughput, against torch and the raw floor (> 1: aiolaunch "
+        "better). A torch cell marked FAIL is torch failing the same correctness check "
+        "(reported; only aiolaunch's or the floor's failures fail a row).\n"
     )
     hdr = (
         ["benchmark", "case", "metric"]
         + [VARIANT_LABEL[v] for v in variants]
-        + ["speedup vs torch", "target", "met"]
+        + ["ratio (> 1: aiolaunch better)", "target", "met"]
     )
     lines.append("| " + " | ".join(hdr) + " |")
     lines.append("|" + "---|" * len(hdr))
@@ -809,7 +798,6 @@ def render_md(out: dict) -> str:
                     f"{fmt(x)}x vs {VARIANT_LABEL[v].split(' (')[0]}"
                     + (f"{' p0.1' if v == 'torch-p0.1' else ''}")
                     for v, x in rat.items()
-                    if v != "raw"
                 )
             )
             ts = [t for t in r["targets"] if t["metric"] == m]
@@ -825,8 +813,9 @@ def render_md(out: dict) -> str:
     if errs:
         lines.append("\n## Failures\n")
         for r, v, e in errs:
+            ref = " (torch's own check; not counted)" if v in TORCH_VARIANTS else ""
             lines.append(
-                f"- {r['group']} / {r['label']} / {v}: `{e.strip().splitlines()[-1][:300]}`"
+                f"- {r['group']} / {r['label']} / {v}{ref}: `{e.strip().splitlines()[-1][:300]}`"
             )
     return "\n".join(lines) + "\n"
 

@@ -91,10 +91,9 @@ def _children() -> list[int]:
 
 
 def _helper_pids() -> set[int]:
-    pids = set()
-    guard = getattr(sys.modules.get("aiolaunch._workers._guardian"), "_guardian", None)
-    if guard is not None:
-        pids.add(guard.pid)
+    from aiolaunch._workers import long_lived_helpers
+
+    pids = set(long_lived_helpers()[0])  # the guardian
     tracker = getattr(
         sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None
     )

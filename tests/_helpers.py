@@ -196,13 +196,13 @@ def start(
 
     ``args`` are the per-rank argument tuples (rank i gets ``args[i]``); with
     ``n`` and no ``args``, ``n`` ranks get no arguments. Every rank gets an
-    empty env, logs go under ``tmp_path / "logs"``; ``kwargs`` override or
+    empty env, logs go under ``tmp_path``; ``kwargs`` override or
     add any other argument. Returns what ``start_processes`` returns: use it
     as ``async with start(...) as ctx`` or ``ctx = await start(...)``.
     """
     if not args:
         args = tuple(() for _ in range(n or 1))
-    kwargs.setdefault("log_dir", str(tmp_path / "logs"))
+    kwargs.setdefault("log_dir", str(tmp_path))
     return aiolaunch.start_processes(
         name=name,
         entrypoint=entrypoint,

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
+# test_leak_fixture.py and faults/test_testing_plugin.py run inner sessions;
+# declared here (the top-level conftest), so each file also runs on its own.
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(autouse=True)
 def _leak_check(no_leaks: None) -> Iterator[None]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import aiolaunch
+from _helpers import alive
 from aiolaunch import Std
 
 SH = "/bin/sh"
@@ -138,7 +139,7 @@ async def test_wait_timeout_and_poll(tmp_path: Path) -> None:
         t0 = time.monotonic()
         assert await ctx.wait(timeout=0.2, period=5) is None
         assert 0.15 < time.monotonic() - t0 < 3
-        assert all(_alive(p) for p in ctx.pids().values())
+        assert all(alive(p) for p in ctx.pids().values())
 
 
 async def test_cancelling_wait_stops_waiting_only(tmp_path: Path) -> None:
@@ -154,8 +155,8 @@ async def test_cancelling_wait_stops_waiting_only(tmp_path: Path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert all(_alive(p) for p in ctx.pids().values())
-    assert not any(_alive(p) for p in ctx.pids().values())
+        assert all(alive(p) for p in ctx.pids().values())
+    assert not any(alive(p) for p in ctx.pids().values())
 
 
 async def test_leaving_async_with_by_exception_closes(tmp_path: Path) -> None:
@@ -170,7 +171,7 @@ async def test_leaving_async_with_by_exception_closes(tmp_path: Path) -> None:
         ) as ctx:
             pids = ctx.pids()
             raise RuntimeError("boom")
-    assert pids and not any(_alive(p) for p in pids.values())
+    assert pids and not any(alive(p) for p in pids.values())
 
 
 async def test_leaving_async_with_by_cancellation_closes(tmp_path: Path) -> None:
@@ -195,7 +196,7 @@ async def test_leaving_async_with_by_cancellation_closes(tmp_path: Path) -> None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert pids and not any(_alive(p) for p in pids.values())
+    assert pids and not any(alive(p) for p in pids.values())
 
 
 async def test_close_escalates_to_sigkill_and_warns(
@@ -216,7 +217,7 @@ async def test_close_escalates_to_sigkill_and_warns(
     t0 = time.monotonic()
     await ctx.close(timeout=0.3)
     assert time.monotonic() - t0 < 5
-    assert not _alive(pid)
+    assert not alive(pid)
     assert any(
         f"pid {pid}" in r.getMessage() and "SIGKILL" in r.getMessage() for r in caplog.records
     )
@@ -242,9 +243,9 @@ async def test_close_kills_grandchildren_in_other_sessions(tmp_path: Path) -> No
     )
     data = await _wait_for_file(Path(ctx.stdouts[0]), b"\n")
     grandchild = int(data.split()[0])
-    assert _alive(grandchild)
+    assert alive(grandchild)
     await ctx.close(timeout=2)
-    assert not _alive(grandchild)
+    assert not alive(grandchild)
 
 
 async def test_log_files_hold_exact_bytes(tmp_path: Path) -> None:
@@ -322,15 +323,6 @@ async def test_tee_prefixes_whole_lines(tmp_path: Path, capsys: pytest.CaptureFi
     assert "to err\n" in err.replace("[trainer0]:to err\n", "")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 async def _wait_for_file(path: Path, needle: bytes, timeout: float = 10) -> bytes:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -375,7 +367,7 @@ async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
     old = guard.pid
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while _alive(old) and time.monotonic() < deadline:
+    while alive(old) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     async with aiolaunch.start_processes(
         name="t",
@@ -386,6 +378,33 @@ async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()
-    assert guard.pid != old and _alive(guard.pid), "a new guardian took over"
+    assert guard.pid != old and alive(guard.pid), "a new guardian took over"
     with pytest.raises(ChildProcessError):
         os.waitpid(old, os.WNOHANG)  # the old one was reaped, not left a zombie
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd on this platform")
+async def test_binaries_are_reaped_through_pidfds_not_a_thread_each() -> None:
+    """32 binaries: no reaper thread per child (asyncio's ThreadedChildWatcher
+    names them ``asyncio-waitpid-N``), each exit code still right, and every child reaped.
+    """
+    import threading
+
+    n = 32
+    before = threading.active_count()
+    async with aiolaunch.start_processes(
+        name="p",
+        entrypoint=SH,
+        args={r: ("-c", f"sleep 0.5; exit {r % 2}") for r in range(n)},
+        envs=no_env(n),
+    ) as ctx:
+        waiters = [t.name for t in threading.enumerate() if "waitpid" in t.name]
+        assert waiters == []
+        assert threading.active_count() < before + 4
+        pids = ctx.pids()
+        result = await ctx.wait()
+    assert result is not None and result.is_failed()
+    assert {f.exitcode for f in result.failures.values()} <= {1}
+    for pid in pids.values():
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # already reaped: not our child any more

@@ -360,3 +360,48 @@ def test_record_passes_torch_child_failed_error_up(tmp_path: Path, error_file: P
     assert data is not None
     assert data["message"]["message"] == "ValueError: boom"
     assert data["message"]["errorCode"] == 2
+
+
+_NO_STDERR = """
+import asyncio, sys, warnings
+warnings.simplefilter("always")
+sys.stderr = None  # pythonw, some services and notebooks: faulthandler cannot enable
+import faulthandler
+assert not faulthandler.is_enabled()
+from aiolaunch import record
+
+@record
+def main(x):
+    print("sync ran", x, flush=True)
+    return x + 1
+
+@record
+async def amain(x):
+    print("async ran", x, flush=True)
+    return x + 2
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print("results", main(1), asyncio.run(amain(1)), flush=True)
+for w in caught:
+    print("warning", w.category.__name__, str(w.message), flush=True)
+"""
+
+
+def test_record_runs_the_function_when_faulthandler_cannot_be_enabled(tmp_path: Path) -> None:
+    # torch's record warns and runs the function; the decorated main must not
+    # be skipped because sys.stderr is None.
+    script = tmp_path / "no_stderr.py"
+    script.write_text(_NO_STDERR)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:3] == ["sync ran 1", "async ran 1", "results 2 3"], done.stdout
+    warned = [line for line in lines if line.startswith("warning ")]
+    assert len(warned) == 2
+    assert all(
+        line.startswith("warning RuntimeWarning Unable to enable fault handler. RuntimeError:")
+        for line in warned
+    ), warned

@@ -83,9 +83,11 @@ def test_root_cause_is_the_earliest_failure(tmp_path: Path) -> None:
     assert failure is failures[1]
 
 
-def test_root_cause_tie_goes_to_first_observed(tmp_path: Path) -> None:
+def test_root_cause_tie_goes_to_lowest_rank(tmp_path: Path) -> None:
+    # Observed order (dict order) 2 then 0: the tie still goes to rank 0, the
+    # rule launch() and the agent use too.
     failures = {2: _failure(tmp_path, 2, 50), 0: _failure(tmp_path, 0, 50)}
-    assert ChildFailedError("t", failures).get_first_failure()[0] == 2
+    assert ChildFailedError("t", failures).get_first_failure()[0] == 0
 
 
 def test_format_msg_shape(tmp_path: Path) -> None:

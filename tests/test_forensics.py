@@ -9,15 +9,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import pytest
 
 import aiolaunch
 from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 # -- workers ------------------------------------------------------------------
 
@@ -103,7 +100,7 @@ def test_watchdog_validates() -> None:
         {"progress": "("},
     ):
         with pytest.raises(ValueError, match="Watchdog"):
-            Watchdog(**bad)  # type: ignore[arg-type]
+            Watchdog(**bad)
 
 
 # -- dumps ----------------------------------------------------------------------
@@ -183,6 +180,10 @@ def test_bootstrap_exit_codes_and_module_mode(tmp_path: Path) -> None:
         [*boot, str(tmp_path / "boom.py")], env=env, capture_output=True, text=True, check=False
     )
     assert r.returncode == 1 and "KeyError: 'boom'" in r.stderr
+    assert (
+        r.stderr.startswith("Traceback (most recent call last):\n  File ") and "boom.py" in r.stderr
+    )
+    assert "runpy" not in r.stderr and "_bootstrap.py" not in r.stderr
     r = subprocess.run(
         [*boot, "-m", "modx", "a"], env=env, cwd=tmp_path, capture_output=True, text=True,
         check=False,
@@ -253,6 +254,10 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
     assert report["verdict"]["outliers"] == [2]
     assert "stuck_here" in str(result.failures[2].message)
     assert all((tmp_path / str(r) / "stacks-1.txt").exists() for r in range(4))
+    # Every rank went quiet, but only the odd one out is the failure.
+    assert list(result.failures) == [2]
+    assert sorted(s["rank"] for s in report["stalled"]) == [0, 1, 2, 3]
+    assert report["root_cause"]["rank"] == 2
 
 
 async def test_watchdog_observe_emits_once_per_stall_and_keeps_running(tmp_path: Path) -> None:
@@ -447,3 +452,157 @@ async def _wait_lines(log_dir: Path, n: int, needle: str, timeout: float = 30) -
         await asyncio.sleep(0.05)  # allowed: polling a log file the test reads
     pytest.fail(f"workers did not print {needle!r} within {timeout}s")
 
+
+# -- a real collective ------------------------------------------------------------
+
+
+def gloo_rank(rank: int, world: int, port: int, late: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    print(f"rank {rank} joined", flush=True)
+    if rank == late:
+        slow_loader()
+    dist.all_reduce(torch.ones(4))
+
+
+def slow_loader() -> None:
+    time.sleep(3600)
+
+
+async def test_gloo_peers_are_shown_in_the_collective(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    port = aiolaunch.free_port()
+    async with aiolaunch.start_processes(
+        "g", gloo_rank, {r: (r, 3, port, 1) for r in range(3)}, _envs(3), log_dir=tmp_path,
+        redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await _wait_lines(tmp_path, 3, "joined", timeout=120)
+        deadline = time.monotonic() + 60
+        while True:
+            dumps = await asyncio.wait_for(ctx.dump_stacks(), 30)
+            report = StackReport.from_dumps(dumps)
+            if report.outliers == [1] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)  # allowed: ranks 0 and 2 are entering all_reduce
+    assert report.outliers == [1], str(report)
+    assert report.groups[0][0] == [0, 2]
+    assert report.groups[0][1].startswith("all_reduce (distributed_c10d.py:")
+    assert "slow_loader" in (report.line_for(1) or "")
+
+
+# -- the agent ------------------------------------------------------------------
+
+
+def hang_in_first_attempt() -> str:
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "1":
+        stuck_here()
+    return "ok"
+
+
+async def test_agent_watchdog_restarts_the_group_and_watches_every_attempt(
+    tmp_path: Path,
+) -> None:
+    from aiolaunch.agent import LocalElasticAgent, WorkerSpec, WorkerState
+
+    spec = WorkerSpec(
+        role="w", local_world_size=2, entrypoint=hang_in_first_attempt, max_restarts=1,
+        watchdog=Watchdog(stall_after=1.5, action="restart"),
+    )  # fmt: skip
+    agent = LocalElasticAgent(spec, log_dir=tmp_path)
+    result = await asyncio.wait_for(agent.run(), 90)
+    assert result.state == WorkerState.SUCCEEDED, result.failures
+    run_dir = Path(agent.run_log_dir or "")
+    report = json.loads((run_dir / "attempt_0" / "report.json").read_text())
+    assert report["root_cause"]["rank"] == 1 and "stuck_here" in report["stalled"][0]["stacks"]
+    assert not (run_dir / "attempt_1" / "report.json").exists()
+
+    # Each attempt is watched: with no restart left, the stall fails the run.
+    spec2 = WorkerSpec(
+        role="w", local_world_size=2, entrypoint=hang_in_first_attempt, max_restarts=0,
+        watchdog=Watchdog(stall_after=1.5),
+    )  # fmt: skip
+    result = await asyncio.wait_for(LocalElasticAgent(spec2, log_dir=tmp_path).run(), 90)
+    assert result.state == WorkerState.FAILED
+    assert "stalled" in str(result.failures[1].message)
+
+
+def test_worker_spec_rejects_a_bad_watchdog() -> None:
+    from aiolaunch.agent import WorkerSpec
+
+    with pytest.raises(TypeError, match="watchdog"):
+        WorkerSpec(role="w", local_world_size=1, entrypoint="x", watchdog=600)  # type: ignore[arg-type]
+
+
+# -- the run report ---------------------------------------------------------------
+
+
+async def test_report_of_a_binary_without_record_has_its_last_stderr_lines(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import sys\nfor i in range(30):\n    print(f'err line {i}', file=sys.stderr)\nsys.exit(3)"
+    )
+    async with aiolaunch.start_processes(
+        "rep", sys.executable, {0: ("-c", code), 1: ("-c", "import time; time.sleep(60)")},
+        _envs(2), log_dir=tmp_path, redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        result = await asyncio.wait_for(ctx.wait(), 30)
+    assert result is not None and list(result.failures) == [0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    root = report["root_cause"]
+    assert (root["rank"], root["exitcode"], root["signal"]) == (0, 3, None)
+    assert root["stderr_tail"] == [f"err line {i}" for i in range(10, 30)]
+    assert report["failed"] == [0] and report["stopped_by_aiolaunch"] == [1]
+    assert "stalled" not in report
+    text = (tmp_path / "report.txt").read_text()
+    assert "Root cause: rank 0" in text and "exit code 3" in text and "err line 29" in text
+
+
+def raise_value_error() -> None:
+    raise ValueError("bad batch")
+
+
+async def test_report_of_a_function_worker_has_its_traceback(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        "tb", raise_value_error, {0: ()}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await asyncio.wait_for(ctx.wait(), 30)
+    root = json.loads((tmp_path / "report.json").read_text())["root_cause"]
+    assert root["message"] == "ValueError: bad batch"
+    assert "raise_value_error" in root["traceback"]
+
+
+async def test_a_successful_group_writes_no_report_and_leaves_no_socket(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        "ok", chatty, {0: (0.1,)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        result = await asyncio.wait_for(ctx.wait(), 30)
+    assert result is not None and not result.is_failed()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]
+
+
+async def test_py_spy_serves_unregistered_python_workers_where_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stand-in py-spy on PATH (the real one is optional and not installed
+    # here): the fallback branch runs it for a worker that did not register.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    spy = bin_dir / "py-spy"
+    spy.write_text('#!/bin/sh\necho "Thread $3 (idle): \\"MainThread\\""\necho "    f (x.py:1)"\n')
+    spy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code = "import time\nprint('up', flush=True)\nwhile True: time.sleep(3600)"
+    async with aiolaunch.start_processes(
+        "spy", sys.executable, {0: ("-c", code)}, _envs(1), log_dir=tmp_path / "logs",
+        redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await _wait_lines(tmp_path / "logs", 1, "up")
+        dumps = await asyncio.wait_for(ctx.dump_stacks(), 20)
+        assert dumps[0].startswith("(py-spy dump)\n")
+        assert f"Thread {ctx.pids()[0]} (idle)" in dumps[0]
+        assert _Alive(ctx.pids()[0]).alive

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import aiolaunch
+from _helpers import start
 from aiolaunch import Std
 
 METHODS = ["spawn", "fork", "forkserver"]
@@ -70,14 +71,7 @@ def sleep_forever() -> None:
 async def test_return_values_each_start_method(method: str, tmp_path: Path) -> None:
     offset = 10
     closure = lambda x: x + offset  # noqa: E731 - a lambda closure travels by value
-    ctx = await aiolaunch.start_processes(
-        name="f",
-        entrypoint=closure,
-        args={0: (1,), 1: (2,)},
-        envs={0: {}, 1: {}},
-        log_dir=str(tmp_path),
-        start_method=method,
-    )
+    ctx = await start(tmp_path, closure, (1,), (2,), name="f", start_method=method)
     assert isinstance(ctx, aiolaunch.MultiprocessContext)
     result = await asyncio.wait_for(ctx.wait(), 60)
     assert result is not None and not result.is_failed(), result
@@ -85,26 +79,13 @@ async def test_return_values_each_start_method(method: str, tmp_path: Path) -> N
 
 
 async def test_async_def_entrypoint(tmp_path: Path) -> None:
-    async with aiolaunch.start_processes(
-        name="f",
-        entrypoint=async_double,
-        args={0: (4,)},
-        envs={0: {}},
-        log_dir=str(tmp_path),
-    ) as ctx:
+    async with start(tmp_path, async_double, (4,), name="f") as ctx:
         result = await ctx.wait()
     assert result is not None and result.return_values == {0: 8}
 
 
 async def test_exception_becomes_error_file_and_failure(tmp_path: Path) -> None:
-    async with aiolaunch.start_processes(
-        name="f",
-        entrypoint=fail,
-        args={0: ("kaput",), 1: ("fine",)},
-        envs={0: {}, 1: {}},
-        log_dir=str(tmp_path),
-        redirects=Std.ERR,
-    ) as ctx:
+    async with start(tmp_path, fail, ("kaput",), ("fine",), name="f", redirects=Std.ERR) as ctx:
         result = await ctx.wait()
     assert result is not None and result.is_failed()
     failure = next(iter(result.failures.values()))
@@ -129,14 +110,7 @@ async def test_env_applied_before_unpickling(tmp_path: Path) -> None:
 
 
 async def test_output_captured_at_fd_level(tmp_path: Path) -> None:
-    async with aiolaunch.start_processes(
-        name="f",
-        entrypoint=print_everywhere,
-        args={0: ("a",)},
-        envs={0: {}},
-        log_dir=str(tmp_path),
-        redirects=Std.ALL,
-    ) as ctx:
+    async with start(tmp_path, print_everywhere, ("a",), name="f", redirects=Std.ALL) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()
     assert Path(result.stdouts[0]).read_text() == "py a\nfd a\nsub a\n"
@@ -144,52 +118,28 @@ async def test_output_captured_at_fd_level(tmp_path: Path) -> None:
 
 
 async def test_exit_zero_without_value_is_a_failure(tmp_path: Path) -> None:
-    async with aiolaunch.start_processes(
-        name="f",
-        entrypoint=exit_zero_without_return,
-        args={0: ()},
-        envs={0: {}},
-        log_dir=str(tmp_path),
-    ) as ctx:
+    async with start(tmp_path, exit_zero_without_return, name="f") as ctx:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and result.is_failed()
     assert "without returning" in _text(result.failures[0].message)
 
 
 async def test_sys_exit_zero_returns_none(tmp_path: Path) -> None:
-    async with aiolaunch.start_processes(
-        name="f",
-        entrypoint=sys_exit_zero,
-        args={0: ()},
-        envs={0: {}},
-        log_dir=str(tmp_path),
-    ) as ctx:
+    async with start(tmp_path, sys_exit_zero, name="f") as ctx:
         result = await ctx.wait()
     assert result is not None and result.return_values == {0: None}
 
 
 async def test_large_return_value(tmp_path: Path) -> None:
     n = 40 << 20
-    async with aiolaunch.start_processes(
-        name="f",
-        entrypoint=big_value,
-        args={0: (n,), 1: (n,)},
-        envs={0: {}, 1: {}},
-        log_dir=str(tmp_path),
-    ) as ctx:
+    async with start(tmp_path, big_value, (n,), (n,), name="f") as ctx:
         result = await asyncio.wait_for(ctx.wait(), 60)
     assert result is not None
     assert result.return_values[0] == b"z" * n and result.return_values[1] == b"z" * n
 
 
 async def test_returned_worker_exits_without_waiting_for_others(tmp_path: Path) -> None:
-    async with aiolaunch.start_processes(
-        name="f",
-        entrypoint=square,
-        args={0: (3,)},
-        envs={0: {}},
-        log_dir=str(tmp_path),
-    ) as ctx:
+    async with start(tmp_path, square, (3,), name="f") as ctx:
         pass
     async with aiolaunch.start_processes(
         name="f",
@@ -241,13 +191,7 @@ async def test_unpicklable_argument_is_rejected_before_start() -> None:
 
 
 async def test_close_stops_function_workers(tmp_path: Path) -> None:
-    ctx = await aiolaunch.start_processes(
-        name="f",
-        entrypoint=sleep_forever,
-        args={0: (), 1: ()},
-        envs={0: {}, 1: {}},
-        log_dir=str(tmp_path),
-    )
+    ctx = await start(tmp_path, sleep_forever, n=2, name="f")
     pids = ctx.pids()
     await ctx.close(timeout=5)
     for pid in pids.values():

@@ -19,6 +19,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 CONFTEST = Path(__file__).with_name("conftest.py").read_text(encoding="utf-8")
+HELPERS = Path(__file__).with_name("_helpers.py").read_text(encoding="utf-8")
 
 INNER_TESTS = """
 import asyncio, multiprocessing, os, signal, subprocess, sys, threading, time
@@ -121,6 +122,7 @@ def test_fixture_reports_leaks(pytester: pytest.Pytester, tmp_path: Path) -> Non
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(_helpers=HELPERS)  # the conftest imports it
     pytester.makeini(
         "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
     )

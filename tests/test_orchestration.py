@@ -204,6 +204,35 @@ async def test_a_probe_that_raises_fails_wait_ready_with_its_error(
         assert "of rank" in str(info.value)
 
 
+class _RejectsFirstLine(aiolaunch.ReadinessProbe):
+    """A custom probe that reads stdout: the extension point ReadyLine uses."""
+
+    def reads(self, stream: str) -> bool:
+        return stream == "stdout"
+
+    async def wait_ready(self, rank: int, lines: AsyncIterator[str] | None = None) -> None:
+        assert lines is not None
+        async for line in lines:
+            raise ValueError(f"unexpected first line {line!r}")
+
+
+async def test_a_custom_line_probe_gets_lines_and_its_error_ends_the_feed(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="p",
+        entrypoint=SH,
+        args={0: ("-c", "echo hello; exec sleep 60")},
+        envs={0: {}},
+        log_dir=str(tmp_path),
+        ready=_RejectsFirstLine(),
+    ) as ctx:
+        with pytest.raises(RuntimeError) as info:
+            await asyncio.wait_for(ctx.wait_ready(), 20)
+        assert isinstance(info.value.__cause__, ValueError)
+        assert "'hello'" in str(info.value.__cause__)
+        # The failed probe is no longer fed: the worker's later lines are not queued.
+        assert not ctx._readiness.listening(0)
+
+
 async def test_ready_line_is_a_probe_fed_by_lines() -> None:
     async def lines() -> AsyncIterator[str]:
         for line in ("starting", "still starting", "listening on 80", "never read"):

@@ -51,4 +51,4 @@ def test_import_is_light_and_never_imports_torch() -> None:
 
 def test_unknown_attribute_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
-        aiolaunch.no_such_name  # type: ignore[attr-defined]  # noqa: B018
+        aiolaunch.no_such_name  # noqa: B018

@@ -39,12 +39,29 @@ SERVICE = textwrap.dedent(
         graceful = asyncio.Event()
         calls = []
 
+        def signalled(pid):
+            # The worker blocks SIGTERM: once sent, it shows as pending in
+            # /proc until the worker sees it and exits (then it is gone or a
+            # zombie). Either way: it was signalled.
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f)
+            except OSError:
+                return True
+            if status["State"].split()[0] in ("Z", "X"):
+                return True
+            pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
+            return bool(pending >> (signal.SIGTERM - 1) & 1)
+
+        def workers_signalled():
+            return all(signalled(pid) for pid in ctx.pids().values())
+
         def on_loop_term():
-            calls.append("loop")
+            calls.append(["loop", workers_signalled()])
             graceful.set()
 
         def on_python_term(signum, frame):
-            calls.append(f"python:{signum}")
+            calls.append([f"python:{signum}", workers_signalled()])
             graceful.set()
 
         if mode == "loop":
@@ -53,14 +70,24 @@ SERVICE = textwrap.dedent(
             signal.signal(signal.SIGTERM, on_python_term)
         elif mode == "ignore":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        entrypoint = "/bin/sh"
         if mode == "stubborn":
             # Survives SIGINT and SIGTERM, noting them (the test's handshake).
-            script = f"trap 'echo x >> {logdir}.sig' INT TERM; while :; do sleep 0.05; done"
+            argv = ("-c", f"trap 'echo x >> {logdir}.sig' INT TERM; while :; do sleep 0.05; done")
+        elif mode in ("loop", "python"):
+            # Blocks SIGTERM/SIGINT and exits once one is pending (see signalled()).
+            entrypoint, argv = sys.executable, ("-c", (
+                "import signal, time\\n"
+                "stop = {signal.SIGTERM, signal.SIGINT}\\n"
+                "signal.pthread_sigmask(signal.SIG_BLOCK, stop)\\n"
+                "while not signal.sigpending() & stop:\\n"
+                "    time.sleep(0.01)\\n"
+            ))
         else:
-            script = "trap 'exit 0' INT TERM; while :; do sleep 0.05; done"
+            argv = ("-c", "trap 'exit 0' INT TERM; while :; do sleep 0.05; done")
         before_int = signal.getsignal(signal.SIGINT)
         ctx = await aiolaunch.start_processes(
-            name="s", entrypoint="/bin/sh", args={0: ("-c", script), 1: ("-c", script)},
+            name="s", entrypoint=entrypoint, args={0: argv, 1: argv},
             envs={0: {}, 1: {}}, log_dir=logdir, shutdown_timeout=grace)
         outcome = {}
 
@@ -125,13 +152,13 @@ def _report(proc: subprocess.Popen[str]) -> tuple[dict[str, object], str]:
 def test_application_sigterm_handler_runs_after_workers_are_signalled(
     tmp_path: Path, mode: str
 ) -> None:
-    # The service's own SIGTERM handler runs (once), the group waited on in the
-    # background is stopped and its wait() raises, and the service keeps
-    # running with its handler back in place.
+    # The service's own SIGTERM handler runs (once) after every worker was
+    # sent SIGTERM, the group waited on in the background is stopped and its
+    # wait() raises, and the service keeps running with its handler back.
     with _service(tmp_path, mode, 300) as (proc, pids):
         proc.send_signal(signal.SIGTERM)
         report, err = _report(proc)
-    expected = ["loop"] if mode == "loop" else [f"python:{int(signal.SIGTERM)}"]
+    expected = [["loop", True]] if mode == "loop" else [[f"python:{int(signal.SIGTERM)}", True]]
     assert report["calls"] == expected, err
     assert report["wait"] == "SIGTERM"
     assert report["restored"] is True
@@ -181,6 +208,15 @@ def test_single_sigint_waits_for_the_grace_period(tmp_path: Path) -> None:
     assert not wait_dead(pids)
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (``SigCgt`` in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def test_cli_second_sigint_kills_workers_at_once(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     ready.mkdir()
@@ -199,10 +235,17 @@ def test_cli_second_sigint_kills_workers_at_once(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, "workers never started"
             time.sleep(0.01)
         pids = [int((ready / r).read_text()) for r in ("0", "1")]
+        # Workers run before the agent's wait() takes the signals over: wait
+        # until the CLI catches SIGTERM (only wait() installs a handler for it).
+        while not _catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, "wait() never ran"
+            time.sleep(0.01)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         while not (ready / "sig").exists():  # forwarded: the second is a repeat
-            assert time.monotonic() - t0 < 30, "SIGINT never forwarded"
+            if time.monotonic() - t0 > 30:
+                proc.kill()
+                pytest.fail(f"SIGINT never forwarded: {proc.communicate()[1]}")
             time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -259,12 +302,17 @@ async def test_cancelled_async_with_then_one_more_cancel_escalates(tmp_path: Pat
     # cancellation while close() waits out the grace is the second.
     script, up, term = _stubborn(tmp_path)
 
+    entered = asyncio.Event()
+
     async def service() -> None:
         async with start(tmp_path, "/bin/sh", ("-c", script), shutdown_timeout=300):
+            entered.set()
             await asyncio.Event().wait()
 
     task = asyncio.ensure_future(service())
     try:
+        with anyio.fail_after(30):
+            await entered.wait()  # started: a cancel now leaves the block through close()
         await _until(up)
         pid = int(up.read_text())
         task.cancel()
@@ -301,3 +349,46 @@ def test_no_forwarding_outside_the_main_thread_is_a_warning(
     notes = [r for r in caplog.records if "not forwarded" in r.getMessage()]
     assert [r.levelno for r in notes] == [logging.WARNING]
     assert "outside the main thread" in notes[0].getMessage()
+
+
+# No wait(): asyncio.run's own SIGINT handler is in place. The first Ctrl-C
+# cancels main() and ``async with`` closes the group with a 300 s grace; the
+# second makes asyncio.run raise KeyboardInterrupt and cancel every task -
+# close() and the shutdown task included - which must SIGKILL the workers at
+# once instead of leaving them to the guardian.
+_NO_WAIT = """
+import asyncio, sys, aiolaunch
+
+async def main():
+    marks = sys.argv[1]
+    script = f"trap 'echo x >> {marks}/sig' INT TERM; while :; do sleep 0.05; done"
+    async with aiolaunch.start_processes(
+        name="s", entrypoint="/bin/sh", args={0: ("-c", script)}, envs={0: {}},
+        log_dir=marks + "/logs", shutdown_timeout=300,
+    ) as ctx:
+        print(ctx.pids()[0], flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.run handles SIGINT from 3.11")
+def test_second_ctrl_c_outside_wait_kills_workers_before_exit(tmp_path: Path) -> None:
+    script = tmp_path / "no_wait.py"
+    script.write_text(_NO_WAIT)
+    with driver([sys.executable, str(script), str(tmp_path)]) as proc:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        while not (tmp_path / "sig").exists():  # close() sent SIGTERM: grace running
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "first SIGINT lost"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30, err
+    # Killed and reaped by the supervisor itself, before it exited.
+    assert not alive(pid), err
+    assert "sending SIGKILL to the workers now" in err
+    assert "KeyboardInterrupt" in err

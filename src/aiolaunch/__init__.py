@@ -25,9 +25,7 @@ if TYPE_CHECKING:
     from ._api import free_port as free_port
     from ._api import launch as launch
     from ._api import start_processes as start_processes
-    from ._context import MultiprocessContext as MultiprocessContext
     from ._context import PContext as PContext
-    from ._context import SubprocessContext as SubprocessContext
     from ._control import WorkerStatus as WorkerStatus
     from ._error_file import record as record
     from ._errors import ChildFailedError as ChildFailedError
@@ -43,6 +41,8 @@ if TYPE_CHECKING:
     from ._events import WorkerRestarting as WorkerRestarting
     from ._events import WorkerStalled as WorkerStalled
     from ._events import WorkerStarted as WorkerStarted
+    from ._kinds import MultiprocessContext as MultiprocessContext
+    from ._kinds import SubprocessContext as SubprocessContext
     from ._logs import set_console_hook as set_console_hook
     from ._logs_specs import DefaultLogsSpecs as DefaultLogsSpecs
     from ._logs_specs import LogsDest as LogsDest
@@ -70,7 +70,7 @@ _EXPORTS: dict[str, str] = {
     "LogsDest": "._logs_specs",
     "LogsSpecs": "._logs_specs",
     "MainProcessError": "._errors",
-    "MultiprocessContext": "._context",
+    "MultiprocessContext": "._kinds",
     "PContext": "._context",
     "ProcessFailure": "._results",
     "ReadinessProbe": "._ready",
@@ -82,7 +82,7 @@ _EXPORTS: dict[str, str] = {
     "SignalException": "._errors",
     "StackReport": "._stacks",
     "Std": "._types",
-    "SubprocessContext": "._context",
+    "SubprocessContext": "._kinds",
     "Watchdog": "._watchdog",
     "WorkerError": "._errors",
     "WorkerExited": "._events",

@@ -8,21 +8,31 @@ import socket
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._context import MultiprocessContext, PContext, SubprocessContext
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
+from ._results import root_cause
+from ._signals import (
+    DEFAULT_SIGNALS_TO_HANDLE,
+    FORWARD_SIGNALS_ENV,
+    SIGNALS_TO_HANDLE_ENV,
+    SignalPlan,
+    resolve_signals,
+)
 from ._types import Std
 from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
 from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    from ._context import PContext
 
 __all__ = ["free_port", "launch", "start_processes"]
 
@@ -73,14 +83,15 @@ class _Starting:
         # (pickle, copy, hasattr probes) get the plain error.
         if attr.startswith("_"):
             raise AttributeError(attr)
-        if hasattr(PContext, attr):
-            raise AttributeError(
-                f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
-                f"context: nothing has started yet. Await it before using .{attr}: "
-                "`ctx = await aiolaunch.start_processes(...)` or "
-                "`async with aiolaunch.start_processes(...) as ctx:`"
-            )
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        # Any public name - a method (wait, pids) or an attribute (nprocs,
+        # stdouts) - means the caller took this for the context.
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {attr!r}: "
+            f"start_processes(name={self._name!r}, ...) returned an awaitable, not the "
+            f"context, and nothing has started yet. Await it before using .{attr}: "
+            "`ctx = await aiolaunch.start_processes(...)` or "
+            "`async with aiolaunch.start_processes(...) as ctx:`"
+        )
 
     def __del__(self) -> None:
         if not getattr(self, "_used", True):
@@ -140,6 +151,8 @@ def start_processes(
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
     watchdog: Watchdog | None = None,
+    signals_to_handle: str | Iterable[str | int] | None = None,
+    forward_signals: str | Iterable[str | int] | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -187,6 +200,22 @@ def start_processes(
     :param duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
     :param watchdog: a :class:`Watchdog`: detect stalled workers (no output,
         no CPU), dump every rank's stacks, then observe, fail or restart.
+    :param signals_to_handle: the signals that, sent to the supervisor while
+        ``wait()`` runs, are forwarded to the workers and stop the group
+        (``wait()`` raises :class:`SignalException`), as torch's
+        ``TORCHELASTIC_SIGNALS_TO_HANDLE``: ``"SIGTERM,SIGUSR1"`` or a list of
+        names or numbers. ``None``: ``$TORCHELASTIC_SIGNALS_TO_HANDLE``, else
+        SIGTERM, SIGINT, SIGHUP and SIGQUIT.
+    :param forward_signals: beyond torch, a preemption protocol: signals that
+        are only passed on to each worker process (not its children) while
+        ``wait()`` runs; the group keeps running (e.g. Slurm's
+        ``--signal=USR1@90`` as "checkpoint now"). Wins over
+        ``signals_to_handle`` for a signal in both. ``None``:
+        ``$AIOLAUNCH_FORWARD_SIGNALS``, else none. Every worker gets
+        ``AIOLAUNCH_SHUTDOWN_TIMEOUT`` (seconds from the death signal to
+        SIGKILL when ``wait()`` stops the group) and
+        ``AIOLAUNCH_STOP_DEADLINE_FILE``: empty while the group runs; once it
+        is being stopped, the Unix time at which survivors get SIGKILL.
     Every argument is checked before anything starts or any folder is made;
     each message names the argument and the fix.
 
@@ -230,6 +259,15 @@ def start_processes(
     dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
     if watchdog is not None and not isinstance(watchdog, Watchdog):
         raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
+    stop_signals = resolve_signals(
+        signals_to_handle,
+        what="signals_to_handle",
+        env=SIGNALS_TO_HANDLE_ENV,
+        default=DEFAULT_SIGNALS_TO_HANDLE,
+    )
+    only_forwarded = resolve_signals(
+        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default=""
+    )
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -277,6 +315,7 @@ def start_processes(
             "duplicate_stdout_filters": dup_out,
             "duplicate_stderr_filters": dup_err,
             "watchdog": watchdog,
+            "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
         }
         if isinstance(entrypoint, str):
             return SubprocessContext(**common)
@@ -301,7 +340,13 @@ def _per_rank(what: str, value: Any, cls: type[T], nprocs: int) -> dict[int, T]:
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it back)."""
+    """A TCP port that was free a moment ago (bind to port 0, read it back).
+
+    The socket closes before a worker binds it, so another process could take
+    it in between; a fresh port per attempt keeps that window (and TIME_WAIT
+    leftovers of a crashed attempt) out of the way. ``SO_REUSEADDR`` lets a
+    worker bind the port while the probe's socket is still in TIME_WAIT.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
@@ -357,7 +402,6 @@ async def launch(
             raise MainProcessError(exc.sigval) from exc
         assert result is not None
         if result.is_failed():
-            rank = min(result.failures, key=lambda r: (result.failures[r].timestamp, r))
-            failure = result.failures[rank]
-            raise WorkerError(failure.exitcode, rank)
+            rank, failure = root_cause(result.failures)
+            raise WorkerError(failure.exitcode, rank, failure)
         return dict(result.return_values)

@@ -6,11 +6,11 @@ ARGS...`` like ``python -m module ARGS...``: same ``sys.argv``, the program
 runs as ``__main__`` (``sys.modules["__main__"]`` is its module, so
 multiprocessing's spawn finds it), ``sys.path[0]`` is the script's folder (or
 the current folder for ``-m``), and the exit status is the program's (an
-uncaught exception: its traceback and status 1; ``sys.exit(n)``: ``n``).
+uncaught exception: its traceback, without the bootstrap's frames, and
+status 1; ``sys.exit(n)``: ``n``).
 
 Before the program starts, :func:`aiolaunch._stacks.register` installs the
-stack-dump handler when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it). The
-only visible difference: a traceback starts with a few ``runpy`` frames.
+stack-dump handler when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it).
 """
 
 from __future__ import annotations
@@ -32,15 +32,30 @@ def main(argv: list[str]) -> None:
     from aiolaunch._stacks import register
 
     register()
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] by the module's path
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        script = argv[0]
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
-        runpy.run_path(script, run_name="__main__")
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] by the module's path
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+    except Exception as exc:
+        # As python would: the traceback (through sys.excepthook, which the
+        # program may have replaced), then status 1 - minus our own frames.
+        # SystemExit and KeyboardInterrupt propagate unchanged.
+        tb = exc.__traceback__
+        while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        raise SystemExit(1) from None
     raise SystemExit(0)
+
+
+def _ours(filename: str) -> bool:
+    name = os.path.basename(filename)
+    return name == "_bootstrap.py" or "runpy" in name
 
 
 if __name__ == "__main__":

@@ -1,29 +1,46 @@
 """Every use of CPython internals and version differences, each behind one function.
 
 aiolaunch relies on a few private details of :mod:`asyncio` (the handlers a
-loop keeps for ``loop.add_signal_handler``, the SIGINT handler installed by
-``asyncio.run``). Keeping each access here means a CPython change breaks one
-small function with a test, not the supervisor; every function degrades to
-"not found" rather than raising when the detail is missing.
+loop keeps for ``loop.add_signal_handler``, a handle's callback, the SIGINT
+handler installed by ``asyncio.run``, resetting the running loop in a forked
+child) and of :mod:`multiprocessing` (a process's ``_popen``, the
+``_children`` registry, ``DupFd`` while spawning, the spawn preparation data,
+the resource tracker's and forkserver's pid and fd). Keeping each access here
+means a CPython change breaks one small function with a test
+(``tests/test_compat.py``), not the supervisor; where it can, a function
+degrades to "not found" rather than raising when the detail is missing.
+
+Every function was checked on CPython 3.10, 3.11, 3.12 and 3.13.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import signal
+import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
+    from multiprocessing.process import BaseProcess
 
 __all__ = [
     "call_handle_soon",
+    "clear_running_loop",
+    "dup_fd_for_child",
+    "forget_child",
     "is_asyncio_run_sigint_handler",
     "is_default_handler",
     "loop_signal_handler",
+    "multiprocessing_helpers",
+    "process_popen",
     "reinstall_loop_signal_handler",
+    "spawn_without_main",
     "task_cancelling",
+    "task_uncancel",
 ]
 
 
@@ -98,6 +115,18 @@ def task_cancelling(task: asyncio.Task[Any] | None) -> int:
     return int(cancelling()) if callable(cancelling) else 0
 
 
+def task_uncancel(task: asyncio.Task[Any] | None) -> None:
+    """Withdraw one cancellation request of ``task`` that was handled (3.11+; no-op before).
+
+    Needed after catching a ``CancelledError`` to go on with cleanup: anyio's
+    cancel scopes read ``Task.cancelling()`` to tell their own cancellations
+    from outside ones.
+    """
+    uncancel = getattr(task, "uncancel", None)
+    if callable(uncancel):
+        uncancel()
+
+
 def is_default_handler(handler: object) -> bool:
     """Whether ``handler`` means "the signal's default meaning" for aiolaunch.
 
@@ -111,3 +140,119 @@ def is_default_handler(handler: object) -> bool:
         or handler is signal.default_int_handler
         or is_asyncio_run_sigint_handler(handler)
     )
+
+
+# -- multiprocessing ---------------------------------------------------------
+
+
+def process_popen(process: BaseProcess) -> Any:
+    """The ``Popen`` object of a started ``multiprocessing`` process
+    (``Process._popen``): its ``poll()`` reaps the process and returns the exit
+    code without blocking, or ``None`` while it runs."""
+    return process._popen  # type: ignore[attr-defined]
+
+
+def forget_child(process: BaseProcess) -> None:
+    """Take a started process out of ``multiprocessing.process._children``:
+    multiprocessing then neither reaps it in its ``_cleanup()`` nor joins it at
+    interpreter exit - its owner reaps it."""
+    import multiprocessing.process
+
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.discard(process)
+
+
+def dup_fd_for_child(fd: int) -> Any:
+    """What to pickle so that the process being spawned receives a copy of
+    ``fd``: the spawning ``Popen``'s ``DupFd`` (an inherited fd under fork, a
+    passed one under forkserver, a kept-open one under spawn). Only callable
+    while a process is being spawned (from ``__reduce__``); unpickle the result
+    with its ``detach()``.
+
+    :raises RuntimeError: no process is being spawned in this thread.
+    """
+    from multiprocessing import context
+
+    popen = context.get_spawning_popen()
+    if popen is None:
+        raise RuntimeError("a file descriptor can only be pickled while spawning a process")
+    return popen.DupFd(popen.duplicate_for_child(fd))
+
+
+def multiprocessing_helpers() -> tuple[set[int], set[int]]:
+    """``(pids, fds)`` of ``multiprocessing``'s per-interpreter helpers that
+    are running now: the resource tracker and the forkserver. Imports nothing
+    (a helper that was never imported was never started)."""
+    pids: set[int] = set()
+    fds: set[int] = set()
+    tracker = getattr(
+        sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None
+    )
+    forkserver = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    for obj, pid_attr, fd_attr in (
+        (tracker, "_pid", "_fd"),
+        (forkserver, "_forkserver_pid", "_forkserver_alive_fd"),
+    ):
+        pid, fd = getattr(obj, pid_attr, None), getattr(obj, fd_attr, None)
+        if isinstance(pid, int):
+            pids.add(pid)
+        if isinstance(fd, int):
+            fds.add(fd)
+    return pids, fds
+
+
+_prep_state = threading.local()
+_prep_lock = threading.Lock()
+
+
+def _install_prep_filter() -> None:
+    # Installed once and left in place: a wrapper that filters only while the
+    # calling thread is inside spawn_without_main(). Swapping the module
+    # global for the duration of a spawn instead would also strip __main__
+    # from a spawn that another thread (a user's ProcessPoolExecutor) makes
+    # at the same moment, whose children then cannot unpickle its functions.
+    import multiprocessing.spawn
+
+    with _prep_lock:
+        original = multiprocessing.spawn.get_preparation_data
+        if getattr(original, "_aiolaunch_filter", False):
+            return
+
+        @functools.wraps(original)
+        def get_preparation_data(name: str) -> dict[str, Any]:
+            data: dict[str, Any] = original(name)
+            if getattr(_prep_state, "active", 0):
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
+            return data
+
+        get_preparation_data._aiolaunch_filter = True  # type: ignore[attr-defined]
+        multiprocessing.spawn.get_preparation_data = get_preparation_data
+
+
+@contextlib.contextmanager
+def spawn_without_main() -> Iterator[None]:
+    """Processes this thread spawns meanwhile (``spawn``/``forkserver``) do not
+    re-import the parent's ``__main__`` (slow: a training script imports torch;
+    aiolaunch's entrypoints travel by value). Spawns of other threads at the
+    same moment are unaffected. Re-entrant."""
+    _install_prep_filter()
+    depth = getattr(_prep_state, "active", 0)
+    _prep_state.active = depth + 1
+    try:
+        yield
+    finally:
+        _prep_state.active = depth
+
+
+# -- asyncio -----------------------------------------------------------------
+
+
+def clear_running_loop() -> None:
+    """Forget the running loop this thread inherited through ``fork()``: before
+    3.12 a forked child still sees its parent's running loop
+    (``asyncio.events._set_running_loop(None)``)."""
+    import asyncio.events
+
+    asyncio.events._set_running_loop(None)

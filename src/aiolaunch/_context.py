@@ -10,6 +10,7 @@ into its sinks before returning. No step polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import math
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._compat import task_cancelling
-from ._errors import SignalException
+from ._compat import task_cancelling, task_uncancel
+from ._errors import SignalException, fd_limit_error
 from ._events import (
     Event,
     EventBus,
@@ -36,12 +37,13 @@ from ._logs import LineSink, LogWiring
 from ._logs._filters import open_duplicate_filters
 from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
-from ._report import write_report
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result
 from ._shutdown import shielded, terminate
-from ._signals import watch_signals
+from ._signals import STOP_SIGNALS, SignalPlan, watch_signals
+from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
+from ._workers._proc import CONTEXT_ENV, new_context_token
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
-__all__ = ["MultiprocessContext", "PContext", "SubprocessContext"]
+__all__ = ["PContext"]
 
 logger = logging.getLogger("aiolaunch")
 
@@ -88,6 +90,7 @@ class PContext:
         duplicate_stdout_filters: Sequence[str] | None = None,
         duplicate_stderr_filters: Sequence[str] | None = None,
         watchdog: Watchdog | None = None,
+        signal_plan: SignalPlan | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -116,12 +119,17 @@ class PContext:
             filters=filters,
         )
         self._shutdown_timeout = shutdown_timeout
+        self._signals = signal_plan or SignalPlan(
+            frozenset(STOP_SIGNALS), frozenset(), shutdown_timeout
+        )
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
         self._end: asyncio.Task[RunProcsResult] | None = None
         # Set once the death signal went out; set to end the grace period now.
         self._sent = asyncio.Event()
         self._kill_now = asyncio.Event()
+        #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
+        self._token = new_context_token()
         self._result: RunProcsResult | None = None
         self._exit_order: list[int] = []
         self._bus = EventBus()
@@ -147,7 +155,7 @@ class PContext:
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise _fd_limit_error(exc, rank, self.nprocs) from exc
+                raise fd_limit_error(exc, rank, self.nprocs) from exc
             raise
 
     async def _start_one(self, rank: int) -> None:
@@ -194,7 +202,14 @@ class PContext:
         raise NotImplementedError
 
     def _env(self, rank: int) -> dict[str, str]:
-        return {**self.envs[rank], **self._restarts.env(rank), **self._forensics.env()}
+        return {
+            **self.envs[rank],
+            **self._restarts.env(rank),
+            **self._forensics.env(),
+            **self._signals.env(),
+            # Inherited by every descendant: close() finds daemons by it.
+            CONTEXT_ENV: self._token,
+        }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         rank = handle.local_rank
@@ -206,7 +221,7 @@ class PContext:
                 time=time.monotonic(),
                 pid=handle.pid,
                 exitcode=rc,
-                signal=_signal_name(rc),
+                signal=exit_signal_name(rc),
                 stopped=handle.stopped_by_us,
             )
         )
@@ -223,6 +238,11 @@ class PContext:
                 # queues its own restart behind this one.
                 self._restarts.run(rank, lambda: self._restart(rank, delay))
                 return
+            spent = self._restarts.budget_spent(rank)
+            if spent is not None and not failed:
+                # "always" promises a service that keeps running: an exit it
+                # cannot restart any more fails the group, even with code 0.
+                handle.failure_reason = spent
         self._gone(rank)
 
     def _gone(self, rank: int) -> None:
@@ -310,7 +330,8 @@ class PContext:
         """Iterate over the group's lifecycle events, in order, until it stops.
 
         Yields :class:`WorkerStarted`, :class:`WorkerReady`,
-        :class:`WorkerExited`, :class:`WorkerRestarting` and, last,
+        :class:`WorkerExited`, :class:`WorkerRestarting`,
+        :class:`WorkerStalled` (with a watchdog) and, last,
         :class:`GroupStopped`; with ``lines=True`` also a :class:`LogLine` per
         line of every stream the supervisor reads (redirected, tee'd or
         probed). Events from before the call are replayed first. Several
@@ -386,7 +407,10 @@ class PContext:
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
         with watch_signals(
             lambda sig: self._changed.set(),
+            stop=self._signals.stop,
+            forward=self._signals.forward,
             on_repeat=lambda sig: self._escalate(f"second {sig.name}"),
+            on_forward=self._forward_signal,
         ) as watch:
             while True:
                 self._changed.clear()
@@ -394,9 +418,12 @@ class PContext:
                     watch.consumed = True
                     sig = watch.received
                     end = self._finish(sig, self._shutdown_timeout)
-                    await shielded(self._death_signal_sent(end))
-                    # The application's own handler for ``sig`` runs now.
-                    watch.signalled()
+                    try:
+                        await shielded(self._death_signal_sent(end))
+                    finally:
+                        # The application's own handler for ``sig`` runs now
+                        # (also when this wait() was cancelled meanwhile).
+                        watch.signalled()
                     await shielded(end)
                     raise SignalException(
                         f"Process {os.getpid()} got signal: {sig.value}", sigval=sig
@@ -427,9 +454,13 @@ class PContext:
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)
+        await self._close(death_sig, timeout, cancelled=False)
+
+    async def _close(self, death_sig: int, timeout: float, *, cancelled: bool) -> None:
         # Cancellations the task already had when close() began (leaving
-        # ``async with`` because of one): the next one is the second.
-        before = task_cancelling(asyncio.current_task())
+        # ``async with`` because of one - seen by __aexit__ on every Python,
+        # by Task.cancelling() on 3.11+): the next one is the second.
+        before = max(int(cancelled), task_cancelling(asyncio.current_task()))
 
         def on_cancel(count: int) -> None:
             if before + count >= 2:
@@ -442,7 +473,22 @@ class PContext:
         if self._kill_now.is_set() or self._result is not None:
             return
         self._kill_now.set()
+        self._signals.set_deadline(0.0)
         logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
+
+    def _forward_signal(self, sig: signal.Signals) -> None:
+        """Pass a forward-only signal to each running worker; the group keeps running.
+
+        Only the worker process itself gets it (not its process group: a
+        DataLoader child with the default action would die of SIGUSR1).
+        """
+        count = 0
+        for w in self._workers.values():
+            if w.alive:  # not reaped yet: the pid is still ours
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, sig)
+                    count += 1
+        logger.info("aiolaunch: forwarded %s to %d workers of %r", sig.name, count, self.name)
 
     async def _death_signal_sent(self, end: asyncio.Task[RunProcsResult]) -> None:
         sent = asyncio.ensure_future(self._sent.wait())
@@ -462,7 +508,26 @@ class PContext:
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
-        await terminate(workers, death_sig, grace, on_sent=self._sent.set, escalate=self._kill_now)
+        now = death_sig == signal.SIGKILL or self._kill_now.is_set()
+        self._signals.set_deadline(0.0 if now else grace)
+        try:
+            await terminate(
+                workers,
+                death_sig,
+                grace,
+                on_sent=self._sent.set,
+                escalate=self._kill_now,
+                token=self._token,
+            )
+        except asyncio.CancelledError:
+            # This task itself was cancelled: the loop is being torn down
+            # (asyncio.run cancels every task after a second Ctrl-C). The
+            # workers must still go - now, not after the grace period.
+            task_uncancel(asyncio.current_task())
+            self._escalate("cancellation of the event loop's tasks")
+            await terminate(workers, signal.SIGKILL, 0.0, token=self._token)
+        finally:
+            self._signals.release()
         await self._logs.aclose()
         for w in workers:
             w.release()
@@ -473,10 +538,7 @@ class PContext:
             self.stdouts,
             self.stderrs,
         )
-        self._result = self._forensics.amend(self._result)
-        if self._result.is_failed():
-            self._forensics.reported = write_report(self._forensics, self._result)
-        self._forensics.cleanup()
+        self._result = self._forensics.finish(self._result)
         # After the error files are written: a folder that holds one is kept.
         prune_empty_dirs(self._temp_dirs, self.name)
         self._bus.emit(
@@ -494,7 +556,8 @@ class PContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.close(timeout=self._shutdown_timeout)
+        cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        await self._close(signal.SIGTERM, self._shutdown_timeout, cancelled=cancelled)
 
     def __repr__(self) -> str:
         if self._result is not None:
@@ -507,75 +570,3 @@ class PContext:
             f"<{type(self).__name__} name={self.name!r} nprocs={self.nprocs} "
             f"state={state} pids={self.pids()}>"
         )
-
-
-class SubprocessContext(PContext):
-    """Binary workers (``entrypoint`` is a str): asyncio subprocesses.
-
-    Each leads its own process group, inherits the parent's environment plus
-    ``envs[rank]`` and ``TORCHELASTIC_ERROR_FILE``, and is killed by the
-    kernel if the supervisor dies (Linux; the worker's own children are
-    reached only through ``close()``).
-    """
-
-    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
-        from ._workers._binary import spawn_binary
-
-        assert isinstance(self.entrypoint, str)
-        env = {**os.environ, **self._env(rank)}
-        argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
-        return await spawn_binary(rank, argv, env, stdout, stderr)
-
-
-class MultiprocessContext(PContext):
-    """Function workers (``entrypoint`` is callable): multiprocessing children.
-
-    The function and its args travel by value where plain pickle cannot name
-    them (``__main__``, notebook cells, lambdas, closures). ``envs[rank]`` is
-    applied before they are unpickled. The return value is sent back as soon
-    as the function returns and lands in ``result.return_values[rank]``.
-    """
-
-    def __init__(self, *, fn_bytes: bytes, args_bytes: dict[int, bytes], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._fn_bytes = fn_bytes
-        self._args_bytes = args_bytes
-
-    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
-        from ._workers._function import spawn_function
-
-        return await spawn_function(
-            local_rank=rank,
-            name=self.name,
-            start_method=self.start_method,
-            fn=self._fn_bytes,
-            args=self._args_bytes[rank],
-            env=self._env(rank),
-            stdout=stdout,
-            stderr=stderr,
-            error_file=self.error_files.get(rank, ""),
-        )
-
-
-def _fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return OSError(
-        exc.errno,
-        f"{exc.strerror} while starting local rank {rank} of {nprocs} (the {rank} "
-        f"started were stopped): the open-file limit RLIMIT_NOFILE is {soft} (hard "
-        f"{hard}), and each worker holds up to 4 fds (2 pipes, 2 log files) until the "
-        "group ends. Raise it (`ulimit -n 65536`, or resource.setrlimit("
-        "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
-        "streams",
-    )
-
-
-def _signal_name(exitcode: int) -> str | None:
-    if exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return None

@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 #: The environment variable that names a worker's error file (torch's name).
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
-_NOT_AVAILABLE = "<N/A>"
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -155,8 +154,16 @@ def _enable_faulthandler() -> None:
         return
     try:
         faulthandler.enable(all_threads=True)
-    except (AttributeError, ValueError, OSError) as exc:  # no usable sys.stderr (notebooks)
-        logger.debug("faulthandler not enabled: %r", exc)
+    except Exception as exc:
+        # No usable sys.stderr (pythonw, some notebooks and services: it is
+        # None or has no fileno): the function must run anyway, as torch's does.
+        import warnings
+
+        warnings.warn(
+            f"Unable to enable fault handler. {type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _record_exception(exc: Exception) -> None:

@@ -18,7 +18,7 @@ Input errors are builtin exceptions (``ValueError``, ``TypeError``,
 Each exception builds its message in ``__init__`` from its fields, and those
 with constructor arguments beyond a message define ``__reduce__``, so they
 survive pickling (e.g. a ``ChildFailedError`` raised in a function worker).
-This is a leaf module: it imports nothing else from aiolaunch at run time.
+Nearly a leaf module: at run time it imports only the leaf ``_signames``.
 """
 
 from __future__ import annotations
@@ -28,19 +28,18 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
+from ._signames import describe_signal, exit_signal_name
+
 if TYPE_CHECKING:
     from ._results import ProcessFailure
 
-__all__ = ["ChildFailedError", "MainProcessError", "SignalException", "WorkerError"]
-
-_NOT_AVAILABLE = "<N/A>"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+__all__ = [
+    "ChildFailedError",
+    "MainProcessError",
+    "SignalException",
+    "WorkerError",
+    "fd_limit_error",
+]
 
 
 class SignalException(Exception):
@@ -77,8 +76,8 @@ class ChildFailedError(Exception):
     The summary (:meth:`format_msg`) has the shape of torch's
     ``ChildFailedError``: a title, the other failures, then the *root cause*,
     the failure observed first (earliest :attr:`ProcessFailure.timestamp`;
-    ties go to the failure that comes first in ``failures``, which aiolaunch
-    fills in exit order). Raising it from a function decorated with
+    ties go to the lowest rank - the rule of ``aiolaunch._results.root_cause``,
+    shared with :func:`aiolaunch.launch` and the agent). Raising it from a function decorated with
     :func:`aiolaunch.record` copies the root cause's error file to the
     caller's ``$TORCHELASTIC_ERROR_FILE``, as torch does.
 
@@ -100,10 +99,12 @@ class ChildFailedError(Exception):
     def get_first_failure(self) -> tuple[int, ProcessFailure]:
         """The root cause: ``(rank, failure)`` with the earliest timestamp.
 
-        Ties go to the first of them in ``failures`` order (as torch).
+        Ties go to the lowest rank (torch takes the first in ``failures``
+        order; one deterministic rule for every caller instead).
         """
-        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
-        return rank, self.failures[rank]
+        from ._results import root_cause
+
+        return root_cause(self.failures)
 
     def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
         """The summary: title, other failures, root cause (torch's layout).
@@ -154,19 +155,15 @@ class ChildFailedError(Exception):
 
 
 def _format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
-    # ``message`` is a str (signals, no error file) or the error file's dict:
-    # show the traceback, else its message, else <N/A>.
-    message = failure.message
-    if isinstance(message, dict):
-        extra = message.get("extraInfo")
-        text = extra.get("py_callstack") if isinstance(extra, dict) else None
-        if not isinstance(text, str):
-            text = str(message.get("message", _NOT_AVAILABLE))
-        text = text.rstrip("\n").replace("\n", "\n  ")  # indent the traceback
-    else:
-        text = str(message)
-    sig = failure.signal_name()
-    sig_str = f" ({sig})" if sig != _NOT_AVAILABLE else ""
+    # The recorded traceback, else the message (a signal's description, or
+    # the error file's message).
+    text = failure.py_callstack
+    if text is None:
+        text = failure.error_message
+    # Indent a traceback, or the quoted stderr lines of a message.
+    text = text.rstrip("\n").replace("\n", "\n  ")
+    sig = exit_signal_name(failure.exitcode)
+    sig_str = f" ({sig})" if sig else ""
     return (
         f"[{idx}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"
@@ -182,16 +179,43 @@ class WorkerError(Exception):
     """:func:`aiolaunch.launch`: a worker failed; the other workers were stopped.
 
     ``str(exc)`` is ``worker[<worker_id>] failed with exitcode=<exitcode>``.
-    The worker's traceback (if recorded) is in its error file and was logged.
+    Like torch's ``mp.spawn`` ``ProcessRaisedException``, it carries what the
+    worker raised: :attr:`error_type` (e.g. ``"ValueError"``),
+    :attr:`error_message`, :attr:`traceback` (the child's, as text) - each
+    ``None`` when the worker died without a Python exception; then
+    :attr:`error_message` says how it died (exit code or signal, last stderr
+    lines). On Python 3.11+ the child's traceback is also added as a note, so
+    an uncaught ``WorkerError`` shows it. :attr:`failure` is the whole
+    :class:`ProcessFailure` (``None`` when built by hand).
 
     :param exitcode: the worker's exit status (``-N``: killed by signal ``N``).
     :param worker_id: the worker's rank.
+    :param failure: the worker's failure, whose error fills the fields above.
     """
 
-    def __init__(self, exitcode: int, worker_id: int) -> None:
+    def __init__(
+        self, exitcode: int, worker_id: int, failure: ProcessFailure | None = None
+    ) -> None:
         self.exitcode = exitcode
         self.worker_id = worker_id
+        self.failure = failure
+        self.error_type: str | None = None
+        self.error_message: str | None = None
+        self.traceback: str | None = None
         super().__init__(f"worker[{worker_id}] failed with exitcode={exitcode}")
+        if failure is None:
+            return
+        text = failure.error_message
+        self.traceback = failure.py_callstack
+        if isinstance(failure.message, dict):
+            # A recorded exception: "<Type>: <message>".
+            kind, sep, rest = text.partition(": ")
+            self.error_type, self.error_message = (kind, rest) if sep else (kind, "")
+        else:
+            self.error_message = text
+        note = self.traceback or self.error_message
+        if note and hasattr(self, "add_note"):  # Python 3.11+
+            self.add_note(f"\n-- worker {worker_id} terminated with the following error:\n{note}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.exitcode, self.worker_id), self.__dict__)
@@ -213,7 +237,25 @@ class MainProcessError(Exception):
             description = signal.strsignal(signal_no) or "unknown signal"
         except ValueError:  # out of range
             description = "unknown signal"
-        super().__init__(f"{_signal_name(signal_no)} received, exiting due to {description}.")
+        super().__init__(f"{describe_signal(signal_no)} received, exiting due to {description}.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.signal_no,), self.__dict__)
+
+
+def fd_limit_error(exc: OSError, rank: int, nprocs: int) -> OSError:
+    """The ``OSError`` to raise when starting local rank ``rank`` of ``nprocs``
+    hit the open-file limit (``exc``: EMFILE or ENFILE): it names the limit
+    and the fix."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OSError(
+        exc.errno,
+        f"{exc.strerror} while starting local rank {rank} of {nprocs} (the {rank} "
+        f"started were stopped): the open-file limit RLIMIT_NOFILE is {soft} (hard "
+        f"{hard}), and each worker holds up to 4 fds (2 pipes, 2 log files) until the "
+        "group ends. Raise it (`ulimit -n 65536`, or resource.setrlimit("
+        "resource.RLIMIT_NOFILE, (hard, hard)) in the supervisor) or redirect fewer "
+        "streams",
+    )

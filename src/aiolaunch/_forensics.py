@@ -60,12 +60,11 @@ class Stall:
 
     def message(self) -> str:
         """The text that becomes the rank's ``ProcessFailure.message``."""
-        lines = [f"stalled: {self.reason}"]
-        if self.verdict_line:
-            lines.append(f"where: {self.verdict_line}")
-        if self.stacks_file:
-            lines.append(f"stacks: {self.stacks_file}")
-        return "\n  ".join(lines)
+        # The summary goes last, as an exception's line ends a traceback (the
+        # agent's one-line log of the root cause shows the last line).
+        head = f"stacks: {self.stacks_file}\n" if self.stacks_file else ""
+        where = f"; {self.verdict_line}" if self.verdict_line else ""
+        return f"{head}stalled: {self.reason}{where}"
 
 
 class Forensics:
@@ -75,8 +74,14 @@ class Forensics:
         self._ctx = ctx
         self.watchdog = watchdog
         self.log_dir, self._own_dir = _group_dir(ctx.error_files)
+        self.log_dir = os.path.abspath(self.log_dir)
         self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
-        os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        except OSError:
+            # A LogsSpecs with an unusual layout may leave no writable group
+            # folder: dumps still work from a private one.
+            self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
         self._activity: dict[int, RankActivity] = {}
         self._progress = re.compile(watchdog.progress) if watchdog and watchdog.progress else None
         self._dumps = 0
@@ -125,6 +130,8 @@ class Forensics:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._task = self._lines_task = None
+        for act in self._activity.values():
+            act.close()
         if self._server is not None:
             await self._server.aclose()
             self._server = None
@@ -134,6 +141,9 @@ class Forensics:
         if self._closed:
             return
         self._closed = True
+        for act in self._activity.values():
+            act.close()
+        self._activity.clear()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
         # A temporary log dir of our own is kept when it holds stacks or a report.
         if self._own_dir and not self._dumps and not self.reported:
@@ -143,7 +153,7 @@ class Forensics:
     def _rank_dir(self, rank: int) -> str:
         path = self._ctx.error_files.get(rank, "")
         if path and path != os.devnull:
-            return os.path.dirname(path)
+            return os.path.dirname(os.path.abspath(path))
         d = os.path.join(self.log_dir, str(rank))
         os.makedirs(d, exist_ok=True)
         return d
@@ -213,6 +223,7 @@ class Forensics:
             act = self._tracked(rank, w.pid, now)
             if self.watchdog is None or self._task is None:
                 act.sample(now, progress=False)  # no watchdog: sample on demand
+            act.refresh_stat()
             age = ctx._logs.last_output(rank)
             if age is not None:
                 act.seen(now - age)
@@ -228,6 +239,8 @@ class Forensics:
     def _tracked(self, rank: int, pid: int, now: float) -> RankActivity:
         act = self._activity.get(rank)
         if act is None or act.pid != pid:  # first sight, or a restarted rank
+            if act is not None:
+                act.close()
             act = self._activity[rank] = RankActivity(pid, now)
             act.sample(now, progress=self._progress is not None)
             act.last_active = now
@@ -274,30 +287,34 @@ class Forensics:
             for rank, w in list(ctx._workers.items()):
                 if not w.alive or rank in ctx._restarts.pending:
                     self.flagged.pop(rank, None)
+                    gone = self._activity.pop(rank, None)
+                    if gone is not None:
+                        gone.close()
                     continue
                 fresh = rank not in self._activity or self._activity[rank].pid != w.pid
                 act = self._tracked(rank, w.pid, now)
                 if fresh:
                     continue
-                if act.sample(now, progress=self._progress is not None) is None:
+                if not act.sample(now, progress=self._progress is not None):
                     continue
-                if self._progress is None:
-                    age = ctx._logs.last_output(rank)  # bytes the pipe readers saw
+                if self._progress is None and not act.sees_writes:
+                    # No /proc/<pid>/io here: what the log pipeline saw instead.
+                    age = ctx._logs.last_output(rank)
                     if age is not None:
                         act.seen(now - age)
                 idle = now - act.last_active
-                d_for = 0.0 if act.d_since is None else now - act.d_since
-                if idle < wd.stall_after and d_for < wd.stall_after:
+                if idle < wd.stall_after:
                     self.flagged.pop(rank, None)  # active again: the next stall is new
                     continue
                 if rank in self.flagged or rank in self.failing:
                     continue
-                if d_for >= wd.stall_after:
+                act.refresh_stat()
+                if act.state == "D":
                     where = wchan(w.pid)
-                    reason = f"in uninterruptible sleep (D state) for {d_for:.1f}s" + (
-                        f" in {where}" if where else ""
+                    reason = (
+                        f"in uninterruptible sleep (D state){f' in {where}' if where else ''}, "
+                        f"no CPU for {idle:.1f}s (stall_after={wd.stall_after:g}s)"
                     )
-                    idle = max(idle, d_for)
                 else:
                     what = "no progress line" if self._progress is not None else "no output"
                     reason = f"{what} and no CPU for {idle:.1f}s (stall_after={wd.stall_after:g}s)"
@@ -305,7 +322,10 @@ class Forensics:
                 self.flagged[rank] = stall
                 newly.append(stall)
             if newly:
-                await self._on_stall(wd, newly)
+                try:
+                    await self._on_stall(wd, newly)
+                except Exception:  # the watchdog must outlive a failed dump or report
+                    logger.exception("aiolaunch: handling the stall of %r failed", ctx.name)
 
     async def _on_stall(self, wd: Watchdog, stalls: list[Stall]) -> None:
         from ._events import WorkerStalled
@@ -335,7 +355,15 @@ class Forensics:
         )  # fmt: skip
         if wd.action == "observe":
             return
-        for s in stalls:
+        # Ranks that stalled together usually wait for one another: when some
+        # of them are the odd ones out, those are the failure, and the rest
+        # (stopped by aiolaunch) are listed as stalled in the report only.
+        chosen = [s for s in stalls if s.rank in report.outliers]
+        if not chosen:
+            # The odd one out may have gone quiet a moment after the others
+            # (its stall would be detected next period): it is still the cause.
+            chosen = self._quiet_outliers(wd, report.outliers, files) or stalls
+        for s in chosen:
             w = ctx._workers.get(s.rank)
             if (
                 wd.action == "restart"
@@ -352,7 +380,39 @@ class Forensics:
         if self.failing:
             ctx._changed.set()
 
+    def _quiet_outliers(
+        self, wd: Watchdog, outliers: list[int], files: dict[int, str]
+    ) -> list[Stall]:
+        now = time.monotonic()
+        out: list[Stall] = []
+        for rank in outliers:
+            act = self._activity.get(rank)
+            if act is None or now - act.last_active < wd.period:
+                continue
+            idle = now - act.last_active
+            reason = f"no output and no CPU for {idle:.1f}s while its peers stalled"
+            s = Stall(rank, act.pid, round(idle, 3), reason, detected=time.time())
+            s.verdict_line = (self.stall_report.line_for(rank) if self.stall_report else "") or ""
+            s.stacks_file = files.get(rank, "")
+            self.flagged[rank] = s
+            out.append(s)
+        return out
+
     # -- result ---------------------------------------------------------------
+    def finish(self, result: RunProcsResult) -> RunProcsResult:
+        """The group ended: amend ``result``, write the report if it failed, clean up."""
+        from ._report import write_report
+
+        result = self.amend(result)
+        if result.is_failed():
+            self.reported = write_report(self, result)
+            if self.reported is not None:
+                logger.warning(
+                    "aiolaunch: group %r failed; report: %s", self._ctx.name, self.reported[1]
+                )
+        self.cleanup()
+        return result
+
     def amend(self, result: RunProcsResult) -> RunProcsResult:
         """Put the stalled ranks first among ``result.failures``, saying why."""
         from ._results import ProcessFailure
@@ -360,7 +420,10 @@ class Forensics:
         if not self.failing:
             return result
         failures: dict[int, ProcessFailure] = {}
-        for rank, s in sorted(self.failing.items()):
+        # The outliers first: among ranks stalled together, the odd one out is
+        # the root cause (the others wait for it).
+        outliers = set(self.stall_report.outliers) if self.stall_report else set()
+        for rank, s in sorted(self.failing.items(), key=lambda kv: (kv[0] not in outliers, kv[0])):
             old = result.failures.get(rank)
             w = self._ctx._workers[rank]
             f = old or ProcessFailure(
@@ -370,7 +433,7 @@ class Forensics:
                 error_file=self._ctx.error_files.get(rank, ""),
             )
             f.message = s.message()
-            f.timestamp = min(f.timestamp, int(s.detected))  # the root cause
+            f.timestamp = min(f.timestamp, int(s.detected))
             failures[rank] = f
         for rank, f in result.failures.items():
             failures.setdefault(rank, f)

@@ -20,15 +20,38 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._types import Std, to_map
-from ._validate import check_log_dir_writable, check_std, log_dir_error
+from ._types import Std, StdSpec, to_map
+from ._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "plain_logs_dest", "prune_empty_dirs"]
+__all__ = [
+    "DefaultLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
+    "attempt_dir_path",
+    "make_run_dir",
+    "plain_logs_dest",
+    "prune_empty_dirs",
+]
 
 logger = logging.getLogger("aiolaunch")
+
+
+def make_run_dir(root: str, run_id: str) -> str:
+    """Create ``{root}/{run_id}_<unique>``, the folder of one run: unique, so that
+    a ``log_dir`` can be reused (torch's layout)."""
+    return tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
+
+
+def attempt_dir_path(run_dir: str, attempt: int | str, membership_round: int = 0) -> str:
+    """``{run_dir}/attempt_{attempt}`` - with ``_round_{n}`` for a membership
+    change of an elastic agent - the folder of one attempt's rank folders."""
+    name = f"attempt_{attempt}"
+    if membership_round:
+        name += f"_round_{membership_round}"
+    return os.path.join(run_dir, name)
 
 
 @dataclass
@@ -111,11 +134,7 @@ class DefaultLogsSpecs(LogsSpecs):
                 self._temp = True
             else:
                 log_dir = os.fspath(log_dir)
-                if os.path.isfile(log_dir):
-                    raise NotADirectoryError(
-                        f"log_dir={log_dir!r} is a file; pass a directory (it is created "
-                        "if missing)"
-                    )
+                check_log_dir_not_file("log_dir", log_dir)
                 check_log_dir_writable("DefaultLogsSpecs(log_dir)", log_dir)
                 try:
                     os.makedirs(log_dir, exist_ok=True)
@@ -151,8 +170,8 @@ class DefaultLogsSpecs(LogsSpecs):
                 self._run_log_dir = None
         if self._run_log_dir is None:
             assert self._root_log_dir is not None
-            self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self._root_log_dir)
-        attempt_dir = os.path.join(self._run_log_dir, f"attempt_{attempt}")
+            self._run_log_dir = make_run_dir(self._root_log_dir, run_id)
+        attempt_dir = attempt_dir_path(self._run_log_dir, attempt)
         os.makedirs(attempt_dir, exist_ok=True)
         dest = _layout(
             attempt_dir, envs, nprocs, self._redirects, self._tee, self._local_ranks_filter
@@ -246,8 +265,8 @@ def _layout(
     base: str,
     envs: dict[int, dict[str, str]],
     nprocs: int,
-    redirects: Std | dict[int, Std],
-    tee: Std | dict[int, Std],
+    redirects: StdSpec,
+    tee: StdSpec,
     local_ranks_filter: set[int] | None,
 ) -> LogsDest:
     redirs = to_map(redirects, nprocs)
@@ -294,8 +313,8 @@ def _mkdir_nofollow(path: str) -> None:
 def plain_logs_dest(
     log_dir: str,
     envs: dict[int, dict[str, str]],
-    redirects: Std | dict[int, Std],
-    tee: Std | dict[int, Std],
+    redirects: StdSpec,
+    tee: StdSpec,
     local_ranks_filter: set[int] | None = None,
 ) -> LogsDest:
     """aiolaunch's own layout: ``{log_dir}/{rank}/...`` (``log_dir`` must exist)."""

@@ -304,6 +304,8 @@ class Readiness:
         finally:
             probe_task.cancel()
             exit_task.cancel()
+            if lines is not None and self._lines.get(rank) is lines:
+                del self._lines[rank]  # nobody reads them any more: stop feeding
         if not probe_task.done() or probe_task.cancelled():
             return
         error = probe_task.exception()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,15 +25,9 @@ _TAIL_LINES = 20
 
 
 def _tail(path: str, n: int = _TAIL_LINES) -> list[str]:
-    if not path or path == os.devnull:
-        return []
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return []
-    return list(deque(lines, maxlen=n))
+    from ._results import tail_lines
+
+    return tail_lines(path, n)
 
 
 def build_report(fx: Forensics, result: RunProcsResult | None) -> dict[str, Any]:

@@ -32,7 +32,9 @@ class RestartPolicy:
         ``"on-failure"`` (restart after a non-zero exit or a signal), or
         ``"always"`` (also after exit code 0: a service that must keep running).
     :param max_restarts: the restart budget: at most this many restarts of one
-        worker within ``window`` seconds; one more exit then fails the group.
+        worker within ``window`` seconds; one more exit then fails the group -
+        in mode ``"always"`` an exit with code 0 too (a failure whose message
+        says the budget is spent).
     :param window: seconds of the budget's sliding window.
     :param backoff: delay before the first restart; doubles with each restart
         in the window, up to ``max_backoff``.
@@ -85,14 +87,18 @@ class RestartTracker:
     policy: RestartPolicy
     attempts: int = 0
     recent: deque[float] = field(default_factory=deque)
+    #: the last exit wanted a restart but the budget was spent
+    spent: bool = False
 
     def next_delay(self, exitcode: int, now: float) -> float | None:
         """The delay before the next start, or ``None``: do not restart."""
+        self.spent = False
         if not self.policy.wants_restart(exitcode):
             return None
         while self.recent and now - self.recent[0] > self.policy.window:
             self.recent.popleft()
         if len(self.recent) >= self.policy.max_restarts:
+            self.spent = True
             return None
         delay: float = min(self.policy.max_backoff, self.policy.backoff * 2.0 ** len(self.recent))
         if self.policy.jitter:
@@ -147,6 +153,19 @@ class Restarts:
         self.pending.add(rank)
         self._counts[rank] = self._counts.get(rank, 0) + 1
         return delay, tracker.attempts
+
+    def budget_spent(self, rank: int) -> str | None:
+        """Why ``rank``'s last exit ends it although its policy wanted a
+        restart (the budget is spent), for the failure message; else ``None``."""
+        tracker = self._trackers.get(rank)
+        if tracker is None or not tracker.spent:
+            return None
+        p = tracker.policy
+        return (
+            f"local rank {rank} exited with its restart budget spent: "
+            f"RestartPolicy({p.mode!r}) allows {p.max_restarts} restart(s) within "
+            f"{p.window:g}s"
+        )
 
     def run(self, rank: int, restart: Callable[[], Awaitable[None]]) -> None:
         """Run ``restart()`` for a planned restart of ``rank``, in a task, after

@@ -2,8 +2,8 @@
 
 Both classes are plain dataclasses that pickle by value (no file is read on
 unpickling), so results can cross process boundaries. :func:`build_result`
-makes a group's result from its worker handles. Nearly a leaf module: only
-``build_result`` imports (lazily) the error-file writer.
+makes a group's result from its worker handles. Nearly a leaf module: it imports
+the leaf ``_signames``, and ``build_result`` (lazily) the error-file writer.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from ._signames import exit_signal_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from ._types import JSON
     from ._workers._handle import WorkerHandle
 
-__all__ = ["ProcessFailure", "RunProcsResult", "build_result"]
+__all__ = ["ProcessFailure", "RunProcsResult", "build_result", "root_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,25 @@ logger = logging.getLogger(__name__)
 NOT_AVAILABLE = "<N/A>"
 
 _NO_TRACEBACK_HINT = "To enable traceback, decorate the entrypoint with @aiolaunch.record"
+
+#: Lines of a worker's stderr log quoted when it died without an exception.
+STDERR_TAIL_LINES = 10
+
+
+def tail_lines(path: str, n: int) -> list[str]:
+    """The last ``n`` lines of the log file ``path`` (its last 64 KiB at most).
+
+    ``[]`` when there is no such file (``""``, ``/dev/null``, unreadable).
+    """
+    if not path or path == os.devnull:
+        return []
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    return list(deque(lines, maxlen=n))
 
 
 def _empty_error_data() -> JSON:
@@ -66,7 +87,9 @@ class ProcessFailure:
       ``{"message": "<Type>: <msg>", "extraInfo": {"py_callstack": ...,
       "timestamp": ...}}`` as in torch, or a plain string in the older
       format - and ``timestamp`` the time the error was recorded.
-    * Otherwise ``error_file`` becomes ``"<N/A>"``, ``timestamp`` is now, and
+    * Otherwise ``error_file`` becomes ``"<N/A>"``, ``timestamp`` is now
+      (``time.time()``, sub-second; a supervisor sets it to the moment it
+      detected the exit), and
       ``message`` is made up: ``"Signal 9 (SIGKILL) received by PID 123"`` for
       a worker killed by a signal (``exitcode == -signum``), else a hint to
       decorate the entrypoint with ``@record``.
@@ -90,12 +113,14 @@ class ProcessFailure:
     error_file: str
     error_file_data: JSON = field(init=False)
     message: str | JSON = field(init=False)  # the error file's dict, as in torch
-    timestamp: int = field(init=False)
+    #: unix seconds: whole seconds from an error file (torch writes
+    #: ``int(time.time())``), else sub-second (see :func:`root_cause`)
+    timestamp: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.error_file_data = _empty_error_data()
         self.message = ""
-        self.timestamp = int(time.time())
+        self.timestamp = time.time()
         if self.error_file and os.path.isfile(self.error_file):
             self._read_error_file()
         else:
@@ -146,16 +171,11 @@ class ProcessFailure:
         :returns: the name when ``exitcode`` is ``-N`` for a known signal
             ``N``, else ``"<N/A>"`` (torch's placeholder).
         """
-        if self.exitcode < 0:
-            try:
-                return signal.Signals(-self.exitcode).name
-            except ValueError:
-                return NOT_AVAILABLE
-        return NOT_AVAILABLE
+        return exit_signal_name(self.exitcode) or NOT_AVAILABLE
 
     def timestamp_isoformat(self) -> str:
         """:attr:`timestamp` as local time, ``YYYY-MM-DD_HH:MM:SS`` (torch's format)."""
-        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+        return datetime.fromtimestamp(int(self.timestamp)).isoformat(sep="_")
 
     @property
     def error_message(self) -> str:
@@ -199,6 +219,23 @@ class RunProcsResult:
         return len(self.failures) > 0
 
 
+def root_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The root cause of a failed group: ``(rank, failure)`` observed first.
+
+    The one rule, used by :class:`ChildFailedError`, :func:`aiolaunch.launch`
+    and the agent: the earliest :attr:`ProcessFailure.timestamp`; ties go to
+    the lowest rank (deterministic, whatever the order of ``failures``).
+    Timestamps are sub-second for failures the supervisor observed (exit
+    detection time) and whole seconds for those read from an error file.
+
+    :raises ValueError: if ``failures`` is empty.
+    """
+    if not failures:
+        raise ValueError("root_cause() needs at least one failure")
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    return rank, failures[rank]
+
+
 def build_result(
     workers: Mapping[int, WorkerHandle],
     failed: Iterable[int],
@@ -214,6 +251,11 @@ def build_result(
         the order of ``failures``. A failure without an error file whose
         handle knows why (``failure_reason``, e.g. a function worker that
         exited 0 without returning) gets that reason written as its error file.
+        A failure the worker did not record itself is timestamped with the
+        moment its exit was detected (sub-second), not when this runs. A
+        function worker that died without a Python exception (``os._exit``,
+        a signal) gets its exit code or signal and the last lines of its
+        stderr log as ``message`` (not torch's "decorate with @record" hint).
     :returns: the return values of every rank that exited 0 on its own when
         nothing failed, else the failures only.
     """
@@ -221,12 +263,20 @@ def build_result(
     for rank in failed:
         w = workers[rank]
         error_file = error_files.get(rank, "")
+        recorded = bool(error_file) and os.path.isfile(error_file)
         if w.failure_reason is not None and error_file and error_file != os.devnull:
             _record_reason(error_file, w.failure_reason)
         assert w.returncode is not None
-        failures[rank] = ProcessFailure(
+        failure = ProcessFailure(
             local_rank=rank, pid=w.pid, exitcode=w.returncode, error_file=error_file
         )
+        if not recorded and w.exit_time is not None:
+            failure.timestamp = w.exit_time
+        if not recorded and w.failure_reason is None and w.records_exceptions:
+            # "Decorate with @record" cannot help a function worker: it
+            # records every exception it raises. It died without one.
+            failure.message = _died_without_exception(failure, stderrs.get(rank, ""))
+        failures[rank] = failure
     return_values: dict[int, Any] = {}
     if not failures:
         for rank, w in sorted(workers.items()):
@@ -238,6 +288,24 @@ def build_result(
         stdouts=dict(stdouts),
         stderrs=dict(stderrs),
     )
+
+
+def _died_without_exception(failure: ProcessFailure, stderr: str) -> str:
+    if failure.exitcode < 0:
+        text = (
+            f"Signal {-failure.exitcode} ({failure.signal_name()}) received by PID "
+            f"{failure.pid}: local rank {failure.local_rank} died without a Python exception"
+        )
+    else:
+        text = (
+            f"local rank {failure.local_rank} (pid {failure.pid}) exited with code "
+            f"{failure.exitcode} without raising a Python exception (os._exit(), or a "
+            "crash in native code)"
+        )
+    lines = tail_lines(stderr, STDERR_TAIL_LINES)
+    if lines:
+        text += f"; the last lines of its stderr ({stderr}):\n" + "\n".join(lines)
+    return text
 
 
 def _record_reason(path: str, reason: str) -> None:

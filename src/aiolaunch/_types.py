@@ -1,4 +1,5 @@
-"""Small shared types: :class:`Std`, :func:`to_map` and the package's type aliases.
+"""Small shared types: :class:`Std`, :func:`to_map`, the package's type aliases
+and :class:`PerProcess`, the fork-aware per-process singleton.
 
 This is a leaf module: it imports nothing else from aiolaunch, so function
 workers and the error-file helpers can import it cheaply.
@@ -6,17 +7,21 @@ workers and the error-file helpers can import it cheaply.
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from enum import IntFlag
-from typing import Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
-__all__ = ["JSON", "RankMap", "Std", "StdSpec", "to_map"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["JSON", "START_METHODS", "PerProcess", "Std", "StdSpec", "to_map"]
+
+#: The multiprocessing start methods a function worker may use (CLI choices too).
+START_METHODS = ("spawn", "fork", "forkserver")
 
 _T = TypeVar("_T")
-
-#: ``{local_rank: value}``; every per-rank argument of the API has this shape
-#: (``args``, ``envs``, ``stdouts``, ``failures``...).
-RankMap: TypeAlias = dict[int, _T]
 
 #: A decoded JSON object, e.g. the contents of an error file.
 JSON: TypeAlias = dict[str, Any]
@@ -103,3 +108,34 @@ def to_map(val_or_map: Std | dict[int, Std], local_world_size: int) -> dict[int,
         value = Std(val_or_map)
         return dict.fromkeys(range(local_world_size), value)
     return {rank: Std(val_or_map.get(rank, Std.NONE)) for rank in range(local_world_size)}
+
+
+class PerProcess(Generic[_T]):
+    """A value made once per process, on first use: the fork-aware singleton.
+
+    A child forked from the process that made the value makes its own on its
+    first :meth:`get` - it never uses its parent's threads, pipes or helper
+    processes, which a fork does not carry over (threads) or which belong to
+    the parent (a pipe whose only writer must be the supervisor). The parent's
+    value is left alone in the child: closing it there could break the
+    parent's use of shared fds. Thread-safe.
+    """
+
+    def __init__(self, make: Callable[[], _T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._value: tuple[int, _T] | None = None
+
+    def get(self) -> _T:
+        """This process's value, made now if it has none yet."""
+        with self._lock:
+            if self._value is None or self._value[0] != os.getpid():
+                self._value = (os.getpid(), self._make())
+            return self._value[1]
+
+    def peek(self) -> _T | None:
+        """This process's value if it was made, else ``None``; makes nothing."""
+        value = self._value
+        if value is None or value[0] != os.getpid():
+            return None
+        return value[1]

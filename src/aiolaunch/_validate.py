@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._types import Std
+from ._types import START_METHODS, Std
 
 __all__ = [
     "START_METHODS",
@@ -25,8 +25,6 @@ __all__ = [
     "check_std",
     "pickle_payloads",
 ]
-
-START_METHODS = ("spawn", "fork", "forkserver")
 
 
 def _check_rank_keys(what: str, d: Mapping[int, Any], nprocs: int) -> None:
@@ -163,6 +161,16 @@ def check_log_dir_writable(what: str, path: str) -> None:
         )
 
 
+def check_log_dir_not_file(what: str, path: str) -> None:
+    """Refuse a log folder that exists as a file (:class:`NotADirectoryError`
+    naming ``what``): the one rule for ``start_processes``, ``DefaultLogsSpecs``
+    and the agent."""
+    if os.path.isfile(path):
+        raise NotADirectoryError(
+            f"{what}={path!r} is a file; pass a directory (created if missing) or None"
+        )
+
+
 def log_dir_error(what: str, path: str, exc: OSError) -> OSError:
     """A clear error for a log folder whose creation failed (``exc`` as cause)."""
     return type(exc)(
@@ -295,10 +303,7 @@ def check_start_inputs(
             path = os.fspath(log_dir)
             if not isinstance(path, str) or "\0" in path:
                 raise ValueError(f"log_dir={path!r} must be a str path without NUL bytes")
-            if os.path.isfile(path):
-                raise NotADirectoryError(
-                    f"log_dir={path!r} is a file; pass a directory (created if missing) or None"
-                )
+            check_log_dir_not_file("log_dir", path)
             if os.path.isdir(path) and os.listdir(path):
                 raise ValueError(
                     f"log_dir={path!r} is not empty; pass an empty or new directory, or None "

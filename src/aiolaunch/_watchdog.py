@@ -8,20 +8,27 @@ What counts as activity, per worker process, between two samples:
   the regex counts instead (read from the supervisor's pipes);
 - CPU: user+system time advanced by at least 10 % of one core;
 
-and a worker is *stalled* when it had neither for ``stall_after`` seconds, or
-sat in uninterruptible sleep (D state) for ``stall_after`` seconds.
+and a worker is *stalled* when it had neither for ``stall_after`` seconds. A
+process in uninterruptible sleep (D state) has neither, so it is caught the
+same way; its state (and the kernel function it waits in) is read when it is
+flagged, and named in the reason.
 
-Sampling costs two small ``/proc`` reads per worker (the ``io`` read is
-skipped when the CPU already advanced), at most once a second per group; for
+Sampling costs two small ``/proc`` reads per worker, kept open and re-read
+with ``pread``: ``schedstat`` (CPU time) and, when the CPU did not advance,
+``io`` (``wchar``), at most once a second per group; for
 long ``stall_after`` the period grows to ``stall_after / 10`` (at most 30 s),
 so detection comes at most two periods after ``stall_after``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 from dataclasses import dataclass
+
+from ._workers._proc import ProcStat, parse_stat, read_stat
 
 __all__ = ["ProcSample", "RankActivity", "Watchdog", "read_proc"]
 
@@ -40,8 +47,9 @@ class Watchdog:
     ``WorkerSpec(watchdog=...)``, CLI ``--stall-timeout``). A worker is
     *stalled* when for ``stall_after`` seconds it wrote nothing (with
     ``progress``: no line matching it) **and** its CPU time did not advance
-    by 10 % of a core, or it sat in uninterruptible sleep (D state) that long.
-    A worker that keeps writing is never stalled.
+    by 10 % of a core. A worker in uninterruptible sleep (D state) has
+    neither, and its reason then names the D state and the kernel function
+    it waits in. A worker that keeps writing is never stalled.
 
     On a stall the context emits :class:`aiolaunch.WorkerStalled` once per
     stall (again only after the worker was active in between), dumps the
@@ -113,32 +121,35 @@ class ProcSample:
 
 def read_proc(pid: int, with_io: bool = True) -> ProcSample | None:
     """Read ``/proc/<pid>/stat`` (and ``io``); ``None`` when the process is gone."""
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-        try:
-            stat = os.read(fd, 4096)
-        finally:
-            os.close(fd)
-    except OSError:
+    stat = read_stat(pid)
+    if stat is None:
         return None
-    # The command name may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if len(fields) < 22:
-        return None
-    cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    wchar = _read_wchar(pid) if with_io else None
-    return ProcSample(fields[0].decode(), cpu, int(fields[21]) * _PAGE, wchar)
+    return _sample(stat, _read_wchar(pid) if with_io else None)
+
+
+def _parse_stat(raw: bytes, wchar: int | None) -> ProcSample | None:
+    stat = parse_stat(raw)
+    return None if stat is None else _sample(stat, wchar)
+
+
+def _sample(stat: ProcStat, wchar: int | None) -> ProcSample:
+    cpu = (stat.utime + stat.stime) / _CLK_TCK
+    return ProcSample(stat.state, cpu, stat.rss_pages * _PAGE, wchar)
 
 
 def _read_wchar(pid: int) -> int | None:
     try:
-        fd = os.open(f"/proc/{pid}/io", os.O_RDONLY)
+        fd = os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
         try:
             data = os.read(fd, 1024)
         finally:
             os.close(fd)
     except OSError:
         return None
+    return _parse_wchar(data)
+
+
+def _parse_wchar(data: bytes) -> int | None:
     i = data.find(b"wchar:")
     if i < 0:
         return None
@@ -162,7 +173,6 @@ class RankActivity:
         self.pid = pid
         self.last_active = now
         self.last_output: float | None = None
-        self.d_since: float | None = None
         self.cpu_percent = 0.0
         self.rss = 0
         self.state = "?"
@@ -171,22 +181,85 @@ class RankActivity:
         self._wchar: int | None = None
         #: a progress line matched since the last sample
         self.progressed = False
+        # /proc/<pid>/stat and io kept open and re-read with pread(): a third
+        # of the cost of open+read+close each period (and a held fd can never
+        # read a recycled pid: it fails with ESRCH once the process is gone).
+        self._fds: dict[str, int | None] = {}
+        self._schedstat = True
 
-    def sample(self, now: float, *, progress: bool) -> ProcSample | None:
-        """Take a sample; update activity. ``None`` when the process is gone."""
-        s = read_proc(self.pid, with_io=False)
-        if s is None:
+    def _pread(self, name: str, size: int) -> bytes | None:
+        fd = self._fds.get(name, -1)
+        if fd == -1:
+            try:
+                fd = os.open(f"/proc/{self.pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    fd = None  # out of fds: read by path each time instead
+                else:
+                    return None
+            self._fds[name] = fd
+        try:
+            if fd is None:
+                with open(f"/proc/{self.pid}/{name}", "rb", buffering=0) as f:
+                    return f.read(size)
+            return os.pread(fd, size, 0)
+        except OSError:
             return None
+
+    def close(self) -> None:
+        """Close the held /proc fds. Idempotent."""
+        for fd in self._fds.values():
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fds.clear()
+
+    def _wchar_now(self) -> int | None:
+        data = self._pread("io", 1024)
+        return None if data is None else _parse_wchar(data)
+
+    def refresh_stat(self) -> bool:
+        """Read state and RSS from ``/proc/<pid>/stat``; ``False`` if it is gone."""
+        raw = self._pread("stat", 4096)
+        s = None if raw is None else _parse_stat(raw, None)
+        if s is None:
+            return False
+        self.state, self.rss = s.state, s.rss
+        return True
+
+    def _cpu_now(self) -> float | None:
+        # schedstat (CPU time in ns) is three times cheaper to read than stat.
+        if self._schedstat:
+            raw = self._pread("schedstat", 128)
+            if raw:
+                with contextlib.suppress(ValueError):
+                    return int(raw.split(None, 1)[0]) / 1e9
+        raw = self._pread("stat", 4096)
+        s = None if raw is None else _parse_stat(raw, None)
+        if s is None:
+            return None  # gone
+        self._schedstat = False  # the process is there, its schedstat is not
+        return s.cpu_s
+
+    def sample(self, now: float, *, progress: bool) -> bool:
+        """Take a sample; update activity. ``False`` when the process is gone.
+
+        State and RSS are not read here (see :meth:`refresh_stat`): a process
+        in D state has no CPU and no output anyway, so it is caught as idle.
+        """
+        cpu = self._cpu_now()
+        if cpu is None:
+            return False
         dt = now - self._t
         busy = False
         if self._cpu is not None and dt > 0:
-            used = s.cpu_s - self._cpu
+            used = cpu - self._cpu
             self.cpu_percent = 100.0 * used / dt
             busy = used >= CPU_BUSY_FRACTION * dt
         wrote = False
         if not progress:
             # Skip the second read when the CPU already says "active".
-            wchar = None if busy and self._wchar is not None else _read_wchar(self.pid)
+            wchar = None if busy and self._wchar is not None else self._wchar_now()
             if wchar is not None:
                 wrote = self._wchar is not None and wchar != self._wchar
                 self._wchar = wchar
@@ -196,13 +269,13 @@ class RankActivity:
             self.last_output = now
         if busy or wrote:
             self.last_active = now
-        self.state, self.rss = s.state, s.rss
-        if s.state == "D":
-            self.d_since = self.d_since if self.d_since is not None else now
-        else:
-            self.d_since = None
-        self._t, self._cpu = now, s.cpu_s
-        return s
+        self._t, self._cpu = now, cpu
+        return True
+
+    @property
+    def sees_writes(self) -> bool:
+        """Whether ``wchar`` could be read (it counts every write, to any fd)."""
+        return self._wchar is not None
 
     def seen(self, when: float) -> None:
         """Output was seen at ``when`` (monotonic) by other means (the pipe readers)."""
@@ -212,6 +285,6 @@ class RankActivity:
 
     def rebase(self) -> None:
         """Forget writes made since the last sample (our own stack dump, say)."""
-        wchar = _read_wchar(self.pid)
+        wchar = self._wchar_now()
         if wchar is not None:
             self._wchar = wchar

@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from _helpers import on_teardown, popen
+# One liveness rule for the whole suite (zombie = dead), re-exported here.
+from _helpers import alive, on_teardown, popen, proc_state, wait_dead
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -270,31 +271,6 @@ def say(**kw):
 
 say(pid=os.getpid())
 """
-
-
-def proc_state(pid: int) -> str | None:
-    """``/proc/<pid>/stat`` state letter, ``None`` when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    return proc_state(pid) not in (None, "Z", "X")
-
-
-def wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """Wait until none of ``pids`` is alive; return the survivors."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if alive(p)]
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.01)
 
 
 def descendants(root: int) -> set[int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from _faultkit import alive, read_pids, wait_dead
+from _faultkit import alive, descendants, read_pids, wait_dead
 
 import aiolaunch
 from aiolaunch import Std
@@ -285,43 +285,49 @@ async def test_setsid_descendants_with_intact_parent_chain_are_killed(tmp_path: 
 
 
 DAEMONIZE = """
-import os, sys, time
-pid_dir = sys.argv[1]
+import os, signal, sys, time
+pid_dir, ignore_term = sys.argv[1], sys.argv[2] == "1"
 if os.fork() == 0:
     os.setsid()
+    middle = os.getpid()
     if os.fork() == 0:
+        if ignore_term:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Handshake: announce only once the middle process exited and we were
+        # re-parented away - no parent chain leads from the worker to us.
+        while os.getppid() == middle:
+            time.sleep(0.01)
         open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w").write(f"{os.getpid()}.")
         time.sleep(30)
+        os._exit(0)
     os._exit(0)
 time.sleep(60)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="documented limit: a double-forked daemon (setsid, intermediate parent "
-    "exited) is re-parented to init before close() scans /proc; it is neither in "
-    "the worker's group nor among its descendants",
-)
-async def test_double_forked_daemon_escapes_close(tmp_path: Path) -> None:
-    """The limit of the descendant scan: classic daemonization escapes.
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["term", "ignores-term"])
+async def test_double_forked_daemon_is_killed_by_close(tmp_path: Path, ignore_term: bool) -> None:
+    """Classic daemonization no longer escapes ``close()``.
 
     worker -> child (setsid, exits) -> grandchild (sleeps). The grandchild is
     re-parented to init (or the nearest subreaper) and sits in another session
-    and group, so neither ``killpg`` nor the ppid walk finds it. Only a cgroup
-    (systemd scope) or a subreaper supervisor could contain it. The test cleans
-    up the escapee itself, so the leak check stays green.
+    and group, so neither ``killpg`` nor the ppid walk finds it; it still
+    carries the context's token in its environment (``AIOLAUNCH_CONTEXT``),
+    and ``close()`` scans ``/proc`` for it: SIGTERM, then SIGKILL after the
+    grace for one that ignores SIGTERM. The test cleans up an escapee itself,
+    so a failure stays a failure and not a leak.
     """
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     script = tmp_path / "daemon.py"
     script.write_text(DAEMONIZE)
+    daemon: list[int] = []
     escaped: list[int] = []
     try:
         async with aiolaunch.start_processes(
             name="d",
             entrypoint=sys.executable,
-            args={0: (str(script), str(pid_dir))},
+            args={0: (str(script), str(pid_dir), "1" if ignore_term else "0")},
             envs={0: {}},
             log_dir=str(tmp_path / "logs"),
             redirects=Std.ALL,
@@ -329,13 +335,16 @@ async def test_double_forked_daemon_escapes_close(tmp_path: Path) -> None:
         ) as ctx:
             daemon = read_pids(pid_dir, 1)
             assert len(daemon) == 1
-            await ctx.close(timeout=2)
-        escaped = wait_dead(daemon, 1)
+            worker = ctx.pids()[0]
+            assert daemon[0] not in descendants(worker), "precondition: the daemon escaped"
+            await ctx.close(timeout=1)
+        # close() returned: the daemon must already be gone (not merely dying).
+        escaped = [p for p in daemon if alive(p)]
         assert escaped == [], f"daemon {escaped} outlived close()"
     finally:
-        for pid in escaped:
+        for pid in escaped or [p for p in daemon if alive(p)]:
             os.kill(pid, signal.SIGKILL)
-        wait_dead(escaped, 5)
+        wait_dead(daemon, 5)
 
 
 FORK_TREE = """

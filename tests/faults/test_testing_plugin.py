@@ -178,6 +178,39 @@ def test_plugin_is_off_unless_asked(pytester: pytest.Pytester, tmp_path: Path) -
     assert set(outcomes.values()) == {"PASSED"}, proc.stdout + proc.stderr
 
 
+def test_plugin_sets_nothing_until_enabled(pytester: pytest.Pytester) -> None:
+    """Loaded (entry point) but not enabled: no environment variable appears;
+    enabled, the session token is set before the first test runs."""
+    pytester.makepyfile(
+        test_env=textwrap.dedent(
+            """
+            import os
+            import aiolaunch.testing
+
+            def test_env(pytestconfig):
+                assert pytestconfig.pluginmanager.has_plugin("aiolaunch")
+                print("TOKEN", os.environ.get(aiolaunch.testing.TOKEN_ENV))
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "AIOLAUNCH_LEAKCHECK_TOKENS"}
+    runs = {}
+    for mode, extra in (("off", []), ("on", ["--aiolaunch-leak-check"])):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *extra],
+            cwd=pytester.path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[mode] = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKEN")]
+    assert runs["off"] == ["TOKEN None"]
+    assert len(runs["on"]) == 1 and runs["on"][0] != "TOKEN None"
+
+
 def test_importing_aiolaunch_does_not_import_pytest() -> None:
     code = textwrap.dedent(
         """

@@ -290,7 +290,7 @@ def test_dedup_keeps_every_line_and_each_ranks_order() -> None:
         written: list[str] = []
 
         class Capture:
-            def write(self, stream: str, text: str) -> None:
+            def write(self, stream: str, text: str, lossless: bool = False) -> None:
                 written.append(text)
 
         async def run() -> None:

@@ -212,6 +212,12 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     elif not args.no_python:
         entrypoint = os.getenv("PYTHON_EXEC", sys.executable)
         cmd_args.append("-u")
+        if entrypoint == sys.executable:
+            # Through the bootstrap (same argv, __main__ and exit status as
+            # `python script.py`): `aiolaunch stacks` and the watchdog's dumps
+            # work with no change to the script. Another interpreter
+            # (PYTHON_EXEC) may not have aiolaunch: run it plainly.
+            cmd_args += ["-m", BOOTSTRAP]
         if args.module:
             cmd_args.append("-m")
         cmd_args.append(args.training_script)
@@ -259,7 +265,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
         endpoint = args.rdzv_endpoint
         if args.rdzv_backend == "static":
-            rdzv_conf["rank"] = args.node_rank  # type: ignore[assignment]
+            # A string like every --rdzv-conf value (torch reads it with get_as_int).
+            rdzv_conf["rank"] = str(args.node_rank)
             if not endpoint:
                 port_ = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
                 endpoint = f"{args.master_addr}:{port_}"
@@ -301,6 +308,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     elif os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
         timeout = float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
 
+    watchdog = _watchdog(args)
     spec = WorkerSpec(
         role=args.role,
         local_world_size=nproc,
@@ -319,6 +327,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         duplicate_stdout_filters=list(args.duplicate_stdout_filters) or None,
         duplicate_stderr_filters=list(args.duplicate_stderr_filters) or None,
         virtual_local_rank=bool(args.virtual_local_rank),
+        watchdog=watchdog,
     )
     return LaunchConfig(
         spec=spec,
@@ -359,6 +368,27 @@ def _numa_options(mode: str | None) -> Any:
             f"--numa-binding={mode} needs torch (pip install 'aiolaunch[torch]')"
         ) from None
     return NumaOptions(affinity_mode=AffinityMode(mode))
+
+
+BOOTSTRAP = "aiolaunch._bootstrap"
+
+
+def _watchdog(args: argparse.Namespace) -> Any:
+    if args.stall_timeout is None:
+        for flag, value in (
+            ("--on-stall", args.on_stall),
+            ("--progress-regex", args.progress_regex),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
+        return None
+    from .._watchdog import Watchdog
+
+    return Watchdog(
+        stall_after=float(args.stall_timeout),
+        progress=args.progress_regex or None,
+        action=args.on_stall or "fail",
+    )
 
 
 def _std(std_cls: Any, flag: str, value: str) -> Any:

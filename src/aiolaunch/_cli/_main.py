@@ -97,12 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
         return 1
     except SignalException as exc:
-        import signal
+        from .._signames import describe_signal
 
-        try:
-            name = signal.Signals(exc.sigval).name
-        except ValueError:
-            name = f"signal {exc.sigval}"
+        name = describe_signal(exc.sigval)
         print(f"aiolaunch: received {name}; all workers were stopped", file=sys.stderr)
         return 1
     finally:

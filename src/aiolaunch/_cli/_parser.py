@@ -9,6 +9,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
+from .._types import START_METHODS
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -156,7 +158,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_Env,
         type=str,
         default="spawn",
-        choices=["spawn", "fork", "forkserver"],
+        choices=list(START_METHODS),
         help="Multiprocessing start method (used with --run-path).",
     )
     add(
@@ -324,6 +326,36 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=None,
         help="Seconds between the death signal and SIGKILL when workers are stopped "
         "(default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).",
+    )
+    # -- hang forensics (aiolaunch's own) --
+    add(
+        "--stall-timeout",
+        "--stall_timeout",
+        action=_Env,
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Watchdog: a worker with no output and no CPU for this long is stalled; every "
+        "rank's stacks are dumped to LOG_DIR/<rank>/stacks-<n>.txt (default: off).",
+    )
+    add(
+        "--on-stall",
+        "--on_stall",
+        action=_Env,
+        choices=("observe", "fail", "restart"),
+        default=None,
+        help="What a stall does after the dump: report only (observe), stop the job and "
+        "report the stalled rank (fail, the default), or restart the group within "
+        "--max-restarts (restart). Needs --stall-timeout.",
+    )
+    add(
+        "--progress-regex",
+        "--progress_regex",
+        action=_Env,
+        default=None,
+        metavar="REGEX",
+        help="Watchdog: only output lines matching REGEX count as progress (e.g. '^step '). "
+        "Needs --stall-timeout.",
     )
     add(
         "--virtual-local-rank",

@@ -3,9 +3,12 @@
 Sinks on the event loop hand text to :class:`ConsoleWriter` and return at once;
 one writer thread does the (possibly slow) writes. So a slow console - a
 terminal being scrolled, a pipe nobody reads fast, a busy notebook - never
-stalls the event loop, the log files or the workers. If the console falls more
-than ``MAX_PENDING`` characters behind, further lines are dropped and counted,
-and a marker says so (the log files keep every byte).
+stalls the event loop, the log files or the workers. Lossless writers (tee'd
+log files, followed by ``_follow``) stop reading while the console is more
+than ``MAX_PENDING`` characters behind and resume on :meth:`ConsoleWriter.when_room`
+(the file keeps every byte meanwhile), so memory stays bounded and no line is
+lost. Other writers (pipes with nowhere else to keep bytes) have further
+lines dropped and counted past that backlog, and a marker says so.
 
 Progress bars:
 
@@ -30,9 +33,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import TextIO
 
+from .._types import PerProcess
+
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
 
 MAX_PENDING = 8 * 1024 * 1024
+# The console thread joins small writes into writes of at most this size.
+_PIECE = 1 << 20
 STATUS_INTERVAL = 0.1
 _CLEAR_LINE = "\r\x1b[K"
 
@@ -111,18 +118,53 @@ class ConsoleWriter:
         self._status_shown: dict[str, bool] = {"stdout": False, "stderr": False}
         self._last_draw = 0.0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._room: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
+        #: characters written so far (progress of a slow console)
+        self.written = 0
 
     # -- called on the event loop -----------------------------------------
-    def write(self, stream: str, text: str) -> None:
-        """Queue whole lines (or unprefixed passthrough text) for ``stream``."""
+    def write(self, stream: str, text: str, lossless: bool = False) -> None:
+        """Queue whole lines (or unprefixed passthrough text) for ``stream``.
+
+        Past a backlog of ``MAX_PENDING`` characters the text is dropped
+        (counted, and a marker written) - unless ``lossless``: then the caller
+        keeps the backlog bounded itself (:attr:`backlog`, :meth:`when_room`).
+        """
         with self._cond:
-            if self._pending + len(text) > MAX_PENDING:
+            if not lossless and self._pending + len(text) > MAX_PENDING:
                 self._dropped += text.count("\n") or 1
                 return
             self._queue.append((stream, text))
             self._pending += len(text)
             self._ensure_thread()
             self._cond.notify()
+
+    @property
+    def backlog(self) -> int:
+        """Characters queued and not yet taken by the console thread."""
+        return self._pending
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once on this loop when the console thread takes its next batch."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if not self._queue and not self._busy:
+                loop.call_soon(callback)
+                return
+            self._room.append((loop, callback))
+
+    async def settle(self, stall: float) -> bool:
+        """Wait until everything queued so far is written, as long as the console
+        keeps making progress: ``False`` if it wrote nothing for ``stall`` seconds."""
+        import anyio
+
+        while True:
+            before = self.written
+            with anyio.move_on_after(stall):
+                await self.flush()
+                return True
+            if self.written == before:
+                return False
 
     def set_status(self, stream: str, key: object, text: str | None) -> None:
         """Show ``text`` as ``key``'s in-place status line (TTY only); ``None`` clears."""
@@ -157,15 +199,26 @@ class ConsoleWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._waiters and not self._status_dirty:
+                while (
+                    not self._queue
+                    and not self._waiters
+                    and not self._room
+                    and not self._status_dirty
+                ):
                     self._cond.wait()
                 batch = list(self._queue)
                 self._queue.clear()
                 self._pending = 0
                 dropped, self._dropped = self._dropped, 0
                 waiters, self._waiters = self._waiters, []
+                room, self._room = self._room, []
                 status_changed = self._status_dirty
                 self._busy = bool(batch)
+            for loop, callback in room:
+                try:
+                    loop.call_soon_threadsafe(callback)
+                except RuntimeError:  # loop closed
+                    pass
             if dropped:
                 batch.append(
                     (
@@ -189,21 +242,27 @@ class ConsoleWriter:
                     time.sleep(wait)  # allowed: rate limit on the console thread
 
     def _emit(self, batch: list[tuple[str, str]], status_changed: bool) -> None:
-        # Merge consecutive writes to the same stream: fewer syscalls (one
-        # join per run, not repeated concatenation).
+        # Merge consecutive writes to the same stream into writes of up to
+        # _PIECE characters: few syscalls for many small lines, no copy of a
+        # big part (it goes out alone), and progress (`written`) a slow
+        # console's flush can see.
         runs: list[tuple[str, list[str]]] = []
+        size = 0
         for stream, text in batch:
-            if runs and runs[-1][0] == stream:
+            if runs and runs[-1][0] == stream and size + len(text) <= _PIECE:
                 runs[-1][1].append(text)
+                size += len(text)
             else:
                 runs.append((stream, [text]))
+                size = len(text)
         for stream, parts in runs:
-            text = "".join(parts)
+            text = parts[0] if len(parts) == 1 else "".join(parts)
             if self._status_shown.get(stream):
                 text = _CLEAR_LINE + text
                 self._status_shown[stream] = False
                 status_changed = True
             _write(stream, text)
+            self.written += len(text)
         if status_changed:
             with self._cond:
                 self._status_dirty = False
@@ -235,14 +294,9 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-_console: ConsoleWriter | None = None
-_console_lock = threading.Lock()
+_CONSOLE: PerProcess[ConsoleWriter] = PerProcess(ConsoleWriter)
 
 
 def console() -> ConsoleWriter:
     """The process-wide console writer (one per process, created on first use)."""
-    global _console
-    with _console_lock:
-        if _console is None or _console._pid != os.getpid():
-            _console = ConsoleWriter()
-        return _console
+    return _CONSOLE.get()

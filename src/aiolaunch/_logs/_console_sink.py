@@ -32,6 +32,8 @@ class ConsoleSink(Sink):
       tqdm bar in a worker never floods the console with one line per update.
     - A final line without newline is flushed, with a newline, at EOF.
     - With ``strip_ansi`` escape sequences are removed from the console copy.
+    - ``lossless``: the feeder bounds the console backlog itself (a followed
+      log file), so the console never drops these lines.
     """
 
     def __init__(
@@ -41,7 +43,9 @@ class ConsoleSink(Sink):
         dedup: ConsoleDedup | None = None,
         rank: int = 0,
         strip_ansi: bool = False,
+        lossless: bool = False,
     ) -> None:
+        self._lossless = lossless
         self._strip = strip_ansi
         self._stream = stream
         self._prefix = prefix
@@ -83,5 +87,7 @@ class ConsoleSink(Sink):
             return
         # Prefix every line with one C-level replace, not a Python loop.
         prefix = self._prefix
-        framed = prefix + block[:-1].replace("\n", "\n" + prefix) + "\n"
-        console().write(self._stream, _ANSI_RE.sub("", framed) if self._strip else framed)
+        framed = "".join((prefix, block[:-1].replace("\n", "\n" + prefix), "\n"))
+        if self._strip:
+            framed = _ANSI_RE.sub("", framed)
+        console().write(self._stream, framed, self._lossless)

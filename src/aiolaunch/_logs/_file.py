@@ -11,34 +11,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from .._types import PerProcess
 from ._sink import Sink
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["FileSink", "open_log_file"]
+__all__ = ["FileSink", "file_executor", "open_log_file"]
 
 _HIGH_WATER = 16 * 1024 * 1024
 _LOW_WATER = 4 * 1024 * 1024
 
-_executor: ThreadPoolExecutor | None = None
-_executor_pid = 0
-_executor_lock = threading.Lock()
+# Our own pool: the loop's default executor may be saturated by user work
+# (to_thread calls), and log writes must not queue behind it.
+_EXECUTOR: PerProcess[ThreadPoolExecutor] = PerProcess(
+    lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="aiolaunch-log")
+)
 
 
-def _file_executor() -> ThreadPoolExecutor:
-    # Our own pool: the loop's default executor may be saturated by user work
-    # (to_thread calls), and log writes must not queue behind it.
-    global _executor, _executor_pid
-    with _executor_lock:
-        if _executor is None or _executor_pid != os.getpid():
-            _executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="aiolaunch-log")
-            _executor_pid = os.getpid()
-        return _executor
+def file_executor() -> ThreadPoolExecutor:
+    """The process's log-writer pool (also closes inotify instances off the loop)."""
+    return _EXECUTOR.get()
 
 
 def open_log_file(path: str) -> int:
@@ -92,7 +88,7 @@ class FileSink(Sink):
         self._pending_bytes = 0
         self._drained.clear()
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(_file_executor(), _write_all, self._fd, chunks)
+        fut = loop.run_in_executor(file_executor(), _write_all, self._fd, chunks)
         self._in_flight = fut
         fut.add_done_callback(self._write_done)
 

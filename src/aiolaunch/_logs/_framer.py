@@ -42,6 +42,21 @@ def latest_state(line: str) -> str:
     return last + "\r" if line.endswith("\r") else last
 
 
+def _lines_within(text: str, end: int, limit: int) -> bool:
+    """Whether no line of ``text[:end]`` (whose last char is a newline) exceeds ``limit``.
+
+    Steps from the last newline of each ``limit + 1`` window: about
+    ``len / limit`` C-level searches, not one string per line.
+    """
+    pos = 0
+    while end - pos > limit:
+        nl = text.rfind("\n", pos, pos + limit + 1)
+        if nl < 0:
+            return False
+        pos = nl + 1
+    return True
+
+
 class LineFramer:
     """Frames one stream's bytes into whole lines.
 
@@ -78,13 +93,7 @@ class LineFramer:
         if (
             cut >= 0
             and "\r" not in text
-            and (
-                limit is None
-                or (
-                    len(text) - cut <= limit
-                    and (cut <= limit or max(map(len, text[:cut].split("\n"))) <= limit)
-                )
-            )
+            and (limit is None or (len(text) - cut <= limit and _lines_within(text, cut, limit)))
         ):
             # Fast path (no progress bars, no over-long line): one slice, no
             # Python loop over the lines.

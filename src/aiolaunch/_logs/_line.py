@@ -28,6 +28,12 @@ class LineSink(Sink):
         self._framer = LineFramer()
         self._synced = True
 
+    def wanted(self) -> bool:
+        return self._wanted()
+
+    def skip(self) -> None:
+        self._synced = False
+
     def feed(self, data: bytes) -> None:
         if not self._wanted():
             self._synced = False

@@ -28,18 +28,22 @@ class StreamPump(asyncio.Protocol):
     waits a bounded time for EOF, then reads synchronously whatever the kernel
     still buffers - every byte the worker wrote before exiting is there - and
     closes our end.
+
+    Fd ownership: the read end belongs to the transport from :meth:`open` on;
+    the transport closes it after EOF or :meth:`drain`'s ``close()``. The pump
+    keeps no fd number (a closed number is reused at once by the next
+    ``os.pipe()``, another rank's blocking pipe): the synchronous read goes
+    through the transport's file object, only while it is not closing.
     """
 
     def __init__(
         self,
         sinks: Sequence[Sink],
-        fd: int,
         rank: int = -1,
         on_data: Callable[[int], None] | None = None,
     ) -> None:
         self.sinks = list(sinks)
         self._on_data = on_data
-        self.fd = fd
         self.rank = rank
         self.transport: asyncio.ReadTransport | None = None
         self.eof = asyncio.Event()
@@ -56,11 +60,11 @@ class StreamPump(asyncio.Protocol):
         rank: int = -1,
         on_data: Callable[[int], None] | None = None,
     ) -> StreamPump:
-        """Start reading ``read_fd`` (ownership passes to the pump).
+        """Start reading ``read_fd`` (ownership passes to the pump's transport).
 
         ``on_data(rank)`` is called for every chunk read (the output age).
         """
-        pump = cls(sinks, read_fd, rank, on_data)
+        pump = cls(sinks, rank, on_data)
         loop = asyncio.get_running_loop()
         pipe = os.fdopen(read_fd, "rb", buffering=0)
         try:
@@ -97,13 +101,19 @@ class StreamPump(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _read_rest(self) -> None:
+        transport = self.transport
+        # A closing transport either saw EOF (every byte was delivered) or was
+        # closed by us; its fd may already be closed and its number reused.
+        if transport is None or transport.is_closing():
+            return
+        pipe = transport.get_extra_info("pipe")
+        if pipe is None:  # pragma: no cover - every pipe transport sets it
+            return
         # The transport made the fd non-blocking; read until the pipe is empty.
         while True:
             try:
-                data = os.read(self.fd, _READ_SIZE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+                data = os.read(pipe.fileno(), _READ_SIZE)
+            except (BlockingIOError, InterruptedError, OSError):
                 return
             if not data:
                 return

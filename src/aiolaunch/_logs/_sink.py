@@ -12,5 +12,12 @@ class Sink:
     def feed(self, data: bytes) -> None:
         raise NotImplementedError
 
+    def wanted(self) -> bool:
+        """Whether this sink needs bytes now (a stream nobody needs is not read)."""
+        return True
+
+    def skip(self) -> None:
+        """Bytes went by unread (nobody wanted them): resume at a line boundary."""
+
     async def aclose(self) -> None:
         """Flush everything fed so far and release resources. Idempotent."""

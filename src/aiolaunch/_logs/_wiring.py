@@ -9,6 +9,21 @@ with :meth:`LogWiring.drain_rank` before the new one is opened, so a rank's
 bytes stay in order. :meth:`LogWiring.aclose`, once every worker is gone, is
 the one place that owns the shutdown order: drain every stream -> flush the
 console dedup -> flush the console.
+
+Which path a stream takes (see docs/ARCHITECTURE.md):
+
+- redirected to a file, on Linux: **direct** - the worker's fd is the log
+  file itself (torch's way: no copy through the supervisor, the page cache is
+  the limit, bytes written before a SIGKILL are kept). A
+  :class:`~._follow.FileFollower` reads appended bytes, woken by inotify, only
+  for the tee console (lossless, catching up from the file), a readiness
+  probe or ``LogLine`` consumers; the output age is the file's mtime.
+- redirected, where inotify is unavailable: a pipe read by a
+  :class:`StreamPump` into a :class:`FileSink` (and the console sink).
+- the console, when ``sys.stdout`` is fd 1: inherited (zero copies); else (a
+  Jupyter kernel) or when a probe must see it: a pipe into a
+  :class:`PassthroughSink`.
+- ``os.devnull``: ``/dev/null``, unless a probe must see it (a pipe).
 """
 
 from __future__ import annotations
@@ -20,12 +35,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import anyio
-
 from ._console import console
 from ._console_sink import ConsoleSink
 from ._dedup import ConsoleDedup
-from ._file import FileSink
+from ._file import FileSink, open_log_file
+from ._follow import FileFollower
+from ._inotify import Inotify
 from ._passthrough import PassthroughSink
 from ._pump import StreamPump
 
@@ -44,7 +59,8 @@ __all__ = ["LogWiring", "RankStreams", "console_is_fd", "plan_stream"]
 # another session may hold them).
 DRAIN_TIMEOUT = 0.25
 # Tee'd lines are on the console before wait()/close() return - unless the
-# console is stuck, which must not hang the supervisor.
+# console takes nothing for this long (stuck), which must not hang the
+# supervisor. A console that is merely slow is waited for: no line is lost.
 CONSOLE_FLUSH_TIMEOUT = 5.0
 
 
@@ -118,6 +134,8 @@ class RankStreams:
     readers: list[tuple[int, list[Sink]]] = field(default_factory=list)
     #: every sink built (closed by discard)
     sinks: list[Sink] = field(default_factory=list)
+    #: log files the worker writes itself, followed by the supervisor
+    followers: list[FileFollower] = field(default_factory=list)
 
 
 class LogWiring:
@@ -145,8 +163,12 @@ class LogWiring:
         self._dest = dest
         self._prefixes = prefixes or {}
         self._strip_ansi = strip_ansi
-        self._dedup = ConsoleDedup(name, dedup_window) if dedup_window else None
+        self._dedup_window = dedup_window
+        self._dedup: ConsoleDedup | None = None
         self._pumps: list[StreamPump] = []
+        self._followers: list[FileFollower] = []
+        #: None: not decided yet (needs the loop); False: unavailable (pipes)
+        self._inotify: Inotify | bool | None = None
         self._used = False
         self._closed = False
         self._last_output: dict[int, float] = {}
@@ -170,12 +192,25 @@ class LogWiring:
             stream into lines for probes and ``LogLine`` events.
         """
         streams = RankStreams(rank)
+        inotify = self._direct()
+        if self._dedup_window and self._dedup is None:
+            self._dedup = ConsoleDedup(self._name, self._dedup_window, lossless=bool(inotify))
         try:
             for stream, path, tees in (
                 ("stdout", self._dest.stdouts[rank], self._dest.tee_stdouts),
                 ("stderr", self._dest.stderrs[rank], self._dest.tee_stderrs),
             ):
                 dedup = self._dedup if rank not in self._prefixes else None
+                child: int | None = None
+                if inotify is not None and path not in ("", os.devnull):
+                    child = self._open_direct(
+                        streams, inotify, rank, stream, path, rank in tees, dedup, line_sink
+                    )
+                    if stream == "stdout":
+                        streams.stdout = child
+                    else:
+                        streams.stderr = child
+                    continue
                 mode, sinks = plan_stream(
                     path,
                     rank in tees,
@@ -188,7 +223,7 @@ class LogWiring:
                 )
                 streams.sinks += sinks
                 if mode == INHERIT:
-                    child: int | None = None
+                    pass
                 elif mode == DEVNULL:
                     child = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
                     streams.child_ends.append(child)
@@ -213,9 +248,42 @@ class LogWiring:
             raise
         return streams
 
+    def _direct(self) -> Inotify | None:
+        if self._inotify is None:
+            self._inotify = Inotify.create() or False
+        return self._inotify if isinstance(self._inotify, Inotify) else None
+
+    def _open_direct(
+        self,
+        streams: RankStreams,
+        inotify: Inotify,
+        rank: int,
+        stream: str,
+        path: str,
+        tee: bool,
+        dedup: ConsoleDedup | None,
+        line_sink: Callable[[str], LineSink],
+    ) -> int:
+        fd = open_log_file(path)
+        streams.child_ends.append(fd)
+        sinks: list[Sink] = []
+        if tee:
+            sinks.append(
+                ConsoleSink(stream, self.prefix(rank), dedup, rank, self._strip_ansi, lossless=True)
+            )
+        sinks.append(line_sink(stream))
+        if stream in self._filters and tee:
+            sinks.append(self._filters[stream].sink(self.prefix(rank)))
+        streams.sinks += sinks
+        streams.followers.append(FileFollower(fd, sinks, rank, inotify, tee=tee))
+        return fd
+
     async def discard(self, streams: RankStreams) -> None:
         """The spawn failed: close ``streams``' fds and sinks."""
         _close_all(streams)
+        for follower in streams.followers:
+            follower.discard()
+        streams.followers.clear()
         for sink in streams.sinks:
             await sink.aclose()
 
@@ -224,6 +292,10 @@ class LogWiring:
         for fd in streams.child_ends:
             _close_quietly(fd)  # the child has its copy
         streams.child_ends.clear()
+        self._followers += streams.followers
+        if streams.followers:
+            self._used = True
+        streams.followers = []
         readers, streams.readers = streams.readers, []
         for i, (r_end, sinks) in enumerate(readers):
             try:
@@ -243,13 +315,19 @@ class LogWiring:
         self._last_output[rank] = time.monotonic()
 
     def last_output(self, rank: int) -> float | None:
-        """Seconds since ``rank`` last wrote to a stream the supervisor reads.
+        """Seconds since ``rank`` last wrote to a redirected or read stream.
 
-        ``None`` if it wrote nothing read so far (or its streams are not read:
-        inherited or discarded).
+        Pipes: when the supervisor last read from it; direct log files: the
+        file's mtime (kept by the kernel, nothing polled). ``None`` if it wrote
+        nothing so far, or its streams are neither redirected nor read
+        (inherited, discarded).
         """
+        ages = [f.age() for f in self._followers if f.rank == rank]
         seen = self._last_output.get(rank)
-        return None if seen is None else time.monotonic() - seen
+        if seen is not None:
+            ages.append(time.monotonic() - seen)
+        known = [a for a in ages if a is not None]
+        return min(known) if known else None
 
     async def drain_rank(self, rank: int) -> None:
         """Finish ``rank``'s current streams (its worker exited; before a restart).
@@ -258,8 +336,12 @@ class LogWiring:
         """
         old = [p for p in self._pumps if p.rank == rank]
         self._pumps[:] = [p for p in self._pumps if p.rank != rank]
-        if old:
-            await asyncio.gather(*(p.drain(DRAIN_TIMEOUT) for p in old))
+        followed = [f for f in self._followers if f.rank == rank]
+        self._followers[:] = [f for f in self._followers if f.rank != rank]
+        await asyncio.gather(
+            *(p.drain(DRAIN_TIMEOUT) for p in old),
+            *(f.drain(CONSOLE_FLUSH_TIMEOUT) for f in followed),
+        )
 
     async def aclose(self) -> None:
         """Every worker is gone: drain every stream, flush the dedup, flush the console.
@@ -272,16 +354,22 @@ class LogWiring:
             return
         self._closed = True
         pumps, self._pumps = self._pumps, []
-        if pumps:
-            await asyncio.gather(*(p.drain(DRAIN_TIMEOUT) for p in pumps))
+        followers, self._followers = self._followers, []
+        try:
+            await asyncio.gather(
+                *(p.drain(DRAIN_TIMEOUT) for p in pumps),
+                *(f.drain(CONSOLE_FLUSH_TIMEOUT) for f in followers),
+            )
+        finally:
+            if isinstance(self._inotify, Inotify):
+                self._inotify.close()
         for dup in self._filters.values():
             dup.close()  # every line fed: the drains above closed their sinks
         if not self._used:
             return
         if self._dedup is not None:
             self._dedup.flush()
-        with anyio.move_on_after(CONSOLE_FLUSH_TIMEOUT):
-            await console().flush()
+        await console().settle(CONSOLE_FLUSH_TIMEOUT)
 
 
 def _widen_pipe(fd: int) -> None:

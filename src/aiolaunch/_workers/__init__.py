@@ -9,3 +9,24 @@ multiprocessing children. Neither waits on pipe EOF to notice an exit.
 This ``__init__`` imports nothing: ``_child`` runs inside every function
 worker and must stay cheap to import. ``_workers`` never imports ``_logs``.
 """
+
+from __future__ import annotations
+
+__all__ = ["long_lived_helpers"]
+
+
+def long_lived_helpers() -> tuple[set[int], set[int]]:
+    """``(pids, fds)`` that this process keeps until it exits, by design: the
+    guardian process and its pipe, the lifeline pipe. Only those already made
+    in this process (a forked child has none of its parent's); makes nothing.
+    """
+    from ._guardian import current_guardian
+    from ._lifeline import current_lifeline_fds
+
+    pids: set[int] = set()
+    fds: set[int] = set(current_lifeline_fds() or ())
+    guard = current_guardian()
+    if guard is not None:
+        pids.add(guard.pid)
+        fds.add(guard.fd)
+    return pids, fds

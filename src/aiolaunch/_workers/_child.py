@@ -49,13 +49,9 @@ class PassFd:
         self.fd = fd
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from multiprocessing import context
+        from .._compat import dup_fd_for_child
 
-        popen = context.get_spawning_popen()
-        if popen is None:  # pragma: no cover - only pickled while spawning
-            raise RuntimeError("PassFd can only be pickled while spawning a process")
-        dup = popen.DupFd(popen.duplicate_for_child(self.fd))  # type: ignore[attr-defined]
-        return (_rebuild_fd, (dup,))
+        return (_rebuild_fd, (dup_fd_for_child(self.fd),))
 
 
 def _rebuild_fd(dup: Any) -> PassFd:
@@ -174,10 +170,10 @@ def _send_result(fd: int, value: Any) -> None:
 
 def _reset_asyncio_after_fork() -> None:
     # Python < 3.12 leaves the parent's running loop set in a forked child.
-    if "asyncio" in sys.modules:
-        import asyncio.events
+    if "asyncio" in sys.modules:  # else importing _compat would import it
+        from .._compat import clear_running_loop
 
-        asyncio.events._set_running_loop(None)
+        clear_running_loop()
 
 
 def run_worker(spec: ChildSpec) -> None:

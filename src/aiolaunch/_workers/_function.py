@@ -16,20 +16,16 @@ import asyncio
 import contextlib
 import multiprocessing
 import multiprocessing.process
-import multiprocessing.spawn
 import os
 import signal
-import threading
 import warnings
-from typing import TYPE_CHECKING, Any
 
+from .._compat import forget_child, process_popen, spawn_without_main
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle, close_fd
+from ._lifeline import lifeline_fds
 from ._proc import open_exit_fd
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 __all__ = ["FunctionWorker", "spawn_function"]
 
@@ -37,10 +33,24 @@ _READ_SIZE = 1 << 20
 
 
 class _ResultReader(asyncio.Protocol):
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    """Collects the worker's length-prefixed return record from the result pipe.
+
+    Fd ownership: from ``connect_read_pipe`` on, the read end belongs to the
+    transport alone. The transport closes it when it sees EOF (in
+    ``connection_lost``, a loop iteration later) or on :meth:`close`, and the
+    very next ``os.pipe()`` - another rank's blocking log pipe, whose write end
+    the supervisor holds - may get the same number. So nothing here keeps the
+    fd number: :meth:`read_rest` reads through the transport's own file object,
+    and only while the transport is not closing (then it provably still holds
+    the open fd). Once the transport is closing because of EOF, every byte was
+    already delivered to :meth:`data_received`.
+    """
+
+    def __init__(self) -> None:
         self.buf = bytearray()
         self.transport: asyncio.ReadTransport | None = None
+        #: the writer side reached EOF: ``buf`` holds everything ever written
+        self.eof = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.ReadTransport)
@@ -49,13 +59,36 @@ class _ResultReader(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
 
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
     def read_rest(self) -> None:
+        """Take what the kernel still buffers, without waiting (the writer exited).
+
+        Every byte the worker wrote before exiting is in the pipe; a
+        descendant that inherited the write end (``os.fork``) may keep it
+        open, so this reads until the pipe is empty rather than until EOF.
+        """
+        transport = self.transport
+        # is_closing() turns true in the same callback that sees EOF (all data
+        # delivered) and on close(); while it is false the fd is open and ours.
+        if self.eof or transport is None or transport.is_closing():
+            return
+        pipe = transport.get_extra_info("pipe")
+        if pipe is None:  # pragma: no cover - every pipe transport sets it
+            return
         while True:
             try:
-                data = os.read(self.fd, _READ_SIZE)
+                # Non-blocking: connect_read_pipe set O_NONBLOCK on this fd.
+                data = os.read(pipe.fileno(), _READ_SIZE)
             except (BlockingIOError, InterruptedError, OSError):
                 return
             if not data:
+                self.eof = True
                 return
             self.buf += data
 
@@ -75,9 +108,15 @@ class _ResultReader(asyncio.Protocol):
 
 
 class FunctionWorker(WorkerHandle):
+    records_exceptions = True
+
     def __init__(self, local_rank: int) -> None:
         super().__init__(local_rank)
         self.process: multiprocessing.process.BaseProcess | None = None
+        # Fd owners: the exit fd is our pidfd (_own_exit_fd: closed in
+        # release()) or the process sentinel (owned and closed by
+        # self.process.close()); its reader is removed before either closes
+        # it. The result pipe's read end is owned by _result's transport.
         self._exit_fd: int | None = None
         self._own_exit_fd = False
         self._result: _ResultReader | None = None
@@ -86,8 +125,7 @@ class FunctionWorker(WorkerHandle):
         loop = asyncio.get_running_loop()
         assert self._exit_fd is not None and self.process is not None
         loop.remove_reader(self._exit_fd)
-        popen = self.process._popen  # type: ignore[attr-defined]
-        rc = popen.poll()
+        rc = process_popen(self.process).poll()
         if rc is None:  # pragma: no cover - pidfd readable means exited
             loop.add_reader(self._exit_fd, self._on_exit_readable)
             return
@@ -132,52 +170,12 @@ class FunctionWorker(WorkerHandle):
             self._result = None
 
 
-_prep_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _no_main_reimport() -> Iterator[None]:
-    # multiprocessing's spawn re-imports the parent's __main__ in every child
-    # (slow: a training script imports torch). Entrypoints travel by value
-    # (cloudpickle), so the child needs only sys.path and cwd.
-    original = multiprocessing.spawn.get_preparation_data
-
-    def get_preparation_data(name: str) -> dict[str, Any]:
-        data = original(name)
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-        return data
-
-    with _prep_lock:
-        multiprocessing.spawn.get_preparation_data = get_preparation_data
-        try:
-            yield
-        finally:
-            multiprocessing.spawn.get_preparation_data = original
-
-
-_lifeline: tuple[int, int, int] | None = None  # (pid, read end, write end)
-
-
-def _lifeline_fds() -> tuple[int, int]:
-    """A process-wide pipe whose write end only the supervisor holds.
-
-    Its EOF tells every function worker that the supervisor is gone, even
-    after SIGKILL; they then kill their whole process group.
-    """
-    global _lifeline
-    if _lifeline is None or _lifeline[0] != os.getpid():
-        r, w = os.pipe()
-        _lifeline = (os.getpid(), r, w)
-    return _lifeline[1], _lifeline[2]
-
-
 def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
-    from . import _guardian
+    from ._guardian import current_guardian
 
     fds = [lifeline_w]
-    g = _guardian._guardian
-    if g is not None and g.owner == os.getpid():
+    g = current_guardian()
+    if g is not None:
         fds.append(g.fd)
     return tuple(fds)
 
@@ -207,7 +205,7 @@ async def spawn_function(
         # reaches descendants that left it (setsid) if the supervisor dies.
         env = {**env, GUARDIAN_ENV: g.token}
     result_r, result_w = os.pipe()
-    lifeline_r, lifeline_w = _lifeline_fds()
+    lifeline_r, lifeline_w = lifeline_fds()
     spec = ChildSpec(
         local_rank=local_rank,
         fn=fn,
@@ -227,7 +225,7 @@ async def spawn_function(
         target=run_worker, args=(spec,), name=f"{name}{local_rank}"
     )
     try:
-        with _no_main_reimport(), warnings.catch_warnings():
+        with spawn_without_main(), warnings.catch_warnings():
             # Python 3.12+ warns about fork() in a process with threads (ours:
             # the log and console writers). The user asked for fork; a warning
             # turned into an error here would orphan the forked child.
@@ -240,7 +238,7 @@ async def spawn_function(
         close_fd(result_w)
     # We reap our workers ourselves; multiprocessing must neither reap them in
     # its _cleanup() nor join them at interpreter exit.
-    multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
+    forget_child(proc)
     handle.process = proc
     assert proc.pid is not None
     handle.pid = proc.pid
@@ -255,8 +253,9 @@ async def spawn_function(
     else:
         handle._exit_fd = exit_fd
         handle._own_exit_fd = True
-    reader = _ResultReader(result_r)
+    reader = _ResultReader()
     handle._result = reader
+    # From here on the transport owns result_r (see _ResultReader).
     pipe = os.fdopen(result_r, "rb", buffering=0)
     try:
         await loop.connect_read_pipe(lambda: reader, pipe)

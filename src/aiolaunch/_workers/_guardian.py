@@ -9,18 +9,25 @@ die too (``PR_SET_PDEATHSIG`` would reach the worker alone), and because it
 needs no code in the child between fork and exec, binary workers are spawned
 on CPython's fast ``vfork`` path.
 
-Limits: a worker registered within microseconds of the supervisor's death may
-be missed; a process the supervisor forks without exec (``os.fork``) keeps
-the pipe open and so delays the guardian until it exits.
+Workers spawned but not yet registered, and descendants that left their
+worker's group (``setsid()``), are found by the token every worker carries in
+``AIOLAUNCH_GUARDIAN``: at EOF the guardian also scans ``/proc/*/environ``.
+
+Limits: a descendant that both leaves the group and scrubs its environment
+is not found; without ``/proc`` (macOS) only registered groups are killed; a
+process the supervisor forks without exec (``os.fork``) inherits the pipe's
+write end and so delays the guardian until that process exits too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-import threading
 
-__all__ = ["GUARDIAN_ENV", "GUARDIAN_NAME", "Guardian", "guardian"]
+from .._types import PerProcess
+
+__all__ = ["GUARDIAN_ENV", "GUARDIAN_NAME", "Guardian", "current_guardian", "guardian"]
 
 #: Environment variable carrying the guardian's token into binary workers.
 GUARDIAN_ENV = "AIOLAUNCH_GUARDIAN"
@@ -41,12 +48,22 @@ for p in $g; do kill -s KILL -- "-$p" 2>/dev/null; done
 # Workers spawned but not yet registered, and descendants that left their
 # group (setsid), carry our token in their environment: find them in /proc.
 [ -d /proc/self ] || exit 0
-for pass in 1 2; do
-  for f in /proc/[0-9]*/environ; do
-    if tr '\0' '\n' < "$f" 2>/dev/null | grep -qx "AIOLAUNCH_GUARDIAN=$1"; then
-      p=${f#/proc/}; kill -s KILL "${p%/environ}" 2>/dev/null
-    fi
-  done
+kill_path() { p=${1#/proc/}; kill -s KILL "${p%/environ}" 2>/dev/null; }
+# A worker spawned as the supervisor died shows our token only once its exec
+# completed (before, /proc has its parent's environment): look again later.
+for wait in 0 0.1 0.5; do
+  sleep $wait
+  if printf 'x\0' | grep -qzx x 2>/dev/null; then
+    # One grep for all processes (NUL-separated entries: -z): a fork+exec of
+    # tr and grep per process took seconds on a busy host.
+    for f in $(grep -lsxzF "AIOLAUNCH_GUARDIAN=$1" /proc/[0-9]*/environ); do kill_path "$f"; done
+  else
+    for f in /proc/[0-9]*/environ; do
+      if tr '\0' '\n' < "$f" 2>/dev/null | grep -qx "AIOLAUNCH_GUARDIAN=$1"; then
+        kill_path "$f"
+      fi
+    done
+  fi
 done
 """
 
@@ -59,8 +76,13 @@ class Guardian:
         #: put in every binary worker's environment (GUARDIAN_ENV)
         self.token = f"{os.getpid()}-{os.urandom(8).hex()}"
         self.groups: set[int] = set()
+        # The write end of the guardian's pipe: owned by this object alone,
+        # never closed while the supervisor lives (its EOF *is* the signal);
+        # closed and replaced only after the guardian died (_send).
         self.fd = -1
         self.pid = 0
+        self._pending: list[str] = []
+        self._flush_loop: asyncio.AbstractEventLoop | None = None
         self._start()
 
     def _start(self) -> None:
@@ -101,25 +123,57 @@ class Guardian:
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies."""
         self.groups.add(pgid)
-        self._send(f"+{pgid}\n")
+        self._queue(f"+{pgid}\n")
 
     def unwatch(self, pgid: int) -> None:
         """Forget ``pgid`` (its processes are gone)."""
         if pgid in self.groups:
             self.groups.discard(pgid)
-            self._send(f"-{pgid}\n")
+            self._queue(f"-{pgid}\n")
+
+    def _queue(self, line: str) -> None:
+        # On an event loop, lines are sent once per loop iteration: starting
+        # 256 workers is one write (and one wakeup of the shell, which would
+        # otherwise preempt the supervisor between spawns), not 256. Safe: a
+        # worker not yet registered carries the token in its environment and
+        # is found by the guardian's /proc scan if the supervisor dies now.
+        self._pending.append(line)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        if self._flush_loop is loop:
+            return  # already scheduled
+        if self._flush_loop is not None:
+            # Scheduled on a loop that is gone (or another thread's): send now.
+            self.flush()
+            return
+        self._flush_loop = loop
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send the queued registrations now."""
+        self._flush_loop = None
+        if self._pending:
+            text, self._pending = "".join(self._pending), []
+            self._send(text)
 
 
-_guardian: Guardian | None = None
-_lock = threading.Lock()
+def _start() -> Guardian | None:
+    if not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
+        return None
+    return Guardian()
+
+
+_GUARDIAN: PerProcess[Guardian | None] = PerProcess(_start)
 
 
 def guardian() -> Guardian | None:
     """The guardian of this process, started on first use; ``None`` without /bin/sh."""
-    global _guardian
-    with _lock:
-        if _guardian is None or _guardian.owner != os.getpid():
-            if not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
-                return None
-            _guardian = Guardian()
-        return _guardian
+    return _GUARDIAN.get()
+
+
+def current_guardian() -> Guardian | None:
+    """The guardian of this process if it was started; starts nothing."""
+    return _GUARDIAN.peek()

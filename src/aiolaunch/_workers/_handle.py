@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from ._proc import signal_tree
@@ -19,6 +20,10 @@ class WorkerHandle:
     as the exit is known - never later because a pipe is still open.
     """
 
+    #: the worker writes its own Python exception to its error file (function
+    #: workers): a failure without one died without a Python exception
+    records_exceptions = False
+
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
         self.pid = 0
@@ -33,6 +38,8 @@ class WorkerHandle:
         self.on_exit: Callable[[WorkerHandle], None] | None = None
         #: restart count of this rank when this process was started
         self.attempt = 0
+        #: ``time.time()`` when the exit was detected (a failure's timestamp)
+        self.exit_time: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -42,6 +49,7 @@ class WorkerHandle:
         if self.returncode is not None:
             return
         self.returncode = returncode
+        self.exit_time = time.time()
         self.exited.set()
         if self.on_exit is not None:
             self.on_exit(self)

@@ -14,16 +14,132 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
 __all__ = [
+    "CONTEXT_ENV",
+    "ProcStat",
     "ProcTable",
+    "find_tagged",
+    "new_context_token",
     "open_exit_fd",
+    "parse_stat",
+    "proc_pids",
+    "read_stat",
     "signal_tree",
 ]
+
+
+#: Environment variable carrying a per-context token into every worker; every
+#: descendant that inherits the environment carries it too, so ``close()``
+#: finds double-forked daemons (re-parented away, in a session of their own)
+#: that neither the process group nor the parent chain reaches.
+CONTEXT_ENV = "AIOLAUNCH_CONTEXT"
+
+
+def new_context_token() -> str:
+    """A token unique to one context of one supervisor process."""
+    return f"{os.getpid()}-{os.urandom(8).hex()}"
+
+
+def proc_pids(since: int = 0) -> list[int]:
+    """The pids listed in ``/proc`` that are at least ``since``; ``[]`` without ``/proc``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(e) for e in entries if e.isdigit() and int(e) >= since]
+
+
+def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[int]:
+    """Live processes whose environment holds ``CONTEXT_ENV=token``.
+
+    Reads ``/proc/<pid>/environ`` - the environment the process was *exec'd*
+    with - of pids >= ``since`` (see :class:`ProcTable` for that bound), other
+    than ours and ``exclude``. So it finds what a binary worker and its
+    descendants inherit; a process that only changed ``os.environ`` (a function
+    worker) passes the token on to what it execs, not to its own entry.
+    Processes of other users are unreadable and skipped. Empty without
+    ``/proc``. Costs about one ``open``+``read`` per scanned process.
+    """
+    needle = f"\0{CONTEXT_ENV}={token}\0".encode()
+    skip = {os.getpid(), *exclude}
+    found: set[int] = set()
+    for pid in proc_pids(since):
+        if pid in skip:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        # A zombie's environ reads empty: nothing to signal there.
+        if needle in b"\0" + data + b"\0":
+            found.add(pid)
+    return found
+
+
+class ProcStat(NamedTuple):
+    """The fields of ``/proc/<pid>/stat`` that aiolaunch reads (proc(5))."""
+
+    comm: str
+    #: one letter: ``R``, ``S``, ``D``, ``T``, ``Z`` (zombie), ``X`` (dead)...
+    state: str
+    ppid: int
+    pgid: int
+    #: CPU time in user and kernel mode, in clock ticks (``SC_CLK_TCK``)
+    utime: int
+    stime: int
+    #: start time after boot, in clock ticks: with the pid, names one process
+    starttime: int
+    #: resident set size, in pages
+    rss_pages: int
+
+    @property
+    def alive(self) -> bool:
+        """Running or sleeping: neither a zombie nor dead."""
+        return self.state not in ("Z", "X")
+
+
+def read_stat(pid: int | str) -> ProcStat | None:
+    """Read and parse ``/proc/<pid>/stat``; ``None`` when it cannot be read
+    (the process is gone, or there is no ``/proc``)."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    return parse_stat(raw)
+
+
+def parse_stat(raw: bytes) -> ProcStat | None:
+    """Parse the contents of a ``/proc/<pid>/stat`` file (the one parser:
+    callers that keep the file open read it themselves); ``None`` if malformed."""
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses,
+    # so split after the last ')'.
+    lpar, rpar = raw.find(b"("), raw.rfind(b")")
+    fields = raw[rpar + 2 :].split()
+    if lpar < 0 or len(fields) < 22:
+        return None
+    try:
+        return ProcStat(
+            comm=raw[lpar + 1 : rpar].decode(errors="replace"),
+            state=fields[0].decode(errors="replace"),
+            ppid=int(fields[1]),
+            pgid=int(fields[2]),
+            utime=int(fields[11]),
+            stime=int(fields[12]),
+            starttime=int(fields[19]),
+            rss_pages=int(fields[21]),
+        )
+    except ValueError:
+        return None
 
 
 def open_exit_fd(pid: int) -> int | None:
@@ -54,25 +170,12 @@ class ProcTable:
     def __init__(self, since: int = 0) -> None:
         self.children: dict[int, list[int]] = {}
         self.groups: dict[int, list[int]] = {}
-        try:
-            entries = os.listdir("/proc")
-        except OSError:
-            return
-        for entry in entries:
-            if not entry.isdigit() or int(entry) < since:
+        for pid in proc_pids(since):
+            stat = read_stat(pid)
+            if stat is None:
                 continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            # The command name may hold spaces and parentheses: split after the last ')'.
-            fields = stat[stat.rfind(b")") + 2 :].split()
-            if len(fields) < 3:
-                continue
-            pid = int(entry)
-            self.children.setdefault(int(fields[1]), []).append(pid)
-            self.groups.setdefault(int(fields[2]), []).append(pid)
+            self.children.setdefault(stat.ppid, []).append(pid)
+            self.groups.setdefault(stat.pgid, []).append(pid)
 
     def tree(self, pid: int) -> set[int]:
         """Descendants of ``pid`` and members of its process group, minus ``pid``.

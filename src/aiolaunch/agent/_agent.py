@@ -15,8 +15,10 @@ import anyio
 
 from .._api import start_processes
 from .._errors import SignalException
-from .._logs_specs import prune_empty_dirs
-from .._validate import log_dir_error
+from .._logs_specs import attempt_dir_path, make_run_dir, prune_empty_dirs
+from .._results import root_cause
+from .._signames import describe_signal
+from .._validate import START_METHODS, check_log_dir_not_file, log_dir_error
 from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
 from ._numa import numa_cpus, wrap_for_numa
@@ -31,7 +33,6 @@ __all__ = ["LocalElasticAgent"]
 
 log = logging.getLogger("aiolaunch.agent")
 
-_START_METHODS = ("spawn", "fork", "forkserver")
 #: the slowest pace of the membership check (``num_nodes_waiting``), seconds
 _MEMBERSHIP_POLL_MIN = 1.0
 
@@ -95,9 +96,9 @@ class LocalElasticAgent:
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec={spec!r} must be an aiolaunch.agent.WorkerSpec")
-        if start_method not in _START_METHODS:
+        if start_method not in START_METHODS:
             raise ValueError(
-                f"start_method={start_method!r} is not one of {', '.join(_START_METHODS)}"
+                f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}"
             )
         for what, value in (
             ("exit_barrier_timeout", exit_barrier_timeout),
@@ -111,11 +112,8 @@ class LocalElasticAgent:
             raise ValueError(
                 "log_dir and logs_specs were both given; pass the folder inside logs_specs"
             )
-        if log_dir is not None and os.path.isfile(log_dir):
-            raise NotADirectoryError(
-                f"log_dir={os.fspath(log_dir)!r} is a file; pass a directory "
-                "(it is created if missing)"
-            )
+        if log_dir is not None:
+            check_log_dir_not_file("log_dir", os.fspath(log_dir))
         self._spec = spec
         self._start_method = start_method
         self._exit_barrier_timeout = float(exit_barrier_timeout)
@@ -185,7 +183,7 @@ class LocalElasticAgent:
             self._record_final(result)
             return result
         except SignalException as exc:
-            log.warning("received %s, stopped the workers", _signame(exc.sigval))
+            log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
             self._state = WorkerState.STOPPED
             self._events.record("FAILED", "AGENT")
             raise
@@ -263,7 +261,7 @@ class LocalElasticAgent:
                     return_values={base + r: v for r, v in result.return_values.items()},
                 )
             failures = {base + r: f for r, f in result.failures.items()}
-            rank, root = _root_cause(failures)
+            rank, root = root_cause(failures)
             if remaining > 0:
                 remaining -= 1
                 self._restart_count += 1
@@ -375,6 +373,7 @@ class LocalElasticAgent:
             shutdown_timeout=self._shutdown_timeout,
             duplicate_stdout_filters=spec.duplicate_stdout_filters,
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            watchdog=spec.watchdog,
             **logs,
         )
         self._state = WorkerState.HEALTHY
@@ -409,12 +408,8 @@ class LocalElasticAgent:
                 except OSError as exc:
                     raise log_dir_error("log_dir", self._log_dir, exc) from exc
                 root = self._log_dir
-            # a unique folder per run, so a log_dir can be reused (torch's layout)
-            self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
-        name = f"attempt_{self._restart_count}"
-        if membership_round:
-            name += f"_round_{membership_round}"
-        return os.path.join(self._run_log_dir, name)
+            self._run_log_dir = make_run_dir(root, run_id)
+        return attempt_dir_path(self._run_log_dir, self._restart_count, membership_round)
 
     async def _monitor(self, ctx: PContext) -> RunProcsResult | None:
         if not self._rdzv.elastic:
@@ -467,37 +462,10 @@ def _backend_name(rdzv: Rendezvous) -> str:
     return str(get_backend()) if callable(get_backend) else "static"
 
 
-def _root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
-    """The earliest failure (ties: lowest rank)."""
-    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
-    return rank, failures[rank]
-
-
 def _describe(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         what = f"killed by {failure.signal_name()}"
     else:
         what = f"exit code {failure.exitcode}"
-    # torch's ProcessFailure.message is the error file's "message": a str, or
-    # a {"message": ..., "extraInfo": ...} dict in the nested format
-    message: Any = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    lines = str(message or "").strip().splitlines()
+    lines = failure.error_message.strip().splitlines()
     return f"{what}: {lines[-1]}" if lines else what
-
-
-def _signame(sig: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
-
-
-def failure_summary(name: str, failures: dict[int, ProcessFailure]) -> str:
-    """The root-cause summary of a failed run (``ChildFailedError``'s format)."""
-    from .._errors import ChildFailedError
-
-    return str(ChildFailedError(name, failures).format_msg())

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .._results import ProcessFailure
+    from .._watchdog import Watchdog
 
 __all__ = ["RunResult", "WorkerSpec", "WorkerState"]
 
@@ -75,6 +76,8 @@ class WorkerSpec:
     :param virtual_local_rank: every worker gets ``LOCAL_RANK=0`` and sees
         only its own GPU (``CUDA_VISIBLE_DEVICES`` = entry ``local_rank`` of
         the agent's ``CUDA_VISIBLE_DEVICES``, else ``local_rank``), as torch.
+    :param watchdog: a :class:`aiolaunch.Watchdog` for every attempt's group
+        (a restarted group is watched again from scratch).
     """
 
     role: str
@@ -94,6 +97,7 @@ class WorkerSpec:
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
     virtual_local_rank: bool = False
+    watchdog: Watchdog | None = None
 
     def __post_init__(self) -> None:
         # Validate here, before anything starts: each message names the field
@@ -134,6 +138,11 @@ class WorkerSpec:
                 f"master_port={self.master_port!r} must be an int in 1..65535, "
                 "or None to let the rendezvous choose"
             )
+        if self.watchdog is not None:
+            from .._watchdog import Watchdog
+
+            if not isinstance(self.watchdog, Watchdog):
+                raise TypeError(f"watchdog={self.watchdog!r} must be an aiolaunch.Watchdog or None")
         for what, value in (("redirects", self.redirects), ("tee", self.tee)):
             if isinstance(value, dict):
                 bad = [r for r in value if not isinstance(r, int) or r >= self.local_world_size]
@@ -161,7 +170,10 @@ def entrypoint_name(entrypoint: Callable[..., Any] | str, args: tuple[Any, ...])
 
     if isinstance(entrypoint, str):
         if entrypoint == sys.executable:
-            return next((str(a) for a in args if not str(a).startswith("-")), "")
+            names = [str(a) for a in args if not str(a).startswith("-")]
+            if names[:1] == ["aiolaunch._bootstrap"]:  # the CLI's `-m aiolaunch._bootstrap`
+                names = names[1:]
+            return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", type(entrypoint).__name__))
 

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 
+from ..._api import free_port
 from .._env import GroupAssignment
 from . import Rendezvous
 
 __all__ = ["StaticRendezvous", "free_port"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and read it back).
-
-    The socket closes before a worker binds it, so another process could take
-    it in between; a fresh port per attempt keeps that window (and TIME_WAIT
-    leftovers of a crashed attempt) out of the way.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class StaticRendezvous(Rendezvous):

@@ -1,0 +1,68 @@
+"""The two kinds of group: how a rank's worker is spawned.
+
+:class:`SubprocessContext` runs a binary, :class:`MultiprocessContext` a
+Python function; everything else about the group is :class:`PContext`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ._context import PContext
+
+if TYPE_CHECKING:
+    from ._workers._handle import WorkerHandle
+
+__all__ = ["MultiprocessContext", "SubprocessContext"]
+
+
+class SubprocessContext(PContext):
+    """Binary workers (``entrypoint`` is a str): subprocesses watched by a pidfd.
+
+    Each leads its own process group and inherits the parent's environment
+    plus ``envs[rank]`` and ``TORCHELASTIC_ERROR_FILE``. If the supervisor
+    dies, even by SIGKILL, the guardian (``_workers/_guardian.py``) SIGKILLs
+    the worker's whole process group and every process that carries the
+    guardian's token in its environment (descendants that called
+    ``setsid()`` included). No ``PR_SET_PDEATHSIG``: it would reach the
+    worker alone, and setting it needs code between fork and exec.
+    """
+
+    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
+        from ._workers._binary import spawn_binary
+
+        assert isinstance(self.entrypoint, str)
+        env = {**os.environ, **self._env(rank)}
+        argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
+        return await spawn_binary(rank, argv, env, stdout, stderr)
+
+
+class MultiprocessContext(PContext):
+    """Function workers (``entrypoint`` is callable): multiprocessing children.
+
+    The function and its args travel by value where plain pickle cannot name
+    them (``__main__``, notebook cells, lambdas, closures). ``envs[rank]`` is
+    applied before they are unpickled. The return value is sent back as soon
+    as the function returns and lands in ``result.return_values[rank]``.
+    """
+
+    def __init__(self, *, fn_bytes: bytes, args_bytes: dict[int, bytes], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fn_bytes = fn_bytes
+        self._args_bytes = args_bytes
+
+    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
+        from ._workers._function import spawn_function
+
+        return await spawn_function(
+            local_rank=rank,
+            name=self.name,
+            start_method=self.start_method,
+            fn=self._fn_bytes,
+            args=self._args_bytes[rank],
+            env=self._env(rank),
+            stdout=stdout,
+            stderr=stderr,
+            error_file=self.error_files.get(rank, ""),
+        )

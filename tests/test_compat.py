@@ -1,0 +1,291 @@
+"""Each CPython-private access of ``aiolaunch._compat`` still works on this Python.
+
+Real processes, pipes and loops: a failure here means a CPython change broke
+one accessor, and says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+
+from _helpers import driver
+from aiolaunch import _compat
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _spawn_ctx() -> multiprocessing.context.SpawnContext:
+    return multiprocessing.get_context("spawn")
+
+
+def test_process_popen_polls_and_reaps_a_started_process() -> None:
+    proc = _spawn_ctx().Process(target=os.getpid)
+    proc.start()
+    try:
+        popen = _compat.process_popen(proc)
+        # Wait until it is a zombie (a pidfd turns readable), as the supervisor
+        # does before it polls; the sentinel closes slightly earlier.
+        pidfd = os.pidfd_open(proc.pid)  # type: ignore[arg-type]
+        try:
+            assert select.select([pidfd], [], [], 60)[0], "the child did not exit"
+        finally:
+            os.close(pidfd)
+        assert popen.poll() == 0
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
+
+
+def test_forget_child_takes_it_out_of_multiprocessing_bookkeeping() -> None:
+    proc = _spawn_ctx().Process(target=os.getpid)
+    proc.start()
+    try:
+        assert proc in multiprocessing.active_children()
+        _compat.forget_child(proc)
+        assert proc not in multiprocessing.active_children()
+    finally:
+        proc.join(60)  # we reap it ourselves, as the supervisor does
+    assert proc.exitcode == 0
+
+
+def test_dup_fd_for_child_passes_a_pipe_to_a_spawned_child(tmp_path: Path) -> None:
+    (tmp_path / "passfd_helper.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            from aiolaunch._compat import dup_fd_for_child
+
+            class Passed:
+                def __init__(self, fd):
+                    self.fd = fd
+                def __reduce__(self):
+                    return (_rebuild, (dup_fd_for_child(self.fd),))
+
+            def _rebuild(dup):
+                return dup.detach()
+
+            def write(fd):
+                os.write(fd, b"through the passed fd")
+            """
+        )
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import passfd_helper  # type: ignore[import-not-found]
+
+        r, w = os.pipe()
+        proc = _spawn_ctx().Process(target=passfd_helper.write, args=(passfd_helper.Passed(w),))
+        try:
+            proc.start()
+        finally:
+            os.close(w)
+        try:
+            with os.fdopen(r, "rb") as f:
+                assert f.read() == b"through the passed fd"
+        finally:
+            proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("passfd_helper", None)
+
+
+def test_dup_fd_for_child_refuses_outside_a_spawn() -> None:
+    with pytest.raises(RuntimeError, match="while spawning"):
+        _compat.dup_fd_for_child(0)
+
+
+_DRIVER = """
+import concurrent.futures, multiprocessing, os, sys, threading
+from aiolaunch._compat import spawn_without_main
+
+MARKS = {marks!r}
+if __name__ == "__mp_main__":  # a spawned child re-imported this __main__
+    with open(MARKS, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+
+
+def task():  # reachable by a child only through the re-imported __main__
+    return "ran in a child of the user's pool"
+
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    inside, done = threading.Event(), threading.Event()
+    own = []
+
+    def hold():
+        with spawn_without_main():
+            inside.set()
+            done.wait(120)
+            proc = ctx.Process(target=os.getpid)  # our spawn: no __main__ re-import
+            proc.start()
+            proc.join(120)
+            own.append(proc.exitcode)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(120)
+    # The user's pool spawns while another thread is inside spawn_without_main().
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        print(pool.submit(task).result(timeout=120))
+    done.set()
+    t.join(120)
+    print("own exit", own)
+"""
+
+
+def test_spawn_without_main_leaves_other_threads_spawns_alone(tmp_path: Path) -> None:
+    marks = tmp_path / "reimports"
+    driver = tmp_path / "driver.py"
+    driver.write_text(_DRIVER.format(marks=str(marks)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])),
+    }
+    out = subprocess.run(
+        [sys.executable, str(driver)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ran in a child of the user's pool" in out.stdout
+    assert "own exit [0]" in out.stdout
+    # Exactly the pool's one worker re-imported __main__; our own spawn did not.
+    assert len(marks.read_text().split()) == 1
+
+
+def test_spawn_without_main_strips_main_only_in_this_thread() -> None:
+    import multiprocessing.spawn
+
+    with _compat.spawn_without_main():
+        inside = multiprocessing.spawn.get_preparation_data("x")
+        seen: list[dict[str, object]] = []
+        other = threading.Thread(
+            target=lambda: seen.append(multiprocessing.spawn.get_preparation_data("x"))
+        )
+        other.start()
+        other.join(30)
+    after = multiprocessing.spawn.get_preparation_data("x")
+    main_keys = {"init_main_from_name", "init_main_from_path"}
+    if not main_keys & set(after):
+        pytest.skip("this interpreter's __main__ is not importable: nothing to strip")
+    assert not main_keys & set(inside)
+    assert main_keys & set(seen[0])  # another thread, at the same moment
+
+
+def test_multiprocessing_helpers_reports_the_resource_tracker() -> None:
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    pids, fds = _compat.multiprocessing_helpers()
+    tracker_pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    assert tracker_pid in pids
+    assert all(os.fstat(fd) for fd in fds)
+
+
+def test_clear_running_loop_in_a_forked_child() -> None:
+    async def fork_and_check() -> int:
+        with warnings.catch_warnings():
+            # 3.12+: fork() in a process with threads (the test runner's).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child inherits the running loop before 3.12
+            code = 0
+            try:
+                _compat.clear_running_loop()
+                asyncio.get_running_loop()
+                code = 3  # still "running"
+            except RuntimeError:
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    assert asyncio.run(fork_and_check()) == 0
+
+
+async def test_loop_signal_handler_round_trip() -> None:
+    loop = asyncio.get_running_loop()
+    got: list[str] = []
+    loop.add_signal_handler(signal.SIGUSR1, got.append, "handled")
+    try:
+        handle = _compat.loop_signal_handler(loop, signal.SIGUSR1)
+        assert handle is not None
+        loop.remove_signal_handler(signal.SIGUSR1)
+        assert _compat.loop_signal_handler(loop, signal.SIGUSR1) is None
+        assert _compat.reinstall_loop_signal_handler(loop, signal.SIGUSR1, handle)
+        assert _compat.call_handle_soon(loop, handle)
+        await asyncio.sleep(0)
+        assert got == ["handled"]
+        os.kill(os.getpid(), signal.SIGUSR1)  # the reinstalled handler runs on a real signal
+        for _ in range(1000):
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert got == ["handled", "handled"]
+    finally:
+        loop.remove_signal_handler(signal.SIGUSR1)
+
+
+_RUNNER = """
+import asyncio, signal
+from aiolaunch._compat import is_asyncio_run_sigint_handler, is_default_handler
+
+async def main():
+    h = signal.getsignal(signal.SIGINT)
+    return is_asyncio_run_sigint_handler(h), is_default_handler(h)
+
+print(*asyncio.run(main()))
+"""
+
+
+def test_asyncio_run_sigint_handler_is_recognised() -> None:
+    # asyncio.run() installs its own SIGINT handler on 3.11+ (none before).
+    with driver([sys.executable, "-c", _RUNNER]) as proc:
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    runner = sys.version_info >= (3, 11)
+    assert out.split() == [str(runner), "True"]
+
+
+def test_default_handlers() -> None:
+    assert _compat.is_default_handler(signal.SIG_DFL)
+    assert _compat.is_default_handler(None)
+    assert _compat.is_default_handler(signal.default_int_handler)
+    assert not _compat.is_default_handler(signal.SIG_IGN)
+    assert not _compat.is_default_handler(lambda s, f: None)
+    assert not _compat.is_asyncio_run_sigint_handler(signal.default_int_handler)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is 3.11+")
+async def test_task_cancelling_counts_pending_cancellations() -> None:
+    seen: list[int] = []
+    started = asyncio.Event()
+
+    async def victim() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append(_compat.task_cancelling(asyncio.current_task()))
+            raise
+
+    task = asyncio.ensure_future(victim())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [1]
+    assert _compat.task_cancelling(None) == 0

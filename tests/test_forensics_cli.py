@@ -1,0 +1,128 @@
+"""Hang forensics through the command line: flags, bootstrap, status/stacks subcommands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import driver
+from aiolaunch._cli import config_from_args, parse_args
+
+HANG = textwrap.dedent(
+    """
+    import os, time
+
+    def stuck_here():
+        while True:
+            time.sleep(3600)
+
+    def waiting_for_peers():
+        while True:
+            time.sleep(3600)
+
+    if __name__ == "__main__":
+        rank = int(os.environ["LOCAL_RANK"])
+        print(f"rank {rank} up", flush=True)
+        if rank == 2:
+            stuck_here()
+        waiting_for_peers()
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "aiolaunch", *args]
+
+
+def test_flags_build_the_watchdog() -> None:
+    cfg = config_from_args(
+        parse_args(
+            ["--stall-timeout", "30", "--on-stall", "observe", "--progress-regex", "^step", "x.py"]
+        )
+    )
+    wd = cfg.spec.watchdog
+    assert wd is not None
+    assert (wd.stall_after, wd.action, wd.progress) == (30.0, "observe", "^step")
+    assert cfg.spec.args[:4] == ("-u", "-m", "aiolaunch._bootstrap", "x.py")
+    assert cfg.entrypoint_name == "x.py"
+    assert config_from_args(parse_args(["x.py"])).spec.watchdog is None
+    with pytest.raises(ValueError, match="--on-stall needs --stall-timeout"):
+        config_from_args(parse_args(["--on-stall", "fail", "x.py"]))
+
+
+def test_module_mode_goes_through_the_bootstrap() -> None:
+    cfg = config_from_args(parse_args(["-m", "pkg.train", "--lr", "1"]))
+    assert cfg.spec.args == ("-u", "-m", "aiolaunch._bootstrap", "-m", "pkg.train", "--lr", "1")
+    assert cfg.entrypoint_name == "pkg.train"
+
+
+def test_cli_stall_fails_the_job_and_names_the_outlier(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(HANG)
+    logs = tmp_path / "logs"
+    t0 = time.monotonic()
+    argv = _cli(
+        "--nproc-per-node", "4", "--stall-timeout", "2", "--log-dir", str(logs), str(script)
+    )
+    with driver(argv, env=_env()) as proc:
+        _, stderr = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1, stderr
+    assert elapsed < 2 + 3 + 6  # stall_after + 3 s + interpreter start-up under load
+    assert "stalled" in stderr and "stuck_here" in stderr and "outlier" in stderr
+    assert "report: " in stderr
+    attempt = Path(stderr.split("report: ")[1].split()[0]).parent
+    report = json.loads((attempt / "report.json").read_text())
+    assert report["verdict"]["outliers"] == [2]
+    for rank in range(4):
+        assert (attempt / str(rank) / "stacks-1.txt").exists()
+    assert "waiting_for_peers" in (attempt / "0" / "stacks-1.txt").read_text()
+
+
+def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(HANG)
+    logs = tmp_path / "logs"
+    with driver(
+        _cli("--nproc-per-node", "3", "--log-dir", str(logs), "--redirects", "3", str(script)),
+        env=_env(), stdout=subprocess.DEVNULL,
+    ) as job:  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            outs = list(logs.glob("*/attempt_0/*/stdout.log"))
+            if len(outs) == 3 and all("up" in p.read_text() for p in outs):
+                break
+            time.sleep(0.1)  # allowed: polling the job's log files
+        else:
+            pytest.fail("the job's workers did not start")
+        r = subprocess.run(
+            _cli("status", str(logs)), env=_env(), capture_output=True, text=True, timeout=30,
+            check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[1].split()[:2] == ["RANK", "STATE"]
+        assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2"]
+        assert all(" sleeping " in line for line in lines[2:])
+        r = subprocess.run(
+            _cli("stacks", str(logs), "--json"), env=_env(), capture_output=True, text=True,
+            timeout=30, check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        answer = json.loads(r.stdout)
+        assert "stuck_here" in answer["stacks"]["2"]
+        assert answer["report"]["outliers"] == [2]
+        assert job.poll() is None  # dumping did not hurt the job
+        job.terminate()
+        job.communicate(timeout=60)
