@@ -606,3 +606,13 @@ async def test_py_spy_serves_unregistered_python_workers_where_installed(
         assert dumps[0].startswith("(py-spy dump)\n")
         assert f"Thread {ctx.pids()[0]} (idle)" in dumps[0]
         assert _Alive(ctx.pids()[0]).alive
+
+
+def test_stack_report_reads_py_spy_dumps() -> None:
+    spy = (
+        "(py-spy dump)\nProcess 7: python train.py\nPython v3.11.7\n\n"
+        'Thread 7 (idle): "MainThread"\n    load_batch (data.py:41)\n    main (train.py:9)\n'
+        'Thread 9 (idle): "pin_memory"\n    wait (threading.py:320)\n'
+    )
+    report = StackReport.from_dumps({0: spy})
+    assert report.groups == [([0], "load_batch (data.py:41) <- main (train.py:9)")]
