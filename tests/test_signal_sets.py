@@ -136,8 +136,8 @@ def test_forwarded_signals_keep_the_group_running(tmp_path: Path) -> None:
     assert outcome == "SIGTERM", err
     for rank in (0, 1):
         deadline_s, timeout_s, path = (marks / f"term.{rank}").read_text().split()
-        # The deadline was written before SIGTERM went out: about sent + 7 s.
-        assert sent + 5 < float(deadline_s) < sent + 20
+        # Written when the supervisor handled SIGTERM (at or after `sent`): + 7 s.
+        assert sent + 6.99 < float(deadline_s) < sent + 60
         assert float(timeout_s) == 7.0
         assert not os.path.exists(path)  # removed once the group is gone
     assert not wait_dead(pids)

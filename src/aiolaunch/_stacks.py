@@ -42,14 +42,11 @@ _keep: list[Any] = []  # the dump file: faulthandler only borrows its fd
 
 
 def _start_time(pid: int) -> str | None:
-    # Field 22 of /proc/<pid>/stat: start time in clock ticks since boot.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return fields[19].decode() if len(fields) > 19 else None
+    # The start time in clock ticks since boot: with the pid, one process.
+    from ._workers._proc import read_stat
+
+    stat = read_stat(pid)
+    return None if stat is None else str(stat.starttime)
 
 
 def register(directory: str | None = None) -> bool:

@@ -28,6 +28,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from ._workers._proc import ProcStat, parse_stat, read_stat
+
 __all__ = ["ProcSample", "RankActivity", "Watchdog", "read_proc"]
 
 _ACTIONS = ("observe", "fail", "restart")
@@ -119,24 +121,20 @@ class ProcSample:
 
 def read_proc(pid: int, with_io: bool = True) -> ProcSample | None:
     """Read ``/proc/<pid>/stat`` (and ``io``); ``None`` when the process is gone."""
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            stat = os.read(fd, 4096)
-        finally:
-            os.close(fd)
-    except OSError:
+    stat = read_stat(pid)
+    if stat is None:
         return None
-    return _parse_stat(stat, _read_wchar(pid) if with_io else None)
+    return _sample(stat, _read_wchar(pid) if with_io else None)
 
 
-def _parse_stat(stat: bytes, wchar: int | None) -> ProcSample | None:
-    # The command name may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if len(fields) < 22:
-        return None
-    cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    return ProcSample(fields[0].decode(), cpu, int(fields[21]) * _PAGE, wchar)
+def _parse_stat(raw: bytes, wchar: int | None) -> ProcSample | None:
+    stat = parse_stat(raw)
+    return None if stat is None else _sample(stat, wchar)
+
+
+def _sample(stat: ProcStat, wchar: int | None) -> ProcSample:
+    cpu = (stat.utime + stat.stime) / _CLK_TCK
+    return ProcSample(stat.state, cpu, stat.rss_pages * _PAGE, wchar)
 
 
 def _read_wchar(pid: int) -> int | None:

@@ -49,7 +49,10 @@ for p in $g; do kill -s KILL -- "-$p" 2>/dev/null; done
 # group (setsid), carry our token in their environment: find them in /proc.
 [ -d /proc/self ] || exit 0
 kill_path() { p=${1#/proc/}; kill -s KILL "${p%/environ}" 2>/dev/null; }
-for pass in 1 2; do
+# A worker spawned as the supervisor died shows our token only once its exec
+# completed (before, /proc has its parent's environment): look again later.
+for wait in 0 0.1 0.5; do
+  sleep $wait
   if printf 'x\0' | grep -qzx x 2>/dev/null; then
     # One grep for all processes (NUL-separated entries: -z): a fork+exec of
     # tr and grep per process took seconds on a busy host.

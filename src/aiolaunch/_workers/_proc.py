@@ -26,6 +26,8 @@ __all__ = [
     "find_tagged",
     "new_context_token",
     "open_exit_fd",
+    "parse_stat",
+    "proc_pids",
     "read_stat",
     "signal_tree",
 ]
@@ -43,6 +45,15 @@ def new_context_token() -> str:
     return f"{os.getpid()}-{os.urandom(8).hex()}"
 
 
+def proc_pids(since: int = 0) -> list[int]:
+    """The pids listed in ``/proc`` that are at least ``since``; ``[]`` without ``/proc``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(e) for e in entries if e.isdigit() and int(e) >= since]
+
+
 def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[int]:
     """Live processes whose environment holds ``CONTEXT_ENV=token``.
 
@@ -57,18 +68,11 @@ def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[
     needle = f"\0{CONTEXT_ENV}={token}\0".encode()
     skip = {os.getpid(), *exclude}
     found: set[int] = set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        if pid < since or pid in skip:
+    for pid in proc_pids(since):
+        if pid in skip:
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 data = f.read()
         except OSError:
             continue
@@ -79,13 +83,20 @@ def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[
 
 
 class ProcStat(NamedTuple):
-    """The fields of ``/proc/<pid>/stat`` that aiolaunch reads."""
+    """The fields of ``/proc/<pid>/stat`` that aiolaunch reads (proc(5))."""
 
     comm: str
     #: one letter: ``R``, ``S``, ``D``, ``T``, ``Z`` (zombie), ``X`` (dead)...
     state: str
     ppid: int
     pgid: int
+    #: CPU time in user and kernel mode, in clock ticks (``SC_CLK_TCK``)
+    utime: int
+    stime: int
+    #: start time after boot, in clock ticks: with the pid, names one process
+    starttime: int
+    #: resident set size, in pages
+    rss_pages: int
 
     @property
     def alive(self) -> bool:
@@ -94,20 +105,41 @@ class ProcStat(NamedTuple):
 
 
 def read_stat(pid: int | str) -> ProcStat | None:
-    """Parse ``/proc/<pid>/stat``; ``None`` when it cannot be read (the
-    process is gone, or there is no ``/proc``)."""
+    """Read and parse ``/proc/<pid>/stat``; ``None`` when it cannot be read
+    (the process is gone, or there is no ``/proc``)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
     except OSError:
         return None
+    return parse_stat(raw)
+
+
+def parse_stat(raw: bytes) -> ProcStat | None:
+    """Parse the contents of a ``/proc/<pid>/stat`` file (the one parser:
+    callers that keep the file open read it themselves); ``None`` if malformed."""
     # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses,
     # so split after the last ')'.
-    lpar, rpar = stat.find("("), stat.rfind(")")
-    fields = stat[rpar + 2 :].split()
-    if len(fields) < 3:
+    lpar, rpar = raw.find(b"("), raw.rfind(b")")
+    fields = raw[rpar + 2 :].split()
+    if lpar < 0 or len(fields) < 22:
         return None
-    return ProcStat(stat[lpar + 1 : rpar], fields[0], int(fields[1]), int(fields[2]))
+    try:
+        return ProcStat(
+            comm=raw[lpar + 1 : rpar].decode(errors="replace"),
+            state=fields[0].decode(errors="replace"),
+            ppid=int(fields[1]),
+            pgid=int(fields[2]),
+            utime=int(fields[11]),
+            stime=int(fields[12]),
+            starttime=int(fields[19]),
+            rss_pages=int(fields[21]),
+        )
+    except ValueError:
+        return None
 
 
 def open_exit_fd(pid: int) -> int | None:
@@ -138,17 +170,10 @@ class ProcTable:
     def __init__(self, since: int = 0) -> None:
         self.children: dict[int, list[int]] = {}
         self.groups: dict[int, list[int]] = {}
-        try:
-            entries = os.listdir("/proc")
-        except OSError:
-            return
-        for entry in entries:
-            if not entry.isdigit() or int(entry) < since:
-                continue
-            stat = read_stat(entry)
+        for pid in proc_pids(since):
+            stat = read_stat(pid)
             if stat is None:
                 continue
-            pid = int(entry)
             self.children.setdefault(stat.ppid, []).append(pid)
             self.groups.setdefault(stat.pgid, []).append(pid)
 
