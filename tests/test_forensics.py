@@ -606,3 +606,43 @@ async def test_py_spy_serves_unregistered_python_workers_where_installed(
         assert dumps[0].startswith("(py-spy dump)\n")
         assert f"Thread {ctx.pids()[0]} (idle)" in dumps[0]
         assert _Alive(ctx.pids()[0]).alive
+
+
+def test_stack_report_reads_py_spy_dumps() -> None:
+    spy = (
+        "(py-spy dump)\nProcess 7: python train.py\nPython v3.11.7\n\n"
+        'Thread 7 (idle): "MainThread"\n    load_batch (data.py:41)\n    main (train.py:9)\n'
+        'Thread 9 (idle): "pin_memory"\n    wait (threading.py:320)\n'
+    )
+    report = StackReport.from_dumps({0: spy})
+    assert report.groups == [([0], "load_batch (data.py:41) <- main (train.py:9)")]
+
+
+async def test_status_without_log_dir_finds_the_one_running_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    (run / "aiolaunch").mkdir(mode=0o700)
+    stale = run / "aiolaunch" / "999999999-0"  # a supervisor that was SIGKILLed
+    stale.symlink_to(tmp_path / "gone" / "control.sock")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    async with aiolaunch.start_processes(
+        "one", hang, {0: (0, 1)}, _envs(1), log_dir=tmp_path / "logs", redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await _wait_lines(tmp_path / "logs", 1, "up")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "aiolaunch", "status", "--json",
+            stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        assert json.loads(out)["workers"][0]["pid"] == ctx.pids()[0]
+        assert not stale.is_symlink()  # cleaned up by the client
+    assert list((run / "aiolaunch").iterdir()) == []
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "aiolaunch", "status", stderr=asyncio.subprocess.PIPE, env=env
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1 and b"no running aiolaunch job" in err
