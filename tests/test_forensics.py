@@ -20,11 +20,13 @@ from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
 
 
 def stuck_here() -> None:
+    print("parked", flush=True)  # the handshake: printed from inside this frame
     while True:
         time.sleep(3600)
 
 
 def waiting_for_peers() -> None:
+    print("parked", flush=True)
     while True:
         time.sleep(3600)
 
@@ -112,7 +114,7 @@ async def test_dump_stacks_of_function_workers(tmp_path: Path, method: str) -> N
         "d", hang, {r: (r, 1) for r in range(3)}, _envs(3), log_dir=tmp_path,
         start_method=method, redirects=Std.ALL,
     ) as ctx:  # fmt: skip
-        await _wait_lines(tmp_path, 3, "up")
+        await _wait_lines(tmp_path, 3, "parked")
         dumps = await asyncio.wait_for(ctx.dump_stacks(), 20)
         assert sorted(dumps) == [0, 1, 2]
         assert "stuck_here" in dumps[1]
@@ -369,7 +371,7 @@ async def test_status_and_stacks_from_another_process(tmp_path: Path) -> None:
         "st", hang, {r: (r, 0) for r in range(3)}, _envs(3), log_dir=tmp_path,
         redirects=Std.ALL,
     ) as ctx:  # fmt: skip
-        await _wait_lines(tmp_path, 3, "up")
+        await _wait_lines(tmp_path, 3, "parked")
         sock = tmp_path / "control.sock"
         assert sock.is_socket() and (sock.stat().st_mode & 0o777) == 0o600
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
