@@ -10,11 +10,15 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import aiolaunch
 from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 # -- workers ------------------------------------------------------------------
 
@@ -265,27 +269,40 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
 async def test_watchdog_observe_emits_once_per_stall_and_keeps_running(tmp_path: Path) -> None:
     wd = Watchdog(stall_after=1, action="observe")
     async with aiolaunch.start_processes(
-        "o", stall_then_talk, {0: (4.5, 60)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+        "o", stall_then_talk, {0: (6.0, 60)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
         watchdog=wd,
     ) as ctx:  # fmt: skip
-        stalls: list[WorkerStalled] = []
+        seen: list[WorkerStalled] = []
 
         async def collect() -> None:
             async for ev in ctx.events():
                 if isinstance(ev, WorkerStalled):
-                    stalls.append(ev)
+                    seen.append(ev)
+
+        def stalls() -> int:
+            return sum(isinstance(e, WorkerStalled) for e in ctx._bus.history)
 
         task = asyncio.ensure_future(collect())
-        await asyncio.sleep(4)  # allowed: several watchdog periods within one stall
-        assert len(stalls) == 1 and stalls[0].rank == 0 and stalls[0].idle_s >= 1
-        assert await ctx.wait(timeout=0) is None  # still running
+        await _until(lambda: stalls() == 1, "the first stall")
+        assert await ctx.wait(timeout=0) is None  # observe: still running
         assert [s.state for s in ctx.status()] == ["stalled"]
-        # It speaks at 4.5 s, then goes quiet again: a second, new stall.
-        deadline = time.monotonic() + 15
-        while len(stalls) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)  # allowed: waiting for the next watchdog period
-        assert len(stalls) == 2
+        # The worker stays quiet for 6 s (several periods), then prints "back":
+        # still one event for that one stall.
+        await _wait_lines(tmp_path, 1, "back")
+        assert stalls() == 1
+        # Quiet again after it spoke: a second, new stall.
+        await _until(lambda: stalls() == 2, "the second stall")
+        await asyncio.sleep(0)
+        assert [(e.rank, e.idle_s >= 1) for e in seen] == [(0, True), (0, True)]
         task.cancel()
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout}s")
+        await asyncio.sleep(0.05)  # allowed: waiting for a watchdog period
 
 
 async def test_a_worker_that_keeps_printing_is_never_flagged(tmp_path: Path) -> None:
