@@ -10,21 +10,27 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import aiolaunch
 from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 # -- workers ------------------------------------------------------------------
 
 
 def stuck_here() -> None:
+    print("parked", flush=True)  # the handshake: printed from inside this frame
     while True:
         time.sleep(3600)
 
 
 def waiting_for_peers() -> None:
+    print("parked", flush=True)
     while True:
         time.sleep(3600)
 
@@ -112,7 +118,7 @@ async def test_dump_stacks_of_function_workers(tmp_path: Path, method: str) -> N
         "d", hang, {r: (r, 1) for r in range(3)}, _envs(3), log_dir=tmp_path,
         start_method=method, redirects=Std.ALL,
     ) as ctx:  # fmt: skip
-        await _wait_lines(tmp_path, 3, "up")
+        await _wait_lines(tmp_path, 3, "parked")
         dumps = await asyncio.wait_for(ctx.dump_stacks(), 20)
         assert sorted(dumps) == [0, 1, 2]
         assert "stuck_here" in dumps[1]
@@ -263,27 +269,40 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
 async def test_watchdog_observe_emits_once_per_stall_and_keeps_running(tmp_path: Path) -> None:
     wd = Watchdog(stall_after=1, action="observe")
     async with aiolaunch.start_processes(
-        "o", stall_then_talk, {0: (4.5, 60)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+        "o", stall_then_talk, {0: (6.0, 60)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
         watchdog=wd,
     ) as ctx:  # fmt: skip
-        stalls: list[WorkerStalled] = []
+        seen: list[WorkerStalled] = []
 
         async def collect() -> None:
             async for ev in ctx.events():
                 if isinstance(ev, WorkerStalled):
-                    stalls.append(ev)
+                    seen.append(ev)
+
+        def stalls() -> int:
+            return sum(isinstance(e, WorkerStalled) for e in ctx._bus.history)
 
         task = asyncio.ensure_future(collect())
-        await asyncio.sleep(4)  # allowed: several watchdog periods within one stall
-        assert len(stalls) == 1 and stalls[0].rank == 0 and stalls[0].idle_s >= 1
-        assert await ctx.wait(timeout=0) is None  # still running
+        await _until(lambda: stalls() == 1, "the first stall")
+        assert await ctx.wait(timeout=0) is None  # observe: still running
         assert [s.state for s in ctx.status()] == ["stalled"]
-        # It speaks at 4.5 s, then goes quiet again: a second, new stall.
-        deadline = time.monotonic() + 15
-        while len(stalls) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)  # allowed: waiting for the next watchdog period
-        assert len(stalls) == 2
+        # The worker stays quiet for 6 s (several periods), then prints "back":
+        # still one event for that one stall.
+        await _wait_lines(tmp_path, 1, "back")
+        assert stalls() == 1
+        # Quiet again after it spoke: a second, new stall.
+        await _until(lambda: stalls() == 2, "the second stall")
+        await asyncio.sleep(0)
+        assert [(e.rank, e.idle_s >= 1) for e in seen] == [(0, True), (0, True)]
         task.cancel()
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout}s")
+        await asyncio.sleep(0.05)  # allowed: waiting for a watchdog period
 
 
 async def test_a_worker_that_keeps_printing_is_never_flagged(tmp_path: Path) -> None:
@@ -369,7 +388,7 @@ async def test_status_and_stacks_from_another_process(tmp_path: Path) -> None:
         "st", hang, {r: (r, 0) for r in range(3)}, _envs(3), log_dir=tmp_path,
         redirects=Std.ALL,
     ) as ctx:  # fmt: skip
-        await _wait_lines(tmp_path, 3, "up")
+        await _wait_lines(tmp_path, 3, "parked")
         sock = tmp_path / "control.sock"
         assert sock.is_socket() and (sock.stat().st_mode & 0o777) == 0o600
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -606,3 +625,43 @@ async def test_py_spy_serves_unregistered_python_workers_where_installed(
         assert dumps[0].startswith("(py-spy dump)\n")
         assert f"Thread {ctx.pids()[0]} (idle)" in dumps[0]
         assert _Alive(ctx.pids()[0]).alive
+
+
+def test_stack_report_reads_py_spy_dumps() -> None:
+    spy = (
+        "(py-spy dump)\nProcess 7: python train.py\nPython v3.11.7\n\n"
+        'Thread 7 (idle): "MainThread"\n    load_batch (data.py:41)\n    main (train.py:9)\n'
+        'Thread 9 (idle): "pin_memory"\n    wait (threading.py:320)\n'
+    )
+    report = StackReport.from_dumps({0: spy})
+    assert report.groups == [([0], "load_batch (data.py:41) <- main (train.py:9)")]
+
+
+async def test_status_without_log_dir_finds_the_one_running_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    (run / "aiolaunch").mkdir(mode=0o700)
+    stale = run / "aiolaunch" / "999999999-0"  # a supervisor that was SIGKILLed
+    stale.symlink_to(tmp_path / "gone" / "control.sock")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    async with aiolaunch.start_processes(
+        "one", hang, {0: (0, 1)}, _envs(1), log_dir=tmp_path / "logs", redirects=Std.ALL,
+    ) as ctx:  # fmt: skip
+        await _wait_lines(tmp_path / "logs", 1, "up")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "aiolaunch", "status", "--json",
+            stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        assert json.loads(out)["workers"][0]["pid"] == ctx.pids()[0]
+        assert not stale.is_symlink()  # cleaned up by the client
+    assert list((run / "aiolaunch").iterdir()) == []
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "aiolaunch", "status", stderr=asyncio.subprocess.PIPE, env=env
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1 and b"no running aiolaunch job" in err

@@ -20,10 +20,12 @@ HANG = textwrap.dedent(
     import os, time
 
     def stuck_here():
+        print("parked", flush=True)
         while True:
             time.sleep(3600)
 
     def waiting_for_peers():
+        print("parked", flush=True)
         while True:
             time.sleep(3600)
 
@@ -101,7 +103,7 @@ def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             outs = list(logs.glob("*/attempt_0/*/stdout.log"))
-            if len(outs) == 3 and all("up" in p.read_text() for p in outs):
+            if len(outs) == 3 and all("parked" in p.read_text() for p in outs):
                 break
             time.sleep(0.1)  # allowed: polling the job's log files
         else:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -74,6 +76,7 @@ class ControlServer:
         self._real = real
         self._tmpdir = tmpdir
         self._server = server
+        self._entry = _register(os.path.abspath(link))
 
     @classmethod
     async def start(
@@ -110,6 +113,10 @@ class ControlServer:
         self._server.close()
         _unbind(self.path, self._real, self._tmpdir)
         self._tmpdir = None
+        if self._entry is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._entry)
+            self._entry = None
 
 
 def _bind(log_dir: str) -> tuple[socket.socket, str, str, str | None]:
@@ -141,16 +148,96 @@ def _unbind(link: str, real: str, tmpdir: str | None) -> None:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+# -- the per-user list of running groups ----------------------------------------
+# `aiolaunch status` with no LOG_DIR finds the job through it: torchrun users
+# rarely pass --log-dir. Entries are symlinks {pid}-{n} -> the control socket,
+# in a folder only this user can write; a supervisor killed by SIGKILL leaves a
+# stale entry, which clients remove.
+
+
+def registry_dir(create: bool = False) -> str | None:
+    """``$XDG_RUNTIME_DIR/aiolaunch`` or ``/tmp/aiolaunch-<uid>``; ``None`` if unsafe."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    path = (
+        os.path.join(runtime, "aiolaunch")
+        if runtime
+        else os.path.join(tempfile.gettempdir(), f"aiolaunch-{os.getuid()}")
+    )
+    try:
+        if create:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        return None
+    # Another user could have planted it in /tmp: use only our own private folder.
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+_registered = itertools.count()
+
+
+def _register(sock: str) -> str | None:
+    folder = registry_dir(create=True)
+    if folder is None:
+        return None
+    entry = os.path.join(folder, f"{os.getpid()}-{next(_registered)}")
+    try:
+        os.symlink(sock, entry)
+    except OSError:
+        return None
+    return entry
+
+
+def running_jobs() -> list[str]:
+    """Control sockets of this user's running groups (stale entries are removed)."""
+    folder = registry_dir()
+    if folder is None:
+        return []
+    out: list[str] = []
+    for name in sorted(os.listdir(folder)):
+        entry = os.path.join(folder, name)
+        try:
+            pid = int(name.split("-", 1)[0])
+            target = os.readlink(entry)
+        except (ValueError, OSError):
+            continue
+        alive = True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            pass
+        if alive and os.path.exists(target):
+            out.append(target)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry)
+    return out
+
+
 # -- client -------------------------------------------------------------------
 
 
-def find_socket(log_dir: str) -> str:
+def find_socket(log_dir: str | None) -> str:
     """The newest ``control.sock`` in ``log_dir`` or up to 3 levels below it.
 
-    (torch's layout puts it in ``{log_dir}/{run_id}_xxx/attempt_N/``.)
+    (torch's layout puts it in ``{log_dir}/{run_id}_xxx/attempt_N/``.) Without
+    ``log_dir``: the one group of this user that is running.
 
     :raises FileNotFoundError: there is none: the job is not running.
+    :raises ValueError: no ``log_dir`` and several groups are running.
     """
+    if log_dir is None:
+        jobs = running_jobs()
+        if len(jobs) == 1:
+            return jobs[0]
+        if not jobs:
+            raise FileNotFoundError("no running aiolaunch job of yours was found; pass its LOG_DIR")
+        listing = "\n  ".join(os.path.dirname(j) for j in jobs)
+        raise ValueError(f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}")
     found: list[tuple[float, str]] = []
     base = os.path.abspath(log_dir)
     depth0 = base.rstrip(os.sep).count(os.sep)
@@ -215,7 +302,12 @@ def _client(argv: Sequence[str], cmd: str) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog=f"aiolaunch {cmd}")
-    p.add_argument("log_dir", help="the job's --log-dir (searched up to 3 levels down)")
+    p.add_argument(
+        "log_dir",
+        nargs="?",
+        default=None,
+        help="the job's --log-dir (searched up to 3 levels down); default: your one running job",
+    )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     if cmd == "stacks":
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per dump")
@@ -250,10 +342,10 @@ def _client(argv: Sequence[str], cmd: str) -> int:
 
 
 def status_main(argv: Sequence[str]) -> int:
-    """``aiolaunch status LOG_DIR [--json]``: per-rank state of a running job."""
+    """``aiolaunch status [LOG_DIR] [--json]``: per-rank state of a running job."""
     return _client(argv, "status")
 
 
 def stacks_main(argv: Sequence[str]) -> int:
-    """``aiolaunch stacks LOG_DIR [--json]``: dump every rank's stacks and the verdict."""
+    """``aiolaunch stacks [LOG_DIR] [--json]``: dump every rank's stacks and the verdict."""
     return _client(argv, "stacks")

@@ -196,6 +196,9 @@ def _read_from(path: str, offset: int) -> str:
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<func>.*)$')
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+# py-spy's format: 'Thread 123 (idle): "MainThread"' then '    func (file.py:41)'
+_SPY_THREAD = re.compile(r"^Thread (0x)?[0-9a-fA-F]+ .*:")
+_SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^()]+):(?P<line>\d+)\)$")
 #: innermost frames of the main thread that identify "where a rank is"
 _DEPTH = 3
 
@@ -204,18 +207,26 @@ def _main_thread_frames(text: str) -> list[tuple[str, str, str]]:
     """Frames (func, file basename, line) of the main thread, innermost first.
 
     CPython lists the newest thread first, so the main thread is the last
-    block of a faulthandler dump.
+    block of a faulthandler dump; py-spy names it ``"MainThread"``.
     """
     blocks: list[list[tuple[str, str, str]]] = []
+    main: list[tuple[str, str, str]] | None = None
     for line in text.splitlines():
         if _THREAD.match(line) or line.startswith("Stack (most recent call first)"):
             blocks.append([])
             continue
-        m = _FRAME.match(line)
+        if _SPY_THREAD.match(line):
+            blocks.append([])
+            if '"MainThread"' in line:
+                main = blocks[-1]
+            continue
+        m = _FRAME.match(line) or _SPY_FRAME.match(line)
         if m:
             if not blocks:
                 blocks.append([])
             blocks[-1].append((m["func"], os.path.basename(m["file"]), m["line"]))
+    if main is not None:
+        return main
     return blocks[-1] if blocks else []
 
 

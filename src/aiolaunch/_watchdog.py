@@ -65,6 +65,9 @@ class Watchdog:
       restarted by it; otherwise as ``"fail"`` (an agent then restarts the
       group within ``max_restarts``).
 
+    Linux: activity is read from ``/proc`` (elsewhere no worker is ever
+    flagged). The sampling period is ``stall_after / 10`` within [1, 30] s.
+
     :param stall_after: seconds without activity, > 0.
     :param progress: a regular expression: only lines matching it count as
         output (streams the supervisor reads; a non-redirected stream is then

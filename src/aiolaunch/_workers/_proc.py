@@ -27,6 +27,7 @@ __all__ = [
     "new_context_token",
     "open_exit_fd",
     "parse_stat",
+    "proc_pids",
     "read_stat",
     "signal_tree",
 ]
@@ -44,6 +45,15 @@ def new_context_token() -> str:
     return f"{os.getpid()}-{os.urandom(8).hex()}"
 
 
+def proc_pids(since: int = 0) -> list[int]:
+    """The pids listed in ``/proc`` that are at least ``since``; ``[]`` without ``/proc``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(e) for e in entries if e.isdigit() and int(e) >= since]
+
+
 def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[int]:
     """Live processes whose environment holds ``CONTEXT_ENV=token``.
 
@@ -58,18 +68,11 @@ def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[
     needle = f"\0{CONTEXT_ENV}={token}\0".encode()
     skip = {os.getpid(), *exclude}
     found: set[int] = set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        if pid < since or pid in skip:
+    for pid in proc_pids(since):
+        if pid in skip:
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 data = f.read()
         except OSError:
             continue
@@ -167,17 +170,10 @@ class ProcTable:
     def __init__(self, since: int = 0) -> None:
         self.children: dict[int, list[int]] = {}
         self.groups: dict[int, list[int]] = {}
-        try:
-            entries = os.listdir("/proc")
-        except OSError:
-            return
-        for entry in entries:
-            if not entry.isdigit() or int(entry) < since:
-                continue
-            stat = read_stat(entry)
+        for pid in proc_pids(since):
+            stat = read_stat(pid)
             if stat is None:
                 continue
-            pid = int(entry)
             self.children.setdefault(stat.ppid, []).append(pid)
             self.groups.setdefault(stat.pgid, []).append(pid)
 
