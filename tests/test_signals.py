@@ -176,6 +176,7 @@ async def test_application_loop_signal_handler_is_restored(tmp_path: Path) -> No
 
     loop = asyncio.get_running_loop()
     calls: list[str] = []
+    before = signal.getsignal(signal.SIGHUP)  # SIG_IGN under nohup
 
     def on_hup() -> None:
         calls.append("hup")
@@ -194,4 +195,4 @@ async def test_application_loop_signal_handler_is_restored(tmp_path: Path) -> No
         assert handle._callback is on_hup
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, before)
