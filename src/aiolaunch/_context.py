@@ -339,8 +339,9 @@ class PContext:
         events: one that falls behind loses its oldest events and receives an
         :class:`EventsDropped` with the count.
 
-        :raises TypeError, ValueError: ``maxsize`` is not an int >= 1 (at the
-            call, not at the first iteration).
+        :raises TypeError: ``maxsize`` is not an int (at the call, not at
+            the first iteration).
+        :raises ValueError: ``maxsize`` is below 1 (also at the call).
         """
         return self._bus.iterate(lines=lines, maxsize=maxsize)
 
@@ -448,9 +449,10 @@ class PContext:
         at once: the survivors get SIGKILL (as a second Ctrl-C does in
         ``wait()``), with a warning in the log.
 
-        :raises TypeError, ValueError: ``death_sig`` is not a signal number
-            (0 included) or ``timeout`` is not a number of seconds >= 0 -
+        :raises TypeError: ``death_sig`` or ``timeout`` has the wrong type -
             before any worker is signalled.
+        :raises ValueError: ``death_sig`` is not a signal number (0 included)
+            or ``timeout`` is negative - before any worker is signalled.
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)

@@ -155,7 +155,8 @@ class EventBus:
     def iterate(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
         """A new consumer's iterator; arguments are checked here, at the call.
 
-        :raises TypeError, ValueError: ``maxsize`` is not an int >= 1.
+        :raises TypeError: ``maxsize`` is not an int.
+        :raises ValueError: ``maxsize`` is below 1.
         """
         if isinstance(maxsize, bool) or not isinstance(maxsize, int):
             raise TypeError(
