@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from typing import TYPE_CHECKING
 
 import pytest
 
+from _helpers import driver
 from aiolaunch._cli import get_args_parser
 
 if TYPE_CHECKING:
@@ -197,3 +201,63 @@ def test_signal_lists_reach_the_environment(tmp_path: Path) -> None:
     # the defaults, as torchrun exports them
     proc = _run(AIOLAUNCH, ["--no-python", "/bin/sh", "-c", script], tmp_path, {"OUT": str(out)})
     assert out.read_text().strip() == "SIGTERM,SIGINT,SIGHUP,SIGQUIT|unset"
+
+
+SIGNAL_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    out = sys.argv[1]
+    rank = os.environ["RANK"]
+    got = []
+    if len(sys.argv) > 2:  # --forward-signals: note the signal, then finish
+        signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    open(os.path.join(out, f"ready{rank}"), "w").close()
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with open(os.path.join(out, f"done{rank}"), "w") as f:
+        f.write("usr1" if got else "timeout")
+    """
+)
+
+
+def _wait_files(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"workers not ready: {paths}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("launcher", ["aiolaunch", "torchrun"])
+def test_signals_to_handle_stops_the_run_like_torchrun(tmp_path: Path, launcher: str) -> None:
+    # SIGUSR1 in the list: the supervisor catches it, the workers are stopped
+    # and the run ends with a failure - aiolaunch as torchrun
+    cmd = AIOLAUNCH if launcher == "aiolaunch" else _torchrun()
+    script = tmp_path / "worker.py"
+    script.write_text(SIGNAL_WORKER)
+    argv = ["--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1"]
+    argv += ["--shutdown-timeout", "5", str(script), str(tmp_path)]
+    with driver([*cmd, *argv], env={**os.environ, "LOGLEVEL": "WARNING"}) as proc:
+        _wait_files([tmp_path / "ready0", tmp_path / "ready1"], proc)
+        proc.send_signal(signal.SIGUSR1)
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode != 0
+    assert not (tmp_path / "done0").exists() and not (tmp_path / "done1").exists()
+    if launcher == "aiolaunch":
+        assert "received SIGUSR1" in stderr
+
+
+def test_forward_signals_reach_workers_that_keep_running(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(SIGNAL_WORKER)
+    argv = ["--nproc-per-node", "2", "--forward-signals", "SIGUSR1"]
+    argv += [str(script), str(tmp_path), "handle"]
+    with driver([*AIOLAUNCH, *argv]) as proc:
+        _wait_files([tmp_path / "ready0", tmp_path / "ready1"], proc)
+        proc.send_signal(signal.SIGUSR1)
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, stderr
+    # both workers got the signal and finished on their own
+    assert (tmp_path / "done0").read_text() == "usr1"
+    assert (tmp_path / "done1").read_text() == "usr1"
