@@ -116,6 +116,10 @@ class ControlServer:
         if self._entry is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._entry)
+            # The per-user folder goes with its last entry: nothing is left in
+            # /tmp once no group runs (fails harmlessly while others are listed).
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self._entry))
             self._entry = None
 
 
@@ -179,15 +183,19 @@ _registered = itertools.count()
 
 
 def _register(sock: str) -> str | None:
-    folder = registry_dir(create=True)
-    if folder is None:
-        return None
-    entry = os.path.join(folder, f"{os.getpid()}-{next(_registered)}")
-    try:
-        os.symlink(sock, entry)
-    except OSError:
-        return None
-    return entry
+    entry = f"{os.getpid()}-{next(_registered)}"
+    for _ in range(3):  # another group may remove the empty folder in between
+        folder = registry_dir(create=True)
+        if folder is None:
+            return None
+        try:
+            os.symlink(sock, os.path.join(folder, entry))
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        return os.path.join(folder, entry)
+    return None
 
 
 def running_jobs() -> list[str]:
@@ -215,6 +223,9 @@ def running_jobs() -> list[str]:
         else:
             with contextlib.suppress(OSError):
                 os.unlink(entry)
+    if not out:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if empty: stale entries were all removed
     return out
 
 
