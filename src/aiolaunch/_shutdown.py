@@ -33,6 +33,8 @@ T = TypeVar("T")
 # Bound for processes to vanish after SIGKILL (a process in uninterruptible
 # sleep can take a moment; we never wait forever).
 _KILL_WAIT = 10.0
+# Scan-and-SIGKILL rounds at most (a fork tree may grow while it is killed).
+_KILL_ROUNDS = 5
 
 
 async def shielded(aw: Awaitable[T], on_cancel: Callable[[int], None] | None = None) -> T:
@@ -189,19 +191,28 @@ async def terminate(
                 death_sig.name,
             )
     if survivors or extras:
-        # Descendants may have been born during the grace period: look again.
-        table = ProcTable(since)
-        if token is not None:
-            extras |= await _tagged(token, since, workers)
-        for w in workers:
-            tree = table.tree(w.pid) | (extras & _alive_pids(extras))
-            if w.alive:
-                w.signal_tree(signal.SIGKILL, tree)
-            else:
-                for pid in tree:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-            extras |= tree
+        # Descendants may have been born during the grace period, and a
+        # process may fork between a scan and its SIGKILL: scan and kill until
+        # a scan finds nothing new (the killed cannot fork, so this converges).
+        killed: set[int] = set()
+        for _ in range(_KILL_ROUNDS):
+            table = ProcTable(since)
+            if token is not None:
+                extras |= await _tagged(token, since, workers)
+            found: set[int] = set()
+            for w in workers:
+                tree = table.tree(w.pid) | (extras & _alive_pids(extras))
+                if w.alive:
+                    w.signal_tree(signal.SIGKILL, tree)
+                else:
+                    for pid in tree - killed:
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGKILL)
+                found |= tree
+            extras |= found
+            if not (found - killed):
+                break
+            killed |= found
         await _wait_exited(survivors, _KILL_WAIT)
         still = await _wait_pids_gone(_alive_pids(extras), _KILL_WAIT)
         if still:  # pragma: no cover - D-state processes
