@@ -140,6 +140,8 @@ def test_forwarded_signals_keep_the_group_running(tmp_path: Path) -> None:
         assert sent + 6.99 < float(deadline_s) < sent + 60
         assert float(timeout_s) == 7.0
         assert not os.path.exists(path)  # removed once the group is gone
+        # In the group's own folder: a SIGKILLed supervisor litters no temp folder.
+        assert path.startswith(str(marks / "logs") + os.sep), path
     assert not wait_dead(pids)
 
 

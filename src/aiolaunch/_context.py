@@ -206,7 +206,7 @@ class PContext:
             **self.envs[rank],
             **self._restarts.env(rank),
             **self._forensics.env(),
-            **self._signals.env(),
+            **self._signals.env(self._forensics.stacks_dir),
             # Inherited by every descendant: close() finds daemons by it.
             CONTEXT_ENV: self._token,
         }

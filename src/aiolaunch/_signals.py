@@ -409,11 +409,17 @@ class SignalPlan:
         self._deadline_file = ""
         self._released = False
 
-    def env(self) -> dict[str, str]:
-        """What every worker's environment gets (the deadline file is made on first use)."""
+    def env(self, folder: str | None = None) -> dict[str, str]:
+        """What every worker's environment gets (the deadline file is made on first use).
+
+        The file goes in ``folder`` (the group's private folder, so that a
+        supervisor killed by SIGKILL leaves it there, not in the temp folder).
+        """
         if not self._deadline_file and not self._released:
             try:
-                fd, self._deadline_file = tempfile.mkstemp(prefix="aiolaunch_stop_deadline_")
+                fd, self._deadline_file = tempfile.mkstemp(
+                    prefix="aiolaunch_stop_deadline_", dir=folder
+                )
             except OSError as exc:
                 # No writable temp folder: the workers still start, without a deadline file.
                 logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
