@@ -25,9 +25,9 @@ from ._events import (
     Event,
     EventBus,
     GroupStopped,
-    WorkerExited,
     WorkerRestarting,
     WorkerStarted,
+    worker_exited,
 )
 from ._forensics import Forensics
 from ._logs import LogWiring
@@ -38,7 +38,6 @@ from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result, failed_ranks
 from ._shutdown import shielded, terminate
 from ._signals import STOP_SIGNALS, SignalPlan, forward_signal, watch_signals
-from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
 
@@ -196,21 +195,9 @@ class PContext:
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         rank = handle.local_rank
-        rc = handle.returncode
-        assert rc is not None
-        self._bus.emit(
-            WorkerExited(
-                rank=rank,
-                time=time.monotonic(),
-                pid=handle.pid,
-                exitcode=rc,
-                signal=exit_signal_name(rc),
-                stopped=handle.stopped_by_us,
-            )
-        )
+        self._bus.emit(worker_exited(handle))
         if not handle.stopped_by_us and self._end is None:
-            failed = rc != 0 or handle.failure_reason is not None
-            planned = self._restarts.plan(rank, failed, time.monotonic())
+            planned = self._restarts.after_exit(handle, time.monotonic())
             if planned is not None:
                 delay, attempt = planned
                 self._readiness.reset(rank)
@@ -221,11 +208,6 @@ class PContext:
                 # queues its own restart behind this one.
                 self._restarts.run(rank, lambda: self._restart(rank, delay))
                 return
-            spent = self._restarts.budget_spent(rank)
-            if spent is not None and not failed:
-                # "always" promises a service that keeps running: an exit it
-                # cannot restart any more fails the group, even with code 0.
-                handle.failure_reason = spent
         self._gone(rank)
 
     def _gone(self, rank: int) -> None:

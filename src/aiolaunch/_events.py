@@ -21,8 +21,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._signames import exit_signal_name
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+
+    from ._workers._handle import WorkerHandle
 
 __all__ = [
     "Event",
@@ -71,6 +75,20 @@ class WorkerExited(Event):
     exitcode: int
     signal: str | None
     stopped: bool
+
+
+def worker_exited(handle: WorkerHandle) -> WorkerExited:
+    """The :class:`WorkerExited` event of ``handle``, which was reaped just now."""
+    rc = handle.returncode
+    assert rc is not None
+    return WorkerExited(
+        rank=handle.local_rank,
+        time=time.monotonic(),
+        pid=handle.pid,
+        exitcode=rc,
+        signal=exit_signal_name(rc),
+        stopped=handle.stopped_by_us,
+    )
 
 
 @dataclass(frozen=True)

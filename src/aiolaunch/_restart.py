@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
 
+    from ._workers._handle import WorkerHandle
+
 __all__ = ["RestartPolicy", "RestartTracker", "Restarts"]
 
 _MODES = ("never", "on-failure", "always")
@@ -153,6 +155,22 @@ class Restarts:
         self.pending.add(rank)
         self._counts[rank] = self._counts.get(rank, 0) + 1
         return delay, tracker.attempts
+
+    def after_exit(self, handle: WorkerHandle, now: float) -> tuple[float, int] | None:
+        """An incarnation exited on its own (not stopped by the supervisor).
+
+        :returns: :meth:`plan`'s ``(delay, restart number)``, or ``None``: no
+            restart follows. Then a spent budget sets ``handle.failure_reason``
+            even for exit code 0: ``"always"`` promises a service that keeps
+            running, so an exit it cannot restart any more fails the group.
+        """
+        rank = handle.local_rank
+        failed = handle.returncode != 0 or handle.failure_reason is not None
+        planned = self.plan(rank, failed, now)
+        spent = self.budget_spent(rank) if planned is None else None
+        if spent is not None and not failed:
+            handle.failure_reason = spent
+        return planned
 
     def budget_spent(self, rank: int) -> str | None:
         """Why ``rank``'s last exit ends it although its policy wanted a
