@@ -10,11 +10,9 @@ into its sinks before returning. No step polls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import math
-import os
 import signal
 import time
 from typing import TYPE_CHECKING, Any
@@ -22,25 +20,24 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._compat import task_cancelling, task_uncancel
-from ._errors import SignalException, fd_limit_error
+from ._errors import fd_limit_error
 from ._events import (
     Event,
     EventBus,
     GroupStopped,
-    LogLine,
     WorkerExited,
     WorkerRestarting,
     WorkerStarted,
 )
 from ._forensics import Forensics
-from ._logs import LineSink, LogWiring
+from ._logs import LogWiring
 from ._logs._filters import open_duplicate_filters
 from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
-from ._results import ProcessFailure, RunProcsResult, build_result
+from ._results import ProcessFailure, RunProcsResult, build_result, failed_ranks
 from ._shutdown import shielded, terminate
-from ._signals import STOP_SIGNALS, SignalPlan, watch_signals
+from ._signals import STOP_SIGNALS, SignalPlan, forward_signal, watch_signals
 from ._signames import exit_signal_name
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
@@ -51,6 +48,7 @@ if TYPE_CHECKING:
     from typing import TextIO
 
     from ._control import WorkerStatus
+    from ._logs import LineSink
     from ._logs_specs import LogsDest
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
@@ -163,9 +161,10 @@ class PContext:
             # Lines are needed by a readiness probe or the watchdog's progress regex.
             return self._readiness.reads(rank, stream) or self._forensics.needs_lines
 
-        streams = await self._logs.open(
-            rank, watch=watch, line_sink=lambda stream: self._line_sink(rank, stream, watch(stream))
-        )
+        def line_sink(stream: str) -> LineSink:
+            return self._readiness.line_sink(rank, stream, watch(stream))
+
+        streams = await self._logs.open(rank, watch=watch, line_sink=line_sink)
         try:
             handle = await self._spawn(rank, streams.stdout, streams.stderr)
         except BaseException:
@@ -181,22 +180,6 @@ class PContext:
         if not handle.alive:  # it exited while we were still wiring it up
             self._on_exit(handle)
         await self._logs.connect(streams)
-
-    def _line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
-        # Splits lines only while someone listens: a readiness probe not yet
-        # satisfied, or an events(lines=True) consumer.
-        readiness = self._readiness
-
-        def wanted() -> bool:
-            return bool(self._bus.wants_lines) or (watch and readiness.listening(rank))
-
-        def on_line(line: str) -> None:
-            if watch:
-                readiness.feed(rank, line)
-            if self._bus.wants_lines:
-                self._bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=line))
-
-        return LineSink(on_line, wanted)
 
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
         raise NotImplementedError
@@ -275,14 +258,7 @@ class PContext:
         return {rank: w.pid for rank, w in self._workers.items()}
 
     def _failed_ranks(self) -> list[int]:
-        failed = []
-        for rank in self._exit_order:
-            w = self._workers[rank]
-            if w.stopped_by_us or rank in self._restarts.pending or w.alive:
-                continue
-            if w.returncode != 0 or w.failure_reason is not None:
-                failed.append(rank)
-        return failed
+        return failed_ranks(self._workers, self._exit_order, self._restarts.pending)
 
     def _decided(self) -> bool:
         if self._failed_ranks() or self._forensics.failing:
@@ -317,13 +293,7 @@ class PContext:
 
         :raises ValueError: an unknown rank, or ``timeout`` not > 0.
         """
-        if not (isinstance(timeout, int | float) and timeout > 0):
-            raise ValueError(f"dump_stacks(timeout={timeout!r}) must be a number of seconds > 0")
-        bad = [r for r in ranks or () if r not in range(self.nprocs)]
-        if bad:
-            raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{self.nprocs - 1}")
-        dumps, _ = await self._forensics.dump(ranks, float(timeout))
-        return dumps
+        return await self._forensics.dump_stacks(ranks, timeout)
 
     # -- orchestration ----------------------------------------------------
     def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
@@ -411,24 +381,13 @@ class PContext:
             stop=self._signals.stop,
             forward=self._signals.forward,
             on_repeat=lambda sig: self._escalate(f"second {sig.name}"),
-            on_forward=self._forward_signal,
+            on_forward=lambda sig: forward_signal(self._workers.values(), sig, self.name),
         ) as watch:
             while True:
                 self._changed.clear()
                 if watch.received is not None:
-                    watch.consumed = True
-                    sig = watch.received
-                    end = self._finish(sig, self._shutdown_timeout)
-                    try:
-                        await shielded(self._death_signal_sent(end))
-                    finally:
-                        # The application's own handler for ``sig`` runs now
-                        # (also when this wait() was cancelled meanwhile).
-                        watch.signalled()
-                    await shielded(end)
-                    raise SignalException(
-                        f"Process {os.getpid()} got signal: {sig.value}", sigval=sig
-                    )
+                    end = self._finish(watch.received, self._shutdown_timeout)
+                    await watch.stop_group(self._sent, end)
                 if self._decided() or self._end is not None:
                     return await shielded(self._finish(signal.SIGTERM, self._shutdown_timeout))
                 remaining = math.inf if deadline is None else deadline - loop.time()
@@ -477,27 +436,6 @@ class PContext:
         self._kill_now.set()
         self._signals.set_deadline(0.0)
         logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
-
-    def _forward_signal(self, sig: signal.Signals) -> None:
-        """Pass a forward-only signal to each running worker; the group keeps running.
-
-        Only the worker process itself gets it (not its process group: a
-        DataLoader child with the default action would die of SIGUSR1).
-        """
-        count = 0
-        for w in self._workers.values():
-            if w.alive:  # not reaped yet: the pid is still ours
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, sig)
-                    count += 1
-        logger.info("aiolaunch: forwarded %s to %d workers of %r", sig.name, count, self.name)
-
-    async def _death_signal_sent(self, end: asyncio.Task[RunProcsResult]) -> None:
-        sent = asyncio.ensure_future(self._sent.wait())
-        try:
-            await asyncio.wait({sent, end}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sent.cancel()
 
     def _finish(self, death_sig: int, grace: float) -> asyncio.Task[RunProcsResult]:
         if self._end is None:

@@ -158,6 +158,20 @@ class Forensics:
         os.makedirs(d, exist_ok=True)
         return d
 
+    async def dump_stacks(self, ranks: list[int] | None, timeout: float) -> dict[int, str]:
+        """:meth:`PContext.dump_stacks`: check the arguments, then :meth:`dump`.
+
+        :raises ValueError: an unknown rank, or ``timeout`` not > 0.
+        """
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"dump_stacks(timeout={timeout!r}) must be a number of seconds > 0")
+        nprocs = self._ctx.nprocs
+        bad = [r for r in ranks or () if r not in range(nprocs)]
+        if bad:
+            raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
+        dumps, _ = await self.dump(ranks, float(timeout))
+        return dumps
+
     async def dump(
         self, ranks: list[int] | None, timeout: float
     ) -> tuple[dict[int, str], dict[int, str]]:

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ._errors import ChildFailedError
-from ._events import WorkerReady
+from ._events import LogLine, WorkerReady
+from ._logs._line import LineSink
 from ._validate import check_port
 
 if TYPE_CHECKING:
@@ -250,6 +251,26 @@ class Readiness:
         """Pass one line of ``rank``'s output to its probe (if it still waits)."""
         if self.listening(rank):
             self._lines[rank].put(line)
+
+    def line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
+        """The sink of ``rank``'s ``stream`` lines: its probe (if ``watch``) and
+        ``events(lines=True)`` consumers as :class:`LogLine` events.
+
+        It splits lines only while someone listens: a probe not yet satisfied,
+        or a lines consumer of the bus.
+        """
+        bus = self._bus
+
+        def wanted() -> bool:
+            return bool(bus.wants_lines) or (watch and self.listening(rank))
+
+        def on_line(line: str) -> None:
+            if watch:
+                self.feed(rank, line)
+            if bus.wants_lines:
+                bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=line))
+
+        return LineSink(on_line, wanted)
 
     # -- lifecycle ----------------------------------------------------------
     def started(self, rank: int, handle: WorkerHandle) -> None:

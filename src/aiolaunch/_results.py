@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 from ._signames import exit_signal_name
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Container, Iterable, Mapping
 
     from ._types import JSON
     from ._workers._handle import WorkerHandle
 
-__all__ = ["ProcessFailure", "RunProcsResult", "build_result", "root_cause"]
+__all__ = ["ProcessFailure", "RunProcsResult", "build_result", "failed_ranks", "root_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +234,25 @@ def root_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFail
         raise ValueError("root_cause() needs at least one failure")
     rank = min(failures, key=lambda r: (failures[r].timestamp, r))
     return rank, failures[rank]
+
+
+def failed_ranks(
+    workers: Mapping[int, WorkerHandle], exit_order: Iterable[int], restarting: Container[int]
+) -> list[int]:
+    """The ranks whose last incarnation failed, in ``exit_order``.
+
+    A rank stopped by the supervisor, still alive, or ``restarting`` (a new
+    incarnation follows) is not failed; any other one is if it exited non-zero
+    or has a ``failure_reason`` (e.g. a spent restart budget).
+    """
+    failed = []
+    for rank in exit_order:
+        w = workers[rank]
+        if w.stopped_by_us or rank in restarting or w.alive:
+            continue
+        if w.returncode != 0 or w.failure_reason is not None:
+            failed.append(rank)
+    return failed
 
 
 def build_result(

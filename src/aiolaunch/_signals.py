@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._compat import (
     call_handle_soon,
@@ -46,6 +46,11 @@ from ._compat import (
     loop_signal_handler,
     reinstall_loop_signal_handler,
 )
+from ._errors import SignalException
+from ._shutdown import shielded
+
+if TYPE_CHECKING:
+    from ._workers._handle import WorkerHandle
 
 __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",
@@ -57,6 +62,7 @@ __all__ = [
     "STOP_SIGNALS",
     "SignalPlan",
     "SignalWatch",
+    "forward_signal",
     "parse_signals",
     "resolve_signals",
     "watch_signals",
@@ -111,6 +117,24 @@ class SignalWatch:
         if self._hub is not None:
             self._hub.acknowledge(self)
 
+    async def stop_group(self, sent: asyncio.Event, end: asyncio.Future[Any]) -> NoReturn:
+        """Act on :attr:`received`, whose shutdown ``end`` already began.
+
+        Once the death signal went out (``sent``, or ``end`` finished first)
+        the application's own handler runs (:meth:`signalled` - also when the
+        caller was cancelled meanwhile); then ``end`` is awaited, shielded, and
+        :class:`SignalException` raised.
+        """
+        sig = self.received
+        assert sig is not None
+        self.consumed = True
+        try:
+            await shielded(_first_of(sent, end))
+        finally:
+            self.signalled()
+        await shielded(end)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig.value}", sigval=sig)
+
     def _deliver(self, sig: signal.Signals) -> None:
         if sig in self.forward:
             if self._on_forward is not None:
@@ -120,6 +144,30 @@ class SignalWatch:
             self._on_signal(sig)
         elif self._on_repeat is not None:
             self._on_repeat(sig)
+
+
+async def _first_of(event: asyncio.Event, end: asyncio.Future[Any]) -> None:
+    # Whichever comes first: the event is set, or ``end`` finished.
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter, end}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+
+
+def forward_signal(workers: Iterable[WorkerHandle], sig: signal.Signals, name: str) -> None:
+    """Pass a forward-only signal to each running worker; the group keeps running.
+
+    Only the worker process itself gets it (not its process group: a
+    DataLoader child with the default action would die of SIGUSR1).
+    """
+    count = 0
+    for w in workers:
+        if w.alive:  # not reaped yet: the pid is still ours
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.pid, sig)
+                count += 1
+    logger.info("aiolaunch: forwarded %s to %d workers of %r", sig.name, count, name)
 
 
 class _Slot:
