@@ -408,3 +408,30 @@ async def test_binaries_are_reaped_through_pidfds_not_a_thread_each() -> None:
     for pid in pids.values():
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # already reaped: not our child any more
+
+
+async def test_each_start_sees_the_supervisors_environment_of_that_moment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The parent environment's copy is reused between spawns; a change made in
+    # between must still reach the next worker (and a removed variable leave).
+    seen = []
+    for value in ("one", "two", None):
+        if value is None:
+            monkeypatch.delenv("AIOLAUNCH_T_ENV")
+        else:
+            monkeypatch.setenv("AIOLAUNCH_T_ENV", value)
+        log_dir = tmp_path / str(value)
+        log_dir.mkdir()
+        ctx = await aiolaunch.start_processes(
+            name="t",
+            entrypoint=SH,
+            args=sh(2, 'printf %s "${AIOLAUNCH_T_ENV-unset}"'),
+            envs=no_env(2),
+            log_dir=str(log_dir),
+            redirects=Std.OUT,
+        )
+        result = await ctx.wait()
+        assert result is not None and not result.is_failed()
+        seen.append([Path(result.stdouts[r]).read_text() for r in range(2)])
+    assert seen == [["one", "one"], ["two", "two"], ["unset", "unset"]]

@@ -221,3 +221,32 @@ def test_cli_run_leaves_nothing(tmp_path: Path) -> None:
         )
         assert proc.returncode == 0, proc.stderr
         assert _tree(tmp) == [], extra
+
+
+def test_prune_removes_every_empty_folder_and_never_follows_a_symlink(tmp_path: Path) -> None:
+    from aiolaunch._logs_specs import prune_empty_dirs
+
+    outside = tmp_path / "outside"
+    (outside / "empty").mkdir(parents=True)
+    top = tmp_path / "run"
+    for rel in ("0", "1/deep/deeper", "2/sub", "3/a/b"):
+        (top / rel).mkdir(parents=True)
+    (top / "2" / "stdout.log").write_bytes(b"")  # a 0-byte log is kept
+    (top / "3" / "a" / "error.json").write_text("{}")
+    (top / "4").symlink_to(outside, target_is_directory=True)
+    kept = prune_empty_dirs([str(top)], "t")
+    assert kept == str(top)
+    assert _tree(top) == [
+        "2/",
+        "2/stdout.log",
+        "3/",
+        "3/a/",
+        "3/a/error.json",
+        "4/",
+    ]  # os.walk lists a symlink with the folders
+    assert (outside / "empty").is_dir()  # the symlink's target was left alone
+    (top / "4").unlink()
+    for p in ("2/stdout.log", "3/a/error.json"):
+        (top / p).unlink()
+    assert prune_empty_dirs([str(top)], "t") is None
+    assert not top.exists()

@@ -462,7 +462,9 @@ class PContext:
         )
         self._result = self._forensics.finish(self._result)
         # After the error files are written: a folder that holds one is kept.
-        prune_empty_dirs(self._temp_dirs, self.name)
+        # In a thread: one rmdir per rank folder (256 at scale) stays off the loop.
+        if self._temp_dirs:
+            await asyncio.to_thread(prune_empty_dirs, self._temp_dirs, self.name)
         self._bus.emit(
             GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
         )
