@@ -31,8 +31,6 @@ from ._events import (
 )
 from ._forensics import Forensics
 from ._logs import LogWiring
-from ._logs._filters import open_duplicate_filters
-from ._logs_specs import prune_empty_dirs
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._results import ProcessFailure, RunProcsResult, build_result, failed_ranks
@@ -44,7 +42,6 @@ from ._workers._proc import CONTEXT_ENV, new_context_token
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
     from types import TracebackType
-    from typing import TextIO
 
     from ._control import WorkerStatus
     from ._logs import LineSink
@@ -98,23 +95,18 @@ class PContext:
         self.stdouts = dict(logs_dest.stdouts)
         self.stderrs = dict(logs_dest.stderrs)
         self.error_files = dict(logs_dest.error_files)
-        # Folders made for this run only (log_dir=None); torch's LogsDest has none.
-        self._temp_dirs: list[str] = list(getattr(logs_dest, "temp_dirs", None) or ())
-        # torch's duplicate filters: tee'd lines matching a filter, copied
-        # into one file per stream (``filtered_stdout`` is torch's attribute).
-        filters = open_duplicate_filters(
-            logs_dest, duplicate_stdout_filters, duplicate_stderr_filters
-        )
-        self.filtered_stdout: TextIO | None = getattr(filters.get("stdout"), "file", None)
-        self.filtered_stderr: TextIO | None = getattr(filters.get("stderr"), "file", None)
         self._logs = LogWiring(
             name=name,
             dest=logs_dest,
             prefixes=log_line_prefixes,
             dedup_window=console_dedup,
             strip_ansi=console_strip_ansi,
-            filters=filters,
+            stdout_filters=duplicate_stdout_filters,
+            stderr_filters=duplicate_stderr_filters,
         )
+        # torch's attributes: the files of the duplicate filters, or None.
+        self.filtered_stdout = self._logs.filtered_file("stdout")
+        self.filtered_stderr = self._logs.filtered_file("stderr")
         self._shutdown_timeout = shutdown_timeout
         self._signals = signal_plan or SignalPlan(
             frozenset(STOP_SIGNALS), frozenset(), shutdown_timeout
@@ -461,10 +453,7 @@ class PContext:
             self.stderrs,
         )
         self._result = self._forensics.finish(self._result)
-        # After the error files are written: a folder that holds one is kept.
-        # In a thread: one rmdir per rank folder (256 at scale) stays off the loop.
-        if self._temp_dirs:
-            await asyncio.to_thread(prune_empty_dirs, self._temp_dirs, self.name)
+        await self._logs.prune_temp_dirs()  # after the error files are written
         self._bus.emit(
             GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
         )

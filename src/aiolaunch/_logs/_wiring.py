@@ -35,20 +35,22 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .._logs_specs import prune_empty_dirs
 from ._console import console
 from ._console_sink import ConsoleSink
 from ._dedup import ConsoleDedup
 from ._file import FileSink, open_log_file
+from ._filters import open_duplicate_filters
 from ._follow import FileFollower
 from ._inotify import Inotify
 from ._passthrough import PassthroughSink
 from ._pump import StreamPump
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
+    from typing import TextIO
 
     from .._logs_specs import LogsDest
-    from ._filters import DuplicateFilter
     from ._line import LineSink
     from ._sink import Sink
 
@@ -144,8 +146,10 @@ class LogWiring:
     :param prefixes: per-rank console prefixes (default ``[{name}{rank}]:``);
         a rank with a custom prefix is never merged by the dedup.
     :param dedup_window: ``console_dedup`` seconds, or ``None`` (off).
-    :param filters: torch's duplicate filters (``{"stdout"|"stderr": ...}``):
-        tee'd streams also feed them; their files are closed by :meth:`aclose`.
+    :param stdout_filters: torch's duplicate filters (and ``stderr_filters``):
+        tee'd lines matching one are copied into ``dest.filtered_stdout``
+        (``filtered_stderr``), opened here (:meth:`filtered_file`), closed by
+        :meth:`aclose`. An empty list or ``None`` opens no file.
     """
 
     def __init__(
@@ -156,10 +160,11 @@ class LogWiring:
         prefixes: dict[int, str] | None = None,
         dedup_window: float | None = None,
         strip_ansi: bool = False,
-        filters: dict[str, DuplicateFilter] | None = None,
+        stdout_filters: Sequence[str] | None = None,
+        stderr_filters: Sequence[str] | None = None,
     ) -> None:
         self._name = name
-        self._filters = filters or {}
+        self._filters = open_duplicate_filters(dest, stdout_filters, stderr_filters)
         self._dest = dest
         self._prefixes = prefixes or {}
         self._strip_ansi = strip_ansi
@@ -172,6 +177,23 @@ class LogWiring:
         self._used = False
         self._closed = False
         self._last_output: dict[int, float] = {}
+
+    def filtered_file(self, stream: str) -> TextIO | None:
+        """The open duplicate-filter file of ``stream``, or ``None`` (no filter)."""
+        dup = self._filters.get(stream)
+        return None if dup is None else dup.file
+
+    async def prune_temp_dirs(self) -> None:
+        """Remove the empty folders of the temp log folders made for this run
+        only (``log_dir=None``; torch's ``LogsDest`` has none).
+
+        Call it after the error files are written: a folder that holds one is
+        kept. In a thread: one rmdir per rank folder (256 at scale) stays off
+        the loop.
+        """
+        temp_dirs = list(getattr(self._dest, "temp_dirs", None) or ())
+        if temp_dirs:
+            await asyncio.to_thread(prune_empty_dirs, temp_dirs, self._name)
 
     def prefix(self, rank: int) -> str:
         """The console prefix of ``rank``'s tee'd lines."""
