@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._compat import task_cancelling, task_uncancel
+from ._compat import task_cancelling
 from ._errors import fd_limit_error
 from ._events import (
     Event,
@@ -33,8 +33,8 @@ from ._forensics import Forensics
 from ._logs import LogWiring
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
-from ._results import ProcessFailure, RunProcsResult, build_result, failed_ranks
-from ._shutdown import shielded, terminate
+from ._results import RunProcsResult, build_result, failed_ranks, not_ready_failure
+from ._shutdown import shielded, terminate_group
 from ._signals import STOP_SIGNALS, SignalPlan, forward_signal, watch_signals
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
@@ -130,7 +130,7 @@ class PContext:
             bus=self._bus,
             changed=self._changed,
             restarting=self._restarts.pending,
-            failure=self._not_ready_failure,
+            failure=lambda r: not_ready_failure(self._workers[r], self.error_files.get(r, "")),
         )
         self._forensics = Forensics(self, watchdog)
 
@@ -304,15 +304,6 @@ class PContext:
         check_seconds("wait_ready(timeout)", timeout)
         await self._readiness.wait_ready(timeout)
 
-    def _not_ready_failure(self, rank: int) -> ProcessFailure:
-        w = self._workers[rank]
-        return ProcessFailure(
-            local_rank=rank,
-            pid=w.pid,
-            exitcode=w.returncode or 0,
-            error_file=self.error_files.get(rank, ""),
-        )
-
     # -- wait / close -----------------------------------------------------
     async def wait(
         self, timeout: float | None = None, period: float | None = None
@@ -328,17 +319,15 @@ class PContext:
         ignored). After a result every worker is reaped, every pipe drained
         into its log file and console, and :meth:`close` is a no-op.
 
-        While it runs in the main thread, SIGTERM, SIGINT, SIGHUP and SIGQUIT
-        sent to the supervisor are forwarded to every worker's process group;
-        survivors get SIGKILL after ``shutdown_timeout``; then
-        :class:`SignalException` is raised. A handler the application had
-        installed for that signal (``loop.add_signal_handler`` or a
-        ``signal.signal`` function other than a SIGINT one, which stands for
-        ``KeyboardInterrupt``)
-        is called once the workers were sent it; ``SIG_IGN`` stays ignored. A
-        second such signal during the shutdown SIGKILLs the survivors at once
-        (a one-line warning). Previous handlers are restored on return.
-        Outside the main thread there is no such race (a warning, once).
+        While it runs in the main thread, a stop signal sent to the supervisor
+        (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default; see *Signals* in the API
+        docs) goes to every worker's process group, survivors get SIGKILL after
+        ``shutdown_timeout`` (at once on a second such signal), then
+        :class:`SignalException` is raised. The application's own handler for
+        it (not a SIGINT one: that stands for ``KeyboardInterrupt``) is called
+        once the workers were sent it; ``SIG_IGN`` stays ignored; previous
+        handlers are restored on return. Outside the main thread there is no
+        such race (a warning, once).
 
         *Cancellation*: cancelling the task that awaits ``wait()`` stops the
         waiting only; the workers stop when the context is closed.
@@ -425,21 +414,15 @@ class PContext:
         now = death_sig == signal.SIGKILL or self._kill_now.is_set()
         self._signals.set_deadline(0.0 if now else grace)
         try:
-            await terminate(
+            await terminate_group(
                 workers,
                 death_sig,
                 grace,
                 on_sent=self._sent.set,
                 escalate=self._kill_now,
                 token=self._token,
+                on_torn_down=lambda: self._escalate("cancellation of the event loop's tasks"),
             )
-        except asyncio.CancelledError:
-            # This task itself was cancelled: the loop is being torn down
-            # (asyncio.run cancels every task after a second Ctrl-C). The
-            # workers must still go - now, not after the grace period.
-            task_uncancel(asyncio.current_task())
-            self._escalate("cancellation of the event loop's tasks")
-            await terminate(workers, signal.SIGKILL, 0.0, token=self._token)
         finally:
             self._signals.release()
         await self._logs.aclose()

@@ -26,7 +26,14 @@ if TYPE_CHECKING:
     from ._types import JSON
     from ._workers._handle import WorkerHandle
 
-__all__ = ["ProcessFailure", "RunProcsResult", "build_result", "failed_ranks", "root_cause"]
+__all__ = [
+    "ProcessFailure",
+    "RunProcsResult",
+    "build_result",
+    "failed_ranks",
+    "not_ready_failure",
+    "root_cause",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +241,16 @@ def root_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFail
         raise ValueError("root_cause() needs at least one failure")
     rank = min(failures, key=lambda r: (failures[r].timestamp, r))
     return rank, failures[rank]
+
+
+def not_ready_failure(handle: WorkerHandle, error_file: str) -> ProcessFailure:
+    """The failure of a worker that exited before it was ready (for ``wait_ready()``)."""
+    return ProcessFailure(
+        local_rank=handle.local_rank,
+        pid=handle.pid,
+        exitcode=handle.returncode or 0,
+        error_file=error_file,
+    )
 
 
 def failed_ranks(

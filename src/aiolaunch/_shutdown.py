@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
+from ._compat import task_uncancel
 from ._workers._proc import ProcTable, find_tagged, open_exit_fd, read_stat
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
     from ._workers._handle import WorkerHandle
 
-__all__ = ["shielded", "terminate"]
+__all__ = ["shielded", "terminate", "terminate_group"]
 
 logger = logging.getLogger("aiolaunch")
 T = TypeVar("T")
@@ -110,6 +111,32 @@ async def _wait_pids_gone(pids: set[int], timeout: float) -> set[int]:
                 loop.remove_reader(fd)
             os.close(fd)
     return survivors | remaining
+
+
+async def terminate_group(
+    workers: Sequence[WorkerHandle],
+    death_sig: int,
+    grace: float,
+    *,
+    on_sent: Callable[[], None],
+    escalate: asyncio.Event,
+    token: str,
+    on_torn_down: Callable[[], None],
+) -> None:
+    """:func:`terminate` for a group's own shutdown task, which must not be cancelled.
+
+    If that task itself is cancelled meanwhile, the loop is being torn down
+    (``asyncio.run`` cancels every task after a second Ctrl-C): the workers
+    must still go - now, not after the grace period. The cancellation is
+    taken back (``Task.uncancel``), ``on_torn_down()`` is called and the
+    survivors get SIGKILL at once.
+    """
+    try:
+        await terminate(workers, death_sig, grace, on_sent=on_sent, escalate=escalate, token=token)
+    except asyncio.CancelledError:
+        task_uncancel(asyncio.current_task())
+        on_torn_down()
+        await terminate(workers, signal.SIGKILL, 0.0, token=token)
 
 
 async def terminate(
