@@ -435,3 +435,34 @@ async def test_each_start_sees_the_supervisors_environment_of_that_moment(
         assert result is not None and not result.is_failed()
         seen.append([Path(result.stdouts[r]).read_text() for r in range(2)])
     assert seen == [["one", "one"], ["two", "two"], ["unset", "unset"]]
+
+
+def test_guardian_kills_only_the_groups_still_registered_after_many_changes() -> None:
+    # The guardian script itself, fed as the supervisor feeds it: 300 groups
+    # registered and unregistered (its list is compacted on the way), one
+    # live group left registered and one live group unregistered. At EOF the
+    # first is SIGKILLed, the second left alone.
+    import subprocess
+
+    from aiolaunch._workers._guardian import _SCRIPT
+
+    kept = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    freed = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    guard = subprocess.Popen(
+        ["/bin/sh", "-c", _SCRIPT, "t", "no-such-token"], stdin=subprocess.PIPE
+    )
+    try:
+        fake = range(4_000_000, 4_000_300)  # above pid_max's default: never real
+        lines = [f"+{p}\n" for p in fake] + [f"+{kept.pid}\n", f"+{freed.pid}\n"]
+        lines += [f"-{p}\n" for p in fake] + [f"-{freed.pid}\n"]
+        assert guard.stdin is not None
+        guard.stdin.write("".join(lines).encode())
+        guard.stdin.close()  # EOF: the supervisor "died"
+        assert kept.wait(timeout=30) == -signal.SIGKILL
+        guard.wait(timeout=30)
+        assert freed.poll() is None
+    finally:
+        for p in (kept, freed, guard):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
