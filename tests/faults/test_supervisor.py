@@ -208,7 +208,22 @@ def _wait_children(pid: int, n: int, timeout: float = 30) -> int:
     return len(descendants(pid))
 
 
-@pytest.mark.parametrize("kind", ["binary", "function"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "binary",
+        pytest.param(
+            "function",
+            marks=pytest.mark.xfail(
+                sys.version_info < (3, 11),
+                reason="3.10's asyncio.run does not turn SIGINT into a cancellation: "
+                "KeyboardInterrupt can land in the executor hand-off and start-up "
+                "completes (known limitation, CHANGELOG)",
+                strict=False,
+            ),
+        ),
+    ],
+)
 def test_ctrl_c_between_spawns_leaves_no_half_started_group(tmp_path: Path, kind: str) -> None:
     """SIGINT while 64 workers are being started (no signal handler of aiolaunch
     is installed yet): asyncio.run cancels the main task, ``_start`` SIGKILLs
