@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ._workers._proc import ProcStat, parse_stat, read_stat
+from ._workers._proc import ProcStat, parse_stat, read_proc_file, read_stat
 
 __all__ = ["ProcSample", "RankActivity", "Watchdog", "read_proc"]
 
@@ -141,15 +141,8 @@ def _sample(stat: ProcStat, wchar: int | None) -> ProcSample:
 
 
 def _read_wchar(pid: int) -> int | None:
-    try:
-        fd = os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, 1024)
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
-    return _parse_wchar(data)
+    data = read_proc_file(pid, "io", 1024)
+    return None if data is None else _parse_wchar(data)
 
 
 def _parse_wchar(data: bytes) -> int | None:

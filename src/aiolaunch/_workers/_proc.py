@@ -104,18 +104,24 @@ class ProcStat(NamedTuple):
         return self.state not in ("Z", "X")
 
 
-def read_stat(pid: int | str) -> ProcStat | None:
-    """Read and parse ``/proc/<pid>/stat``; ``None`` when it cannot be read
-    (the process is gone, or there is no ``/proc``)."""
+def read_proc_file(pid: int | str, name: str, size: int = 4096) -> bytes | None:
+    """The first ``size`` bytes of ``/proc/<pid>/<name>`` in one read; ``None``
+    when it cannot be read (the process is gone, or there is no ``/proc``)."""
     try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            raw = os.read(fd, 4096)
+            return os.read(fd, size)
         finally:
             os.close(fd)
     except OSError:
         return None
-    return parse_stat(raw)
+
+
+def read_stat(pid: int | str) -> ProcStat | None:
+    """Read and parse ``/proc/<pid>/stat``; ``None`` when it cannot be read
+    (the process is gone, or there is no ``/proc``)."""
+    raw = read_proc_file(pid, "stat")
+    return None if raw is None else parse_stat(raw)
 
 
 def parse_stat(raw: bytes) -> ProcStat | None:
