@@ -219,8 +219,9 @@ async def terminate(
             )
     if survivors or extras:
         # Descendants may have been born during the grace period, and a
-        # process may fork between a scan and its SIGKILL: scan and kill until
-        # a scan finds nothing new (the killed cannot fork, so this converges).
+        # process may fork between a scan and its SIGKILL: scan, kill, wait
+        # for them to be gone, until a scan finds nothing new (converges: the
+        # dead cannot fork).
         killed: set[int] = set()
         for _ in range(_KILL_ROUNDS):
             table = ProcTable(since)
@@ -240,6 +241,9 @@ async def terminate(
             if not (found - killed):
                 break
             killed |= found
+            # A fork in flight completes before its parent dies: once the
+            # killed are gone, the next scan sees every child they made.
+            await _wait_pids_gone(_alive_pids(found), _KILL_WAIT)
         await _wait_exited(survivors, _KILL_WAIT)
         still = await _wait_pids_gone(_alive_pids(extras), _KILL_WAIT)
         if still:  # pragma: no cover - D-state processes
