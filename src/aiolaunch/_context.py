@@ -28,22 +28,21 @@ from ._events import (
     worker_exited,
 )
 from ._forensics import Forensics
-from ._logs import LogWiring
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._results import RunProcsResult, build_result, failed_ranks, not_ready_failure
 from ._shutdown import GroupShutdown, shielded
-from ._signals import STOP_SIGNALS, SignalPlan, forward_signal, watch_signals
+from ._signals import forward_signal, watch_signals
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncIterator, Callable
     from types import TracebackType
 
     from ._control import WorkerStatus
-    from ._logs import LineSink
-    from ._logs_specs import LogsDest
+    from ._logs import LineSink, LogWiring
+    from ._signals import SignalPlan
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
@@ -69,18 +68,13 @@ class PContext:
         entrypoint: Callable[..., Any] | str,
         args: dict[int, tuple[Any, ...]],
         envs: dict[int, dict[str, str]],
-        logs_dest: LogsDest,
-        log_line_prefixes: dict[int, str] | None,
+        logs: LogWiring,
         shutdown_timeout: float,
         start_method: str,
+        signal_plan: SignalPlan,
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
-        console_dedup: float | None = None,
-        console_strip_ansi: bool = False,
-        duplicate_stdout_filters: Sequence[str] | None = None,
-        duplicate_stderr_filters: Sequence[str] | None = None,
         watchdog: Watchdog | None = None,
-        signal_plan: SignalPlan | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -88,25 +82,15 @@ class PContext:
         self.envs = envs
         self.nprocs = len(args)
         self.start_method = start_method
-        self.stdouts = dict(logs_dest.stdouts)
-        self.stderrs = dict(logs_dest.stderrs)
-        self.error_files = dict(logs_dest.error_files)
-        self._logs = LogWiring(
-            name=name,
-            dest=logs_dest,
-            prefixes=log_line_prefixes,
-            dedup_window=console_dedup,
-            strip_ansi=console_strip_ansi,
-            stdout_filters=duplicate_stdout_filters,
-            stderr_filters=duplicate_stderr_filters,
-        )
+        self.stdouts = dict(logs.dest.stdouts)
+        self.stderrs = dict(logs.dest.stderrs)
+        self.error_files = dict(logs.dest.error_files)
+        self._logs = logs
         # torch's attributes: the files of the duplicate filters, or None.
         self.filtered_stdout = self._logs.filtered_file("stdout")
         self.filtered_stderr = self._logs.filtered_file("stderr")
         self._shutdown_timeout = shutdown_timeout
-        self._signals = signal_plan or SignalPlan(
-            frozenset(STOP_SIGNALS), frozenset(), shutdown_timeout
-        )
+        self._signals = signal_plan
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
         #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
