@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._errors import MainProcessError, SignalException, WorkerError
 from ._kinds import MultiprocessContext, SubprocessContext
+from ._logs import LogWiring
 from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
@@ -304,16 +305,19 @@ def start_processes(
             "entrypoint": entrypoint,
             "args": args_,
             "envs": envs_,
-            "logs_dest": dest,
-            "log_line_prefixes": log_line_prefixes,
+            "logs": LogWiring(
+                name=name,
+                dest=dest,
+                prefixes=log_line_prefixes,
+                dedup_window=console_dedup,
+                strip_ansi=bool(console_strip_ansi),
+                stdout_filters=dup_out,
+                stderr_filters=dup_err,
+            ),
             "shutdown_timeout": float(shutdown_timeout),
             "start_method": start_method,
             "ready": probes,
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
-            "console_dedup": console_dedup,
-            "console_strip_ansi": bool(console_strip_ansi),
-            "duplicate_stdout_filters": dup_out,
-            "duplicate_stderr_filters": dup_err,
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
         }

@@ -14,19 +14,20 @@ import logging
 import math
 import os
 import signal
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import anyio
 
-from ._compat import task_uncancel
+from ._compat import task_cancelling, task_uncancel
 from ._workers._proc import ProcTable, find_tagged, open_exit_fd, read_stat
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
+    from ._signals import SignalPlan
     from ._workers._handle import WorkerHandle
 
-__all__ = ["shielded", "terminate", "terminate_group"]
+__all__ = ["GroupShutdown", "shielded", "terminate", "terminate_group"]
 
 logger = logging.getLogger("aiolaunch")
 T = TypeVar("T")
@@ -278,3 +279,73 @@ def _alive_pids(pids: set[int]) -> set[int]:
         if stat is not None and stat.alive:
             alive.add(pid)
     return alive
+
+
+class GroupShutdown(Generic[T]):
+    """The one shutdown of a group: begun once, awaited by every caller.
+
+    Holds what the group's shutdown shares with ``wait()`` and ``close()``:
+    the task (:attr:`task`), the outcome once known (:attr:`result`), the
+    event set once the death signal went out (:attr:`sent`) and the one that
+    ends the grace period (:attr:`kill_now`, set by :meth:`escalate`).
+    """
+
+    def __init__(self, signals: SignalPlan, token: str) -> None:
+        self.task: asyncio.Task[T] | None = None
+        self.result: T | None = None
+        self.sent = asyncio.Event()
+        self.kill_now = asyncio.Event()
+        self._signals = signals
+        self._token = token
+
+    def begin(self, shutdown: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
+        """The shutdown task, started from ``shutdown()`` by the first call."""
+        if self.task is None:
+            self.task = asyncio.ensure_future(shutdown())
+        return self.task
+
+    def escalate(self, why: str) -> None:
+        """End the grace period of the shutdown (now or once it starts): SIGKILL.
+
+        Once only, and not once the outcome is known; logs a warning with ``why``.
+        """
+        if self.kill_now.is_set() or self.result is not None:
+            return
+        self.kill_now.set()
+        self._signals.set_deadline(0.0)
+        logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
+
+    async def close(self, finish: Callable[[], asyncio.Task[T]], *, cancelled: bool) -> None:
+        """Await ``finish()`` shielded; the second cancellation escalates.
+
+        ``cancelled``: the caller leaves ``async with`` because of a
+        cancellation, which counts as the first.
+        """
+        # Cancellations the task already had when close() began (leaving
+        # ``async with`` because of one - seen by __aexit__ on every Python,
+        # by Task.cancelling() on 3.11+): the next one is the second.
+        before = max(int(cancelled), task_cancelling(asyncio.current_task()))
+
+        def on_cancel(count: int) -> None:
+            if before + count >= 2:
+                self.escalate("second cancellation of close()")
+
+        await shielded(finish(), on_cancel)
+
+    async def stop(self, workers: Sequence[WorkerHandle], death_sig: int, grace: float) -> None:
+        """Stop ``workers`` (:func:`terminate_group`); the workers' stop deadline
+        file says when survivors get SIGKILL, and is removed afterwards."""
+        now = death_sig == signal.SIGKILL or self.kill_now.is_set()
+        self._signals.set_deadline(0.0 if now else grace)
+        try:
+            await terminate_group(
+                workers,
+                death_sig,
+                grace,
+                on_sent=self.sent.set,
+                escalate=self.kill_now,
+                token=self._token,
+                on_torn_down=lambda: self.escalate("cancellation of the event loop's tasks"),
+            )
+        finally:
+            self._signals.release()

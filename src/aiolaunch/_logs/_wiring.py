@@ -178,6 +178,11 @@ class LogWiring:
         self._closed = False
         self._last_output: dict[int, float] = {}
 
+    @property
+    def dest(self) -> LogsDest:
+        """Where each rank's streams and error file go."""
+        return self._dest
+
     def filtered_file(self, stream: str) -> TextIO | None:
         """The open duplicate-filter file of ``stream``, or ``None`` (no filter)."""
         dup = self._filters.get(stream)
