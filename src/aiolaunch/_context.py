@@ -23,13 +23,12 @@ from ._events import (
     Event,
     EventBus,
     GroupStopped,
-    WorkerRestarting,
     WorkerStarted,
     worker_exited,
 )
 from ._forensics import Forensics
 from ._ready import Readiness, ReadinessProbe
-from ._restart import RestartPolicy, Restarts
+from ._restart import RespawnSteps, RestartPolicy, Restarts
 from ._results import RunProcsResult, build_result, failed_ranks, not_ready_failure
 from ._shutdown import GroupShutdown, shielded
 from ._signals import forward_signal, watch_signals
@@ -98,7 +97,16 @@ class PContext:
         self._stop: GroupShutdown[RunProcsResult] = GroupShutdown(self._signals, self._token)
         self._exit_order: list[int] = []
         self._bus = EventBus()
-        self._restarts = Restarts(restart or {}, self.nprocs, self._changed.set)
+        steps = RespawnSteps(
+            drain=self._logs.drain_rank,
+            start=self._start_one,
+            ending=lambda: self._stop.task is not None,
+            planned=lambda rank: self._readiness.reset(rank),
+            gone=self._gone,
+        )
+        self._restarts = Restarts(
+            restart or {}, self.nprocs, self._changed.set, bus=self._bus, steps=steps
+        )
         self._readiness = Readiness(
             name,
             self.nprocs,
@@ -162,45 +170,17 @@ class PContext:
         }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
-        rank = handle.local_rank
         self._bus.emit(worker_exited(handle))
-        if not handle.stopped_by_us and self._stop.task is None:
-            planned = self._restarts.after_exit(handle, time.monotonic())
-            if planned is not None:
-                delay, attempt = planned
-                self._readiness.reset(rank)
-                self._bus.emit(
-                    WorkerRestarting(rank=rank, time=time.monotonic(), attempt=attempt, delay=delay)
-                )
-                # A new incarnation that exits while it is still being wired up
-                # queues its own restart behind this one.
-                self._restarts.run(rank, lambda: self._restart(rank, delay))
-                return
-        self._gone(rank)
+        # Stopped by the supervisor, or the group is ending: no restart follows.
+        ending = handle.stopped_by_us or self._stop.task is not None
+        if ending or not self._restarts.after_exit(handle):
+            self._gone(handle.local_rank)
 
     def _gone(self, rank: int) -> None:
         # The rank's last incarnation exited: no restart follows.
         self._exit_order.append(rank)
         self._readiness.gone(rank)
         self._changed.set()
-
-    async def _restart(self, rank: int, delay: float) -> None:
-        # Finish the old incarnation's pipes first: its bytes precede the new
-        # one's. Shielded: a cancelled drain would lose bytes and fds.
-        await shielded(self._logs.drain_rank(rank))
-        old_handle = self._workers[rank]
-        old_handle.release()
-        await asyncio.sleep(delay)  # allowed: the policy's backoff
-        if self._stop.task is not None:
-            return
-        self._restarts.attempts[rank] += 1
-        try:
-            # Shielded: once a process is spawned its pipes must be wired.
-            await shielded(self._start_one(rank))
-        except Exception:
-            old_handle.failure_reason = old_handle.failure_reason or "restart failed"
-            self._gone(rank)
-            raise
 
     # -- queries ----------------------------------------------------------
     def pids(self) -> dict[int, int]:
