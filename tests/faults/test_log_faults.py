@@ -291,7 +291,8 @@ async def test_every_rank_dir_exists_before_its_worker_runs(tmp_path: Path) -> N
     )
     assert all((tmp_path / "logs" / str(r)).is_dir() for r in range(n))
     result = await ctx.wait()
-    assert result is not None and not result.is_failed(), result.failures
+    assert result is not None
+    assert not result.is_failed(), result.failures
 
 
 async def test_symlink_planted_at_stdout_log_is_refused(tmp_path: Path) -> None:
