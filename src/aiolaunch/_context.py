@@ -4,7 +4,9 @@ Exit flow: a worker exits -> its handle's exit callback (subprocess protocol or
 pidfd reader) runs on the loop -> ``_changed`` is set -> ``wait()`` wakes,
 decides (all succeeded / first failure) and finishes the group through the one
 shutdown path (:func:`aiolaunch._shutdown.terminate`), then drains every pipe
-into its sinks before returning. No step polls.
+into its sinks before returning. No step polls. Work no outcome depends on -
+the ``/proc`` scan for escaped daemons, the failure report, folder cleanup -
+runs after ``wait()`` returned (``_cleanup``), awaited by ``close()``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._compat import task_cancelling
+from ._compat import task_cancelling, task_uncancel
 from ._errors import fd_limit_error
 from ._events import (
     Event,
@@ -34,7 +36,7 @@ from ._logs import LogWiring
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._results import RunProcsResult, build_result, failed_ranks, not_ready_failure
-from ._shutdown import shielded, terminate_group
+from ._shutdown import shielded, sweep_tagged, terminate_group
 from ._signals import STOP_SIGNALS, SignalPlan, forward_signal, watch_signals
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
@@ -114,6 +116,12 @@ class PContext:
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
         self._end: asyncio.Task[RunProcsResult] | None = None
+        # What follows the result off wait()'s path (the escaped-descendant
+        # sweep, pruning temp folders); close() awaits it.
+        self._after: asyncio.Task[None] | None = None
+        # Set once wait() handed the result over (or close() wants the
+        # cleanup): the cleanup starts then, not ahead of wait()'s caller.
+        self._handed = asyncio.Event()
         # Set once the death signal went out; set to end the grace period now.
         self._sent = asyncio.Event()
         self._kill_now = asyncio.Event()
@@ -143,6 +151,9 @@ class PContext:
             await self._forensics.start()
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
+            self._handed.set()
+            if self._after is not None:
+                await shielded(self._after)
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise fd_limit_error(exc, rank, self.nprocs) from exc
             raise
@@ -317,7 +328,15 @@ class PContext:
         Returns within milliseconds of the deciding exit: it is woken by the
         exit itself (``period`` is accepted for torch compatibility and
         ignored). After a result every worker is reaped, every pipe drained
-        into its log file and console, and :meth:`close` is a no-op.
+        into its log file and console, its group and process tree signalled,
+        and error files read. What no outcome depends on follows the return,
+        in a cleanup task that :meth:`close` (or leaving ``async with``)
+        awaits and that is otherwise all :meth:`close` does: escaped
+        descendants (double-forked daemons, found by the context token in
+        ``/proc``) get the death signal, then SIGKILL; the failure report is
+        written; temporary folders are pruned. Should the loop end first
+        (``asyncio.run`` returning without ``close()``), the daemons get
+        SIGKILL at once.
 
         While it runs in the main thread, a stop signal sent to the supervisor
         (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default; see *Signals* in the API
@@ -352,7 +371,11 @@ class PContext:
                     end = self._finish(watch.received, self._shutdown_timeout)
                     await watch.stop_group(self._sent, end)
                 if self._decided() or self._end is not None:
-                    return await shielded(self._finish(signal.SIGTERM, self._shutdown_timeout))
+                    end = self._finish(signal.SIGTERM, self._shutdown_timeout, decided=True)
+                    try:
+                        return await shielded(end)
+                    finally:
+                        self._handed.set()
                 remaining = math.inf if deadline is None else deadline - loop.time()
                 if remaining <= 0:
                     return None
@@ -391,28 +414,40 @@ class PContext:
                 self._escalate("second cancellation of close()")
 
         await shielded(self._finish(death_sig, timeout), on_cancel)
+        self._handed.set()
+        if self._after is not None:
+            await shielded(self._after, on_cancel)
 
     def _escalate(self, why: str) -> None:
         """End the grace period of the shutdown (now or once it starts): SIGKILL."""
-        if self._kill_now.is_set() or self._result is not None:
+        if self._kill_now.is_set() or (
+            self._result is not None and (self._after is None or self._after.done())
+        ):
             return
         self._kill_now.set()
         self._signals.set_deadline(0.0)
         logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
 
-    def _finish(self, death_sig: int, grace: float) -> asyncio.Task[RunProcsResult]:
+    def _finish(
+        self, death_sig: int, grace: float, *, decided: bool = False
+    ) -> asyncio.Task[RunProcsResult]:
+        # ``decided``: wait() saw the outcome; the scan for escaped descendants
+        # then runs after the result (see _shutdown), not on wait()'s path.
         if self._end is None:
-            self._end = asyncio.ensure_future(self._shutdown(death_sig, grace))
+            self._end = asyncio.ensure_future(self._shutdown(death_sig, grace, decided))
             self._readiness.closing()
         return self._end
 
-    async def _shutdown(self, death_sig: int, grace: float) -> RunProcsResult:
+    async def _shutdown(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
         await self._forensics.stop()
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
         now = death_sig == signal.SIGKILL or self._kill_now.is_set()
-        self._signals.set_deadline(0.0 if now else grace)
+        # The deadline file tells live workers when SIGKILL comes: with none
+        # left (wait() saw every exit) nobody reads it - skip the file I/O.
+        if not decided or any(w.alive for w in workers):
+            self._signals.set_deadline(0.0 if now else grace)
         try:
             await terminate_group(
                 workers,
@@ -420,11 +455,18 @@ class PContext:
                 grace,
                 on_sent=self._sent.set,
                 escalate=self._kill_now,
-                token=self._token,
+                # wait() deciding: the workers, their groups and process trees
+                # go before the result; the /proc/*/environ scan for escaped
+                # daemons (a thread hop and ~60 us per process on the host)
+                # follows it, in _cleanup(), which close() awaits.
+                token=None if decided else self._token,
                 on_torn_down=lambda: self._escalate("cancellation of the event loop's tasks"),
             )
-        finally:
+        except BaseException:
             self._signals.release()
+            raise
+        if not decided:
+            self._signals.release()  # else in _cleanup(): file I/O off wait()'s path
         await self._logs.aclose()
         for w in workers:
             w.release()
@@ -435,12 +477,47 @@ class PContext:
             self.stdouts,
             self.stderrs,
         )
-        self._result = self._forensics.finish(self._result)
-        await self._logs.prune_temp_dirs()  # after the error files are written
+        # The report and folder cleanup follow in _cleanup(), off wait()'s path.
+        self._result = self._forensics.finish(self._result, conclude=False)
+        self._after = asyncio.ensure_future(
+            self._cleanup(death_sig, grace, [w.pid for w in workers] if decided else None)
+        )
         self._bus.emit(
             GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
         )
         return self._result
+
+    async def _cleanup(self, death_sig: int, grace: float, sweep: list[int] | None) -> None:
+        """After the result: the group's own files, the escaped descendants
+        (``sweep``: the worker pids, when wait() decided and terminate() did
+        not scan for them), then the temp folders (after the error files).
+
+        Off wait()'s path: it starts once wait() handed the result over (file
+        I/O and ``/proc`` scans in threads), and close() awaits it. If the loop
+        cancels it (``asyncio.run`` ending without close()), the escapees get
+        SIGKILL at once instead.
+        """
+        try:
+            await self._handed.wait()
+            await asyncio.to_thread(self._drop_files)
+            if sweep:
+                await sweep_tagged(
+                    self._token, min(sweep), sweep, death_sig, grace, escalate=self._kill_now
+                )
+        except asyncio.CancelledError:
+            task_uncancel(asyncio.current_task())
+            self._drop_files()  # idempotent
+            if sweep:
+                await sweep_tagged(self._token, min(sweep), sweep, signal.SIGKILL, 0.0)
+        finally:
+            await self._logs.prune_temp_dirs()
+
+    def _drop_files(self) -> None:
+        # The stop deadline file, the failure report, the forensics folders:
+        # before the pruning, which keeps a folder that still holds anything.
+        self._signals.release()
+        if self._result is not None:
+            self._forensics.conclude(self._result)  # idempotent: cleanup() once
 
     # -- context manager --------------------------------------------------
     async def __aenter__(self) -> PContext:

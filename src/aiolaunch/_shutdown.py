@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from ._workers._handle import WorkerHandle
 
-__all__ = ["shielded", "terminate", "terminate_group"]
+__all__ = ["shielded", "sweep_tagged", "terminate", "terminate_group"]
 
 logger = logging.getLogger("aiolaunch")
 T = TypeVar("T")
@@ -120,7 +120,7 @@ async def terminate_group(
     *,
     on_sent: Callable[[], None],
     escalate: asyncio.Event,
-    token: str,
+    token: str | None,
     on_torn_down: Callable[[], None],
 ) -> None:
     """:func:`terminate` for a group's own shutdown task, which must not be cancelled.
@@ -191,7 +191,9 @@ async def terminate(
     if on_sent is not None:
         on_sent()
     escalated = False
-    if death_sig != signal.SIGKILL:
+    # Nothing signalled (every worker exited by itself, nothing left in its
+    # group or tree): no grace period to wait out.
+    if death_sig != signal.SIGKILL and (alive or extras):
         with anyio.move_on_after(grace):
             async with anyio.create_task_group() as tg:
                 if escalate is not None:
@@ -255,6 +257,68 @@ async def _tagged(token: str, since: int, workers: Sequence[WorkerHandle]) -> se
     # ~60 us per process on a loaded 2-core machine (10 ms for 160), too much
     # to hold the event loop for on a busy host.
     return await asyncio.to_thread(find_tagged, token, since, [w.pid for w in workers])
+
+
+async def sweep_tagged(
+    token: str,
+    since: int,
+    exclude: Sequence[int],
+    death_sig: int = signal.SIGTERM,
+    grace: float = 30.0,
+    *,
+    escalate: asyncio.Event | None = None,
+) -> None:
+    """Stop every process carrying ``token`` (``CONTEXT_ENV``); return when they are gone.
+
+    The second half of :func:`terminate`, for a group whose workers are all
+    gone already (``wait()`` decided): the escaped descendants (double-forked
+    daemons, re-parented away, in a session of their own) get ``death_sig``,
+    up to ``grace`` seconds to exit (cut short once ``escalate`` is set),
+    then SIGKILL, re-scanned until a scan finds nothing new. ``exclude``:
+    pids never signalled (the workers). When nothing carries the token this
+    is one ``/proc`` scan, in a thread. Never raises for processes that are
+    already gone.
+    """
+    tagged = await _scan_tagged(token, since, exclude)
+    if not tagged:
+        return
+    death_sig = signal.Signals(death_sig)
+    for pid in tagged:
+        with contextlib.suppress(OSError):
+            os.kill(pid, death_sig)
+    if death_sig != signal.SIGKILL:
+        with anyio.move_on_after(grace):
+            async with anyio.create_task_group() as tg:
+                if escalate is not None:
+
+                    async def cut_short() -> None:
+                        await escalate.wait()
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(cut_short)
+                await _wait_pids_gone(_alive_pids(tagged), math.inf)
+                tg.cancel_scope.cancel()
+    # As in terminate(): a process may fork between a scan and its SIGKILL.
+    # Only fresh scans are signalled: a pid seen earlier may be recycled.
+    killed: set[int] = set()
+    found: set[int] = set()
+    for _ in range(_KILL_ROUNDS):
+        found = await _scan_tagged(token, since, exclude)
+        if not (found - killed):
+            break
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= found
+        await _wait_pids_gone(found, _KILL_WAIT)
+    still = _alive_pids(found)
+    if still:  # pragma: no cover - D-state processes
+        logger.warning("aiolaunch: processes %s did not exit after SIGKILL", sorted(still))
+
+
+async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[int]:
+    # In a thread, as _tagged(): one open+read per process from ``since`` on.
+    return await asyncio.to_thread(find_tagged, token, since, list(exclude))
 
 
 def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
