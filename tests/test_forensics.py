@@ -198,6 +198,34 @@ def test_bootstrap_exit_codes_and_module_mode(tmp_path: Path) -> None:
     assert r.stdout.strip() == f"[{str(tmp_path / 'modx.py')!r}, 'a'] __main__"
 
 
+def test_bootstrap_start_is_light_and_spawn_still_finds_main(tmp_path: Path) -> None:
+    """The bootstrap runs before every CLI Python worker: it must not import
+    asyncio (~50 ms) or runpy.run_path's pkgutil/typing, and the program's
+    ``__main__`` must be a real module that multiprocessing's spawn re-imports.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    (tmp_path / "prog.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            heavy = sorted(m for m in ("asyncio", "pkgutil", "typing") if m in sys.modules)
+            import multiprocessing as mp
+            def square(x):
+                return x * x
+            if __name__ == "__main__":
+                with mp.get_context("spawn").Pool(1) as pool:
+                    print("heavy", heavy, "spawned", pool.map(square, [3]), __file__)
+            """
+        )
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "aiolaunch._bootstrap", str(tmp_path / "prog.py")],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"heavy [] spawned [9] {tmp_path / 'prog.py'}"
+
+
 # -- the watchdog ---------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._errors import MainProcessError, SignalException, WorkerError
 from ._kinds import MultiprocessContext, SubprocessContext
+from ._logs import LogWiring
 from ._logs._filters import check_filters
 from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
@@ -286,7 +287,7 @@ def start_processes(
         elif log_dir is None:
             folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
             try:
-                dest = plain_logs_dest(folder, envs_, redirects, tee)
+                dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
             except BaseException:
                 prune_empty_dirs([folder])
                 raise
@@ -298,28 +299,37 @@ def start_processes(
             except OSError as exc:
                 # e.g. a read-only or virtual filesystem that access() misses (root)
                 raise log_dir_error("log_dir", folder, exc) from exc
-            dest = plain_logs_dest(folder, envs_, redirects, tee)
+            dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
         common: dict[str, Any] = {
             "name": name,
             "entrypoint": entrypoint,
             "args": args_,
             "envs": envs_,
-            "logs_dest": dest,
-            "log_line_prefixes": log_line_prefixes,
+            "logs": LogWiring(
+                name=name,
+                dest=dest,
+                prefixes=log_line_prefixes,
+                dedup_window=console_dedup,
+                strip_ansi=bool(console_strip_ansi),
+                stdout_filters=dup_out,
+                stderr_filters=dup_err,
+            ),
             "shutdown_timeout": float(shutdown_timeout),
             "start_method": start_method,
             "ready": probes,
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
-            "console_dedup": console_dedup,
-            "console_strip_ansi": bool(console_strip_ansi),
-            "duplicate_stdout_filters": dup_out,
-            "duplicate_stderr_filters": dup_err,
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
         }
-        if isinstance(entrypoint, str):
-            return SubprocessContext(**common)
-        return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
+        try:
+            if isinstance(entrypoint, str):
+                return SubprocessContext(**common)
+            return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
+        except BaseException:
+            rank_dirs = getattr(dest, "rank_dirs", None)
+            if rank_dirs is not None:
+                rank_dirs.close()  # no folder appears once the call failed
+            raise
 
     return _Starting(make, name)
 

@@ -6,14 +6,13 @@ decides (all succeeded / first failure) and finishes the group through the one
 shutdown path (:func:`aiolaunch._shutdown.terminate`), then drains every pipe
 into its sinks before returning. No step polls. Work no outcome depends on -
 the ``/proc`` scan for escaped daemons, the failure report, folder cleanup -
-runs after ``wait()`` returned (``_cleanup``), awaited by ``close()``.
+runs after ``wait()`` returned (``GroupShutdown.follow``), awaited by ``close()``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import logging
 import math
 import signal
 import time
@@ -21,39 +20,34 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._compat import task_cancelling, task_uncancel
 from ._errors import fd_limit_error
 from ._events import (
     Event,
     EventBus,
     GroupStopped,
-    WorkerRestarting,
     WorkerStarted,
     worker_exited,
 )
 from ._forensics import Forensics
-from ._logs import LogWiring
 from ._ready import Readiness, ReadinessProbe
-from ._restart import RestartPolicy, Restarts
+from ._restart import RespawnSteps, RestartPolicy, Restarts
 from ._results import RunProcsResult, build_result, failed_ranks, not_ready_failure
-from ._shutdown import shielded, sweep_tagged, terminate_group
-from ._signals import STOP_SIGNALS, SignalPlan, forward_signal, watch_signals
+from ._shutdown import GroupShutdown, shielded
+from ._signals import forward_signal, watch_signals
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncIterator, Callable
     from types import TracebackType
 
     from ._control import WorkerStatus
-    from ._logs import LineSink
-    from ._logs_specs import LogsDest
+    from ._logs import LineSink, LogWiring
+    from ._signals import SignalPlan
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
 __all__ = ["PContext"]
-
-logger = logging.getLogger("aiolaunch")
 
 
 class PContext:
@@ -75,18 +69,13 @@ class PContext:
         entrypoint: Callable[..., Any] | str,
         args: dict[int, tuple[Any, ...]],
         envs: dict[int, dict[str, str]],
-        logs_dest: LogsDest,
-        log_line_prefixes: dict[int, str] | None,
+        logs: LogWiring,
         shutdown_timeout: float,
         start_method: str,
+        signal_plan: SignalPlan,
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
-        console_dedup: float | None = None,
-        console_strip_ansi: bool = False,
-        duplicate_stdout_filters: Sequence[str] | None = None,
-        duplicate_stderr_filters: Sequence[str] | None = None,
         watchdog: Watchdog | None = None,
-        signal_plan: SignalPlan | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -94,43 +83,32 @@ class PContext:
         self.envs = envs
         self.nprocs = len(args)
         self.start_method = start_method
-        self.stdouts = dict(logs_dest.stdouts)
-        self.stderrs = dict(logs_dest.stderrs)
-        self.error_files = dict(logs_dest.error_files)
-        self._logs = LogWiring(
-            name=name,
-            dest=logs_dest,
-            prefixes=log_line_prefixes,
-            dedup_window=console_dedup,
-            strip_ansi=console_strip_ansi,
-            stdout_filters=duplicate_stdout_filters,
-            stderr_filters=duplicate_stderr_filters,
-        )
+        self.stdouts = dict(logs.dest.stdouts)
+        self.stderrs = dict(logs.dest.stderrs)
+        self.error_files = dict(logs.dest.error_files)
+        self._logs = logs
         # torch's attributes: the files of the duplicate filters, or None.
         self.filtered_stdout = self._logs.filtered_file("stdout")
         self.filtered_stderr = self._logs.filtered_file("stderr")
         self._shutdown_timeout = shutdown_timeout
-        self._signals = signal_plan or SignalPlan(
-            frozenset(STOP_SIGNALS), frozenset(), shutdown_timeout
-        )
+        self._signals = signal_plan
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
-        self._end: asyncio.Task[RunProcsResult] | None = None
-        # What follows the result off wait()'s path (the escaped-descendant
-        # sweep, pruning temp folders); close() awaits it.
-        self._after: asyncio.Task[None] | None = None
-        # Set once wait() handed the result over (or close() wants the
-        # cleanup): the cleanup starts then, not ahead of wait()'s caller.
-        self._handed = asyncio.Event()
-        # Set once the death signal went out; set to end the grace period now.
-        self._sent = asyncio.Event()
-        self._kill_now = asyncio.Event()
         #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
         self._token = new_context_token()
-        self._result: RunProcsResult | None = None
+        self._stop: GroupShutdown[RunProcsResult] = GroupShutdown(self._signals, self._token)
         self._exit_order: list[int] = []
         self._bus = EventBus()
-        self._restarts = Restarts(restart or {}, self.nprocs, self._changed.set)
+        steps = RespawnSteps(
+            drain=self._logs.drain_rank,
+            start=self._start_one,
+            ending=lambda: self._stop.task is not None,
+            planned=lambda rank: self._readiness.reset(rank),
+            gone=self._gone,
+        )
+        self._restarts = Restarts(
+            restart or {}, self.nprocs, self._changed.set, bus=self._bus, steps=steps
+        )
         self._readiness = Readiness(
             name,
             self.nprocs,
@@ -151,9 +129,7 @@ class PContext:
             await self._forensics.start()
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
-            self._handed.set()
-            if self._after is not None:
-                await shielded(self._after)
+            await self._stop.cleaned()
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise fd_limit_error(exc, rank, self.nprocs) from exc
             raise
@@ -197,45 +173,17 @@ class PContext:
         }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
-        rank = handle.local_rank
         self._bus.emit(worker_exited(handle))
-        if not handle.stopped_by_us and self._end is None:
-            planned = self._restarts.after_exit(handle, time.monotonic())
-            if planned is not None:
-                delay, attempt = planned
-                self._readiness.reset(rank)
-                self._bus.emit(
-                    WorkerRestarting(rank=rank, time=time.monotonic(), attempt=attempt, delay=delay)
-                )
-                # A new incarnation that exits while it is still being wired up
-                # queues its own restart behind this one.
-                self._restarts.run(rank, lambda: self._restart(rank, delay))
-                return
-        self._gone(rank)
+        # Stopped by the supervisor, or the group is ending: no restart follows.
+        ending = handle.stopped_by_us or self._stop.task is not None
+        if ending or not self._restarts.after_exit(handle):
+            self._gone(handle.local_rank)
 
     def _gone(self, rank: int) -> None:
         # The rank's last incarnation exited: no restart follows.
         self._exit_order.append(rank)
         self._readiness.gone(rank)
         self._changed.set()
-
-    async def _restart(self, rank: int, delay: float) -> None:
-        # Finish the old incarnation's pipes first: its bytes precede the new
-        # one's. Shielded: a cancelled drain would lose bytes and fds.
-        await shielded(self._logs.drain_rank(rank))
-        old_handle = self._workers[rank]
-        old_handle.release()
-        await asyncio.sleep(delay)  # allowed: the policy's backoff
-        if self._end is not None:
-            return
-        self._restarts.attempts[rank] += 1
-        try:
-            # Shielded: once a process is spawned its pipes must be wired.
-            await shielded(self._start_one(rank))
-        except Exception:
-            old_handle.failure_reason = old_handle.failure_reason or "restart failed"
-            self._gone(rank)
-            raise
 
     # -- queries ----------------------------------------------------------
     def pids(self) -> dict[int, int]:
@@ -352,30 +300,30 @@ class PContext:
         waiting only; the workers stop when the context is closed.
         """
         check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
-        if self._result is not None:
-            return self._result
-        if self._end is not None:
-            return await shielded(self._end)
+        if self._stop.result is not None:
+            return self._stop.result
+        if self._stop.task is not None:
+            return await shielded(self._stop.task)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
         with watch_signals(
             lambda sig: self._changed.set(),
             stop=self._signals.stop,
             forward=self._signals.forward,
-            on_repeat=lambda sig: self._escalate(f"second {sig.name}"),
+            on_repeat=lambda sig: self._stop.escalate(f"second {sig.name}"),
             on_forward=lambda sig: forward_signal(self._workers.values(), sig, self.name),
         ) as watch:
             while True:
                 self._changed.clear()
                 if watch.received is not None:
                     end = self._finish(watch.received, self._shutdown_timeout)
-                    await watch.stop_group(self._sent, end)
-                if self._decided() or self._end is not None:
+                    await watch.stop_group(self._stop.sent, end)
+                if self._decided() or self._stop.task is not None:
                     end = self._finish(signal.SIGTERM, self._shutdown_timeout, decided=True)
                     try:
                         return await shielded(end)
                     finally:
-                        self._handed.set()
+                        self._stop.handed_over()
                 remaining = math.inf if deadline is None else deadline - loop.time()
                 if remaining <= 0:
                     return None
@@ -401,123 +349,44 @@ class PContext:
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)
-        await self._close(death_sig, timeout, cancelled=False)
-
-    async def _close(self, death_sig: int, timeout: float, *, cancelled: bool) -> None:
-        # Cancellations the task already had when close() began (leaving
-        # ``async with`` because of one - seen by __aexit__ on every Python,
-        # by Task.cancelling() on 3.11+): the next one is the second.
-        before = max(int(cancelled), task_cancelling(asyncio.current_task()))
-
-        def on_cancel(count: int) -> None:
-            if before + count >= 2:
-                self._escalate("second cancellation of close()")
-
-        await shielded(self._finish(death_sig, timeout), on_cancel)
-        self._handed.set()
-        if self._after is not None:
-            await shielded(self._after, on_cancel)
-
-    def _escalate(self, why: str) -> None:
-        """End the grace period of the shutdown (now or once it starts): SIGKILL."""
-        if self._kill_now.is_set() or (
-            self._result is not None and (self._after is None or self._after.done())
-        ):
-            return
-        self._kill_now.set()
-        self._signals.set_deadline(0.0)
-        logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
+        await self._stop.close(lambda: self._finish(death_sig, timeout), cancelled=False)
 
     def _finish(
         self, death_sig: int, grace: float, *, decided: bool = False
     ) -> asyncio.Task[RunProcsResult]:
-        # ``decided``: wait() saw the outcome; the scan for escaped descendants
-        # then runs after the result (see _shutdown), not on wait()'s path.
-        if self._end is None:
-            self._end = asyncio.ensure_future(self._shutdown(death_sig, grace, decided))
+        # ``decided``: wait() saw the outcome (see GroupShutdown.stop).
+        if self._stop.task is None:
             self._readiness.closing()
-        return self._end
+        return self._stop.begin(lambda: self._shutdown(death_sig, grace, decided))
 
     async def _shutdown(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
         await self._forensics.stop()
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
-        now = death_sig == signal.SIGKILL or self._kill_now.is_set()
-        # The deadline file tells live workers when SIGKILL comes: with none
-        # left (wait() saw every exit) nobody reads it - skip the file I/O.
-        if not decided or any(w.alive for w in workers):
-            self._signals.set_deadline(0.0 if now else grace)
-        try:
-            await terminate_group(
-                workers,
-                death_sig,
-                grace,
-                on_sent=self._sent.set,
-                escalate=self._kill_now,
-                # wait() deciding: the workers, their groups and process trees
-                # go before the result; the /proc/*/environ scan for escaped
-                # daemons (a thread hop and ~60 us per process on the host)
-                # follows it, in _cleanup(), which close() awaits.
-                token=None if decided else self._token,
-                on_torn_down=lambda: self._escalate("cancellation of the event loop's tasks"),
-            )
-        except BaseException:
-            self._signals.release()
-            raise
-        if not decided:
-            self._signals.release()  # else in _cleanup(): file I/O off wait()'s path
+        await self._stop.stop(workers, death_sig, grace, decided=decided)
         await self._logs.aclose()
         for w in workers:
             w.release()
-        self._result = build_result(
+        result = build_result(
             self._workers,
             [r for r in self._exit_order if r in failed_before],
             self.error_files,
             self.stdouts,
             self.stderrs,
         )
-        # The report and folder cleanup follow in _cleanup(), off wait()'s path.
-        self._result = self._forensics.finish(self._result, conclude=False)
-        self._after = asyncio.ensure_future(
-            self._cleanup(death_sig, grace, [w.pid for w in workers] if decided else None)
+        # The report and the folder cleanup follow the result (off wait()'s
+        # path), then the pruning (after the error files are written).
+        self._stop.result = result = self._forensics.finish(result, conclude=False)
+        self._stop.follow(
+            [w.pid for w in workers] if decided else None,
+            death_sig,
+            grace,
+            lambda: self._forensics.conclude(result),
+            self._logs.prune_temp_dirs,
         )
-        self._bus.emit(
-            GroupStopped(rank=None, time=time.monotonic(), failed=self._result.is_failed())
-        )
-        return self._result
-
-    async def _cleanup(self, death_sig: int, grace: float, sweep: list[int] | None) -> None:
-        """After the result: the group's own files, the escaped descendants
-        (``sweep``: the worker pids, when wait() decided and terminate() did
-        not scan for them), then the temp folders (after the error files).
-
-        Off wait()'s path: it starts once wait() handed the result over (file
-        I/O and ``/proc`` scans in threads), and close() awaits it. If the loop
-        cancels it (``asyncio.run`` ending without close()), the escapees get
-        SIGKILL at once instead.
-        """
-        try:
-            await self._handed.wait()
-            await asyncio.to_thread(self._drop_files)
-            if sweep:
-                await sweep_tagged(
-                    self._token, min(sweep), sweep, death_sig, grace, escalate=self._kill_now
-                )
-        except asyncio.CancelledError:
-            task_uncancel(asyncio.current_task())
-            self._drop_files()  # idempotent
-            if sweep:
-                await sweep_tagged(self._token, min(sweep), sweep, signal.SIGKILL, 0.0)
-        finally:
-            await self._logs.prune_temp_dirs()
-
-    def _drop_files(self) -> None:
-        # The stop deadline file, the failure report, the forensics folders:
-        # before the pruning, which keeps a folder that still holds anything.
-        self._signals.release()
-        if self._result is not None:
-            self._forensics.conclude(self._result)  # idempotent: cleanup() once
+        self._bus.emit(GroupStopped(rank=None, time=time.monotonic(), failed=result.is_failed()))
+        return result
 
     # -- context manager --------------------------------------------------
     async def __aenter__(self) -> PContext:
@@ -530,12 +399,13 @@ class PContext:
         tb: TracebackType | None,
     ) -> None:
         cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
-        await self._close(signal.SIGTERM, self._shutdown_timeout, cancelled=cancelled)
+        grace = self._shutdown_timeout
+        await self._stop.close(lambda: self._finish(signal.SIGTERM, grace), cancelled=cancelled)
 
     def __repr__(self) -> str:
-        if self._result is not None:
-            state = "failed" if self._result.is_failed() else "done"
-        elif self._end is not None:
+        if self._stop.result is not None:
+            state = "failed" if self._stop.result.is_failed() else "done"
+        elif self._stop.task is not None:
             state = "closing"
         else:
             state = "running"

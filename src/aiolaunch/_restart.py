@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ._events import WorkerRestarting
+from ._shutdown import shielded
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
 
+    from ._events import EventBus
     from ._workers._handle import WorkerHandle
 
-__all__ = ["RestartPolicy", "RestartTracker", "Restarts"]
+__all__ = ["RespawnSteps", "RestartPolicy", "RestartTracker", "Restarts"]
 
 _MODES = ("never", "on-failure", "always")
 
@@ -110,6 +115,22 @@ class RestartTracker:
         return delay
 
 
+@dataclass(frozen=True)
+class RespawnSteps:
+    """What a restart asks of its group (given by :class:`PContext`), per rank."""
+
+    #: finish the old incarnation's pipes (its bytes precede the new one's)
+    drain: Callable[[int], Awaitable[None]]
+    #: spawn and wire up the next incarnation
+    start: Callable[[int], Awaitable[None]]
+    #: the group is shutting down: start nothing any more
+    ending: Callable[[], bool]
+    #: a restart was planned: the rank is not ready until the next incarnation is
+    planned: Callable[[int], None]
+    #: the rank exited for good (its restart failed)
+    gone: Callable[[int], None]
+
+
 class Restarts:
     """The per-worker restarts of one group.
 
@@ -121,10 +142,18 @@ class Restarts:
 
     :param on_change: called whenever a restart finished (or failed), so the
         group re-evaluates its state.
+    :param bus: where :class:`WorkerRestarting` events go.
+    :param steps: how a restart drains, starts, and reports to the group.
     """
 
     def __init__(
-        self, policies: Mapping[int, RestartPolicy], nprocs: int, on_change: Callable[[], None]
+        self,
+        policies: Mapping[int, RestartPolicy],
+        nprocs: int,
+        on_change: Callable[[], None],
+        *,
+        bus: EventBus,
+        steps: RespawnSteps,
     ) -> None:
         self._trackers = {r: RestartTracker(p) for r, p in policies.items()}
         self.attempts: dict[int, int] = dict.fromkeys(range(nprocs), 0)
@@ -133,6 +162,8 @@ class Restarts:
         self._locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._on_change = on_change
+        self._bus = bus
+        self._steps = steps
 
     def env(self, rank: int) -> dict[str, str]:
         """What a restartable rank's environment adds: its restart count."""
@@ -156,21 +187,56 @@ class Restarts:
         self._counts[rank] = self._counts.get(rank, 0) + 1
         return delay, tracker.attempts
 
-    def after_exit(self, handle: WorkerHandle, now: float) -> tuple[float, int] | None:
-        """An incarnation exited on its own (not stopped by the supervisor).
+    def after_exit(self, handle: WorkerHandle) -> bool:
+        """An incarnation exited on its own (not stopped by the supervisor):
+        restart it if its policy wants it and the budget allows it.
 
-        :returns: :meth:`plan`'s ``(delay, restart number)``, or ``None``: no
-            restart follows. Then a spent budget sets ``handle.failure_reason``
-            even for exit code 0: ``"always"`` promises a service that keeps
-            running, so an exit it cannot restart any more fails the group.
+        :returns: whether a restart follows (:meth:`respawn`, in a task, after
+            the rank's earlier restarts). If not, a spent budget sets
+            ``handle.failure_reason`` even for exit code 0: ``"always"``
+            promises a service that keeps running, so an exit it cannot
+            restart any more fails the group.
         """
         rank = handle.local_rank
         failed = handle.returncode != 0 or handle.failure_reason is not None
-        planned = self.plan(rank, failed, now)
-        spent = self.budget_spent(rank) if planned is None else None
-        if spent is not None and not failed:
-            handle.failure_reason = spent
-        return planned
+        planned = self.plan(rank, failed, time.monotonic())
+        if planned is None:
+            spent = self.budget_spent(rank)
+            if spent is not None and not failed:
+                handle.failure_reason = spent
+            return False
+        delay, attempt = planned
+        self._steps.planned(rank)
+        self._bus.emit(
+            WorkerRestarting(rank=rank, time=time.monotonic(), attempt=attempt, delay=delay)
+        )
+        # A new incarnation that exits while it is still being wired up
+        # queues its own restart behind this one.
+        self.run(rank, lambda: self.respawn(handle, delay))
+        return True
+
+    async def respawn(self, old: WorkerHandle, delay: float) -> None:
+        """Start the next incarnation of ``old``'s rank after ``delay`` seconds.
+
+        First the old incarnation's pipes are drained and it is released;
+        nothing starts once the group is shutting down. A start that fails
+        marks ``old`` failed (``"restart failed"``), the rank gone, and raises.
+        """
+        rank = old.local_rank
+        # Shielded: a cancelled drain would lose bytes and fds.
+        await shielded(self._steps.drain(rank))
+        old.release()
+        await asyncio.sleep(delay)  # allowed: the policy's backoff
+        if self._steps.ending():
+            return
+        self.attempts[rank] += 1
+        try:
+            # Shielded: once a process is spawned its pipes must be wired.
+            await shielded(self._steps.start(rank))
+        except Exception:
+            old.failure_reason = old.failure_reason or "restart failed"
+            self._steps.gone(rank)
+            raise
 
     def budget_spent(self, rank: int) -> str | None:
         """Why ``rank``'s last exit ends it although its policy wanted a

@@ -23,56 +23,16 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ._dump_handler import DUMP_SIGNAL, STACKS_DIR_ENV, register, start_time
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 __all__ = ["DUMP_SIGNAL", "STACKS_DIR_ENV", "StackReport", "dump_stacks", "register"]
-
-#: The signal workers register for stack dumps (SIGRTMIN+5 on Linux).
-DUMP_SIGNAL: int = getattr(signal, "SIGRTMIN", 34) + 5
-#: Environment variable naming the folder of dumps and markers.
-STACKS_DIR_ENV = "AIOLAUNCH_STACKS_DIR"
-
-_keep: list[Any] = []  # the dump file: faulthandler only borrows its fd
-
-
-def _start_time(pid: int) -> str | None:
-    # The start time in clock ticks since boot: with the pid, one process.
-    from ._workers._proc import read_stat
-
-    stat = read_stat(pid)
-    return None if stat is None else str(stat.starttime)
-
-
-def register(directory: str | None = None) -> bool:
-    """Make this process dump its stacks on :data:`DUMP_SIGNAL`; ``False`` if it can't.
-
-    Called in the worker. ``directory`` defaults to ``$AIOLAUNCH_STACKS_DIR``;
-    without either nothing happens. Never raises: a worker must start even
-    where dumps are impossible.
-    """
-    directory = directory or os.environ.get(STACKS_DIR_ENV)
-    if not directory:
-        return False
-    try:
-        import faulthandler
-
-        pid = os.getpid()
-        out = open(os.path.join(directory, f"{pid}.txt"), "ab", buffering=0)  # noqa: SIM115
-        faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True, chain=False)
-        _keep[:] = [out]
-        marker = os.path.join(directory, f"{pid}.ok")
-        with open(marker + ".tmp", "w") as f:
-            f.write(_start_time(pid) or "")
-        os.replace(marker + ".tmp", marker)  # atomic: never a half-written marker
-    except (OSError, ValueError, RuntimeError, AttributeError):
-        return False
-    return True
 
 
 def _sigcgt(pid: int) -> bool:
@@ -96,7 +56,7 @@ def registered(directory: str, pid: int) -> str | None:
             "not registered for stack dumps (not a Python worker started by aiolaunch: "
             "run Python programs through `aiolaunch script.py` / `python -m aiolaunch._bootstrap`)"
         )
-    if started and started != _start_time(pid):
+    if started and started != start_time(pid):
         return "not registered for stack dumps (its pid belongs to another process now)"
     if not _sigcgt(pid):
         return "no longer handles the dump signal (it exec'd another program?)"

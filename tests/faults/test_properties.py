@@ -269,6 +269,60 @@ def test_one_mib_line_fed_byte_ranges_matches() -> None:
     assert console_text == _expected_console(data, "[x]:")[0]
 
 
+async def _console_of(data: bytes, cuts: list[int], prefix: str, fast: bool) -> str:
+    sink = ConsoleSink("stdout", prefix)
+    sink._fast = fast  # False: the reference, every chunk through the LineFramer
+    captured = _Captured()
+    previous = set_console_hook(captured)
+    try:
+        for chunk in _cuts(data, cuts):
+            sink.feed(chunk)
+        await sink.aclose()
+        await console().flush()
+    finally:
+        set_console_hook(previous)
+    return captured.text()
+
+
+# Pieces that move the console sink between its byte-level fast path and the
+# framer: lines around the 64 KiB limit in bytes and in characters, a
+# multibyte character, a bad byte, progress updates.
+mixed = st.lists(
+    st.sampled_from(
+        [
+            b"\n",
+            b"ab\n",
+            b"\xe2\x9c\x93",
+            b"\xff",
+            b"\r",
+            b"50%\r",
+            b"x" * 65_535,
+            b"x" * 65_536,
+            b"\xe2\x9c\x93" * 30_000,
+        ]
+    ),
+    max_size=12,
+).map(b"".join)
+
+
+@SETTINGS
+@given(data=mixed, cuts=st.lists(st.integers(0, 400_000), max_size=12), prefix=prefixes)
+@example(data=b"x" * 65_536 + b"\nab\n" + b"x" * 65_535 + b"\n", cuts=[], prefix="[a]:")
+@example(data=b"\n" + b"x" * 65_536 + b"\xff\nab\n", cuts=[], prefix="[a]:")
+@example(data=b"ab\n" + b"x" * 65_536 + b"\xff", cuts=[3], prefix="[a]:")
+@example(data=b"50%\r\nab\n\xe2\x9c", cuts=[5, 8], prefix="")
+def test_console_fast_path_equals_the_framer(data: bytes, cuts: list[int], prefix: str) -> None:
+    """The byte-level fast path shows exactly what the line framer shows, at
+    any chunking, while it hands over to the framer and back (``\\r``, long
+    lines, characters cut by a read)."""
+    with _hook_lock:
+        fast = asyncio.run(_console_of(data, cuts, prefix, fast=True))
+        reference = asyncio.run(_console_of(data, cuts, prefix, fast=False))
+    assert fast == reference
+    if b"\r" not in data:
+        assert fast == _expected_console(data, prefix)[0]
+
+
 WRITER = """
 import os, sys
 data = open(sys.argv[1], "rb").read()

@@ -139,6 +139,24 @@ class ConsoleWriter:
             self._ensure_thread()
             self._cond.notify()
 
+    def write_parts(self, stream: str, parts: tuple[str, ...], lossless: bool = False) -> None:
+        """:meth:`write` of ``"".join(parts)`` without joining them here.
+
+        The parts are queued together (nothing of another writer comes
+        between them) and written in order; a big part goes out as one write
+        of its own, so a megabyte of lines is never copied once more just to
+        glue a line onto it.
+        """
+        size = sum(len(p) for p in parts)
+        with self._cond:
+            if not lossless and self._pending + size > MAX_PENDING:
+                self._dropped += sum(p.count("\n") for p in parts) or 1
+                return
+            self._queue.extend((stream, p) for p in parts if p)
+            self._pending += size
+            self._ensure_thread()
+            self._cond.notify()
+
     @property
     def backlog(self) -> int:
         """Characters queued and not yet taken by the console thread."""

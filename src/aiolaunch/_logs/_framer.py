@@ -28,6 +28,11 @@ class Utf8Decoder:
     def decode(self, data: bytes, final: bool = False) -> str:
         return self._decoder.decode(data, final)
 
+    @property
+    def pending(self) -> bool:
+        """Whether bytes of an incomplete character are held for the next call."""
+        return bool(self._decoder.getstate()[0])
+
 
 def latest_state(line: str) -> str:
     """What a terminal shows of ``line``: ``"a\\rb\\rc"`` -> ``"c"``.
@@ -77,6 +82,11 @@ class LineFramer:
         if "\r" not in self._partial:
             return None
         return self._partial.rstrip("\r") or None
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing is held: no pending line, no partial character."""
+        return not self._partial and not self._decoder.pending
 
     def reset(self) -> None:
         """Forget the pending line and decoder state (resume at a line boundary)."""
