@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ __all__ = [
     "DefaultLogsSpecs",
     "LogsDest",
     "LogsSpecs",
+    "RankDirs",
     "attempt_dir_path",
     "make_run_dir",
     "plain_logs_dest",
@@ -68,6 +70,9 @@ class LogsDest:
     #: Folders aiolaunch created on its own (``log_dir=None``), deepest first:
     #: at close, what holds nothing in them is removed (see :func:`prune_empty_dirs`).
     temp_dirs: list[str] = field(default_factory=list)
+    #: Rank folders still being made in the background (``start_processes``
+    #: with ``log_dir``): wait for a rank's before spawning it.
+    rank_dirs: RankDirs | None = None
 
 
 class LogsSpecs(ABC):
@@ -284,6 +289,7 @@ def _layout(
     redirects: StdSpec,
     tee: StdSpec,
     local_ranks_filter: set[int] | None,
+    background: bool = False,
 ) -> LogsDest:
     redirs = to_map(redirects, nprocs)
     tees = to_map(tee, nprocs)
@@ -292,9 +298,13 @@ def _layout(
         filtered_stdout=os.path.join(base, "filtered_stdout.log"),
         filtered_stderr=os.path.join(base, "filtered_stderr.log"),
     )
+    later: list[str] = []
     for rank in range(nprocs):
         rank_dir = os.path.join(base, str(rank))
-        _mkdir_nofollow(rank_dir)
+        if rank == 0 or not background or nprocs < _BACKGROUND_MIN:
+            _mkdir_nofollow(rank_dir)
+        else:
+            later.append(rank_dir)
         rd = redirs[rank] | tees[rank]  # tee implies redirect
         dest.stdouts[rank] = os.path.join(rank_dir, "stdout.log") if rd & Std.OUT else ""
         dest.stderrs[rank] = os.path.join(rank_dir, "stderr.log") if rd & Std.ERR else ""
@@ -311,6 +321,8 @@ def _layout(
                 dest.stderrs[rank] = os.devnull
         dest.error_files[rank] = os.path.join(rank_dir, "error.json")
         envs[rank]["TORCHELASTIC_ERROR_FILE"] = dest.error_files[rank]
+    if later:
+        dest.rank_dirs = RankDirs(later, first_rank=1)
     return dest
 
 
@@ -332,6 +344,87 @@ def plain_logs_dest(
     redirects: StdSpec,
     tee: StdSpec,
     local_ranks_filter: set[int] | None = None,
+    *,
+    background: bool = False,
 ) -> LogsDest:
-    """aiolaunch's own layout: ``{log_dir}/{rank}/...`` (``log_dir`` must exist)."""
-    return _layout(log_dir, envs, len(envs), redirects, tee, local_ranks_filter)
+    """aiolaunch's own layout: ``{log_dir}/{rank}/...`` (``log_dir`` must exist).
+
+    ``background``: rank 0's folder is made now (a bad ``log_dir`` fails
+    before anything starts), the others in a thread (:class:`RankDirs`,
+    ``dest.rank_dirs``): the caller must ``wait(rank)`` before spawning a
+    rank and ``close()`` it when the group ends.
+    """
+    return _layout(
+        log_dir, envs, len(envs), redirects, tee, local_ranks_filter, background=background
+    )
+
+
+#: From this many ranks on, start_processes makes rank folders 1.. in a thread.
+_BACKGROUND_MIN = 4
+
+
+class RankDirs:
+    """Makes rank folders in a thread, in rank order, while workers are spawned.
+
+    Why: on ext4 a ``mkdir`` costs ~0.12 ms of CPU and more of wall time,
+    about as much as spawning the worker; made one after the other before
+    the first spawn they were a third to a half of a 64-256 worker launch.
+    The thread's ``mkdir`` runs while the loop thread forks (both release
+    the GIL in the kernel), so a launch costs about max(mkdir, spawn) per
+    worker instead of their sum.
+
+    Guarantee kept: a rank's folder exists before its worker is spawned
+    (:meth:`wait`), so ``TORCHELASTIC_ERROR_FILE`` can be written from the
+    worker's first instruction, and every folder exists once
+    ``start_processes`` returned. A folder that cannot be made (a planted
+    symlink, a full disk) raises at that rank's :meth:`wait` with the same
+    message as before; the ranks already started are then stopped.
+    """
+
+    def __init__(self, paths: list[str], first_rank: int) -> None:
+        self._paths = paths
+        self._first = first_rank
+        self._made = 0  # paths[:_made] exist; written by the thread only
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="aiolaunch-rank-dirs", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for i, path in enumerate(self._paths):
+            if self._stop:
+                return
+            try:
+                _mkdir_nofollow(path)
+            except BaseException as exc:  # re-raised in the waiter of this rank
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._made = i + 1
+                self._cond.notify_all()
+
+    def wait(self, rank: int) -> None:
+        """Block until ``rank``'s folder exists (returns at once for a rank
+        made earlier or not in this batch).
+
+        :raises OSError: the folder could not be made.
+        """
+        index = rank - self._first
+        if index < self._made or index >= len(self._paths):
+            return
+        with self._cond:
+            while index >= self._made and self._error is None:
+                self._cond.wait()
+            if index >= self._made:
+                assert self._error is not None
+                raise self._error
+
+    def close(self) -> None:
+        """Stop making folders and wait for the thread: no folder appears
+        after this (call it before pruning, and when the start failed).
+        Idempotent."""
+        self._stop = True
+        self._thread.join()
