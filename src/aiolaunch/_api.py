@@ -287,7 +287,7 @@ def start_processes(
         elif log_dir is None:
             folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
             try:
-                dest = plain_logs_dest(folder, envs_, redirects, tee)
+                dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
             except BaseException:
                 prune_empty_dirs([folder])
                 raise
@@ -299,7 +299,7 @@ def start_processes(
             except OSError as exc:
                 # e.g. a read-only or virtual filesystem that access() misses (root)
                 raise log_dir_error("log_dir", folder, exc) from exc
-            dest = plain_logs_dest(folder, envs_, redirects, tee)
+            dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
         common: dict[str, Any] = {
             "name": name,
             "entrypoint": entrypoint,
@@ -321,9 +321,15 @@ def start_processes(
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
         }
-        if isinstance(entrypoint, str):
-            return SubprocessContext(**common)
-        return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
+        try:
+            if isinstance(entrypoint, str):
+                return SubprocessContext(**common)
+            return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
+        except BaseException:
+            rank_dirs = getattr(dest, "rank_dirs", None)
+            if rank_dirs is not None:
+                rank_dirs.close()  # no folder appears once the call failed
+            raise
 
     return _Starting(make, name)
 

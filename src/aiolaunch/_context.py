@@ -4,7 +4,9 @@ Exit flow: a worker exits -> its handle's exit callback (subprocess protocol or
 pidfd reader) runs on the loop -> ``_changed`` is set -> ``wait()`` wakes,
 decides (all succeeded / first failure) and finishes the group through the one
 shutdown path (:func:`aiolaunch._shutdown.terminate`), then drains every pipe
-into its sinks before returning. No step polls.
+into its sinks before returning. No step polls. Work no outcome depends on -
+the ``/proc`` scan for escaped daemons, the failure report, folder cleanup -
+runs after ``wait()`` returned (``GroupShutdown.follow``), awaited by ``close()``.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class PContext:
             await self._forensics.start()
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
+            await self._stop.cleaned()
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise fd_limit_error(exc, rank, self.nprocs) from exc
             raise
@@ -260,7 +263,15 @@ class PContext:
         Returns within milliseconds of the deciding exit: it is woken by the
         exit itself (``period`` is accepted for torch compatibility and
         ignored). After a result every worker is reaped, every pipe drained
-        into its log file and console, and :meth:`close` is a no-op.
+        into its log file and console, its group and process tree signalled,
+        and error files read. What no outcome depends on follows the return,
+        in a cleanup task that :meth:`close` (or leaving ``async with``)
+        awaits and that is otherwise all :meth:`close` does: escaped
+        descendants (double-forked daemons, found by the context token in
+        ``/proc``) get the death signal, then SIGKILL; the failure report is
+        written; temporary folders are pruned. Should the loop end first
+        (``asyncio.run`` returning without ``close()``), the daemons get
+        SIGKILL at once.
 
         While it runs in the main thread, a stop signal sent to the supervisor
         (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default; see *Signals* in the API
@@ -289,7 +300,11 @@ class PContext:
                     end = self._finish(watch.received, self._shutdown_timeout)
                     await watch.stop_group(self._stop.sent, end)
                 if self._decided() or self._stop.task is not None:
-                    return await shielded(self._finish(signal.SIGTERM, self._shutdown_timeout))
+                    end = self._finish(signal.SIGTERM, self._shutdown_timeout, decided=True)
+                    try:
+                        return await shielded(end)
+                    finally:
+                        self._stop.handed_over()
                 remaining = math.inf if deadline is None else deadline - loop.time()
                 if remaining <= 0:
                     return None
@@ -317,24 +332,35 @@ class PContext:
         check_seconds("close(timeout)", timeout)
         await self._stop.close(lambda: self._finish(death_sig, timeout), cancelled=False)
 
-    def _finish(self, death_sig: int, grace: float) -> asyncio.Task[RunProcsResult]:
+    def _finish(
+        self, death_sig: int, grace: float, *, decided: bool = False
+    ) -> asyncio.Task[RunProcsResult]:
+        # ``decided``: wait() saw the outcome (see GroupShutdown.stop).
         if self._stop.task is None:
             self._readiness.closing()
-        return self._stop.begin(lambda: self._shutdown(death_sig, grace))
+        return self._stop.begin(lambda: self._shutdown(death_sig, grace, decided))
 
-    async def _shutdown(self, death_sig: int, grace: float) -> RunProcsResult:
+    async def _shutdown(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
         await self._forensics.stop()
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
         failed_before = set(self._failed_ranks())
-        await self._stop.stop(workers, death_sig, grace)
+        await self._stop.stop(workers, death_sig, grace, decided=decided)
         await self._logs.aclose()
         for w in workers:
             w.release()
         failed = [r for r in self._exit_order if r in failed_before]
         result = build_result(self._workers, failed, self.error_files, self.stdouts, self.stderrs)
-        self._stop.result = result = self._forensics.finish(result)
-        await self._logs.prune_temp_dirs()  # after the error files are written
+        # The report and the folder cleanup follow the result (off wait()'s
+        # path), then the pruning (after the error files are written).
+        self._stop.result = result = self._forensics.finish(result, conclude=False)
+        self._stop.follow(
+            [w.pid for w in workers] if decided else None,
+            death_sig,
+            grace,
+            lambda: self._forensics.conclude(result),
+            self._logs.prune_temp_dirs,
+        )
         self._bus.emit(GroupStopped(rank=None, time=time.monotonic(), failed=result.is_failed()))
         return result
 

@@ -413,11 +413,21 @@ class Forensics:
         return out
 
     # -- result ---------------------------------------------------------------
-    def finish(self, result: RunProcsResult) -> RunProcsResult:
-        """The group ended: amend ``result``, write the report if it failed, clean up."""
+    def finish(self, result: RunProcsResult, *, conclude: bool = True) -> RunProcsResult:
+        """The group ended: amend ``result``; with ``conclude`` also :meth:`conclude`
+        (else the caller does, later: file I/O off ``wait()``'s path)."""
+        result = self.amend(result)
+        if conclude:
+            self.conclude(result)
+        return result
+
+    def conclude(self, result: RunProcsResult) -> None:
+        """Write the report if the group failed, then clean up. Plain file I/O
+        on state that no longer changes: safe in a worker thread."""
         from ._report import write_report
 
-        result = self.amend(result)
+        if self._closed:  # concluded (or cleaned up) already
+            return
         if result.is_failed():
             self.reported = write_report(self, result)
             if self.reported is not None:
@@ -425,7 +435,6 @@ class Forensics:
                     "aiolaunch: group %r failed; report: %s", self._ctx.name, self.reported[1]
                 )
         self.cleanup()
-        return result
 
     def amend(self, result: RunProcsResult) -> RunProcsResult:
         """Put the stalled ranks first among ``result.failures``, saying why."""

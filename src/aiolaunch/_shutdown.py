@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ._signals import SignalPlan
     from ._workers._handle import WorkerHandle
 
-__all__ = ["GroupShutdown", "shielded", "terminate", "terminate_group"]
+__all__ = ["GroupShutdown", "shielded", "sweep_tagged", "terminate", "terminate_group"]
 
 logger = logging.getLogger("aiolaunch")
 T = TypeVar("T")
@@ -122,7 +122,7 @@ async def terminate_group(
     *,
     on_sent: Callable[[], None],
     escalate: asyncio.Event,
-    token: str,
+    token: str | None,
     on_torn_down: Callable[[], None],
 ) -> None:
     """:func:`terminate` for a group's own shutdown task, which must not be cancelled.
@@ -193,7 +193,9 @@ async def terminate(
     if on_sent is not None:
         on_sent()
     escalated = False
-    if death_sig != signal.SIGKILL:
+    # Nothing signalled (every worker exited by itself, nothing left in its
+    # group or tree): no grace period to wait out.
+    if death_sig != signal.SIGKILL and (alive or extras):
         with anyio.move_on_after(grace):
             async with anyio.create_task_group() as tg:
                 if escalate is not None:
@@ -259,6 +261,68 @@ async def _tagged(token: str, since: int, workers: Sequence[WorkerHandle]) -> se
     return await asyncio.to_thread(find_tagged, token, since, [w.pid for w in workers])
 
 
+async def sweep_tagged(
+    token: str,
+    since: int,
+    exclude: Sequence[int],
+    death_sig: int = signal.SIGTERM,
+    grace: float = 30.0,
+    *,
+    escalate: asyncio.Event | None = None,
+) -> None:
+    """Stop every process carrying ``token`` (``CONTEXT_ENV``); return when they are gone.
+
+    The second half of :func:`terminate`, for a group whose workers are all
+    gone already (``wait()`` decided): the escaped descendants (double-forked
+    daemons, re-parented away, in a session of their own) get ``death_sig``,
+    up to ``grace`` seconds to exit (cut short once ``escalate`` is set),
+    then SIGKILL, re-scanned until a scan finds nothing new. ``exclude``:
+    pids never signalled (the workers). When nothing carries the token this
+    is one ``/proc`` scan, in a thread. Never raises for processes that are
+    already gone.
+    """
+    tagged = await _scan_tagged(token, since, exclude)
+    if not tagged:
+        return
+    death_sig = signal.Signals(death_sig)
+    for pid in tagged:
+        with contextlib.suppress(OSError):
+            os.kill(pid, death_sig)
+    if death_sig != signal.SIGKILL:
+        with anyio.move_on_after(grace):
+            async with anyio.create_task_group() as tg:
+                if escalate is not None:
+
+                    async def cut_short() -> None:
+                        await escalate.wait()
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(cut_short)
+                await _wait_pids_gone(_alive_pids(tagged), math.inf)
+                tg.cancel_scope.cancel()
+    # As in terminate(): a process may fork between a scan and its SIGKILL.
+    # Only fresh scans are signalled: a pid seen earlier may be recycled.
+    killed: set[int] = set()
+    found: set[int] = set()
+    for _ in range(_KILL_ROUNDS):
+        found = await _scan_tagged(token, since, exclude)
+        if not (found - killed):
+            break
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= found
+        await _wait_pids_gone(found, _KILL_WAIT)
+    still = _alive_pids(found)
+    if still:  # pragma: no cover - D-state processes
+        logger.warning("aiolaunch: processes %s did not exit after SIGKILL", sorted(still))
+
+
+async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[int]:
+    # In a thread, as _tagged(): one open+read per process from ``since`` on.
+    return await asyncio.to_thread(find_tagged, token, since, list(exclude))
+
+
 def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
     # Cheap check first: killpg(pgid, 0) fails with ESRCH when a group is empty.
     found = []
@@ -289,6 +353,11 @@ class GroupShutdown:
     the task (:attr:`task`), the outcome once known (:attr:`result`), the
     event set once the death signal went out (:attr:`sent`) and the one that
     ends the grace period (:attr:`kill_now`, set by :meth:`escalate`).
+
+    What no outcome depends on - the ``/proc`` sweep for escaped daemons,
+    file cleanup - runs after the result in :attr:`after` (see :meth:`follow`),
+    which starts once ``wait()`` handed the result over (:meth:`handed_over`)
+    and which :meth:`close` awaits: off ``wait()``'s exit -> return path.
     """
 
     def __init__(self, signals: SignalPlan, token: str) -> None:
@@ -296,6 +365,9 @@ class GroupShutdown:
         self.result: RunProcsResult | None = None
         self.sent = asyncio.Event()
         self.kill_now = asyncio.Event()
+        #: the cleanup that follows the result (:meth:`follow`)
+        self.after: asyncio.Task[None] | None = None
+        self._handed = asyncio.Event()
         self._signals = signals
         self._token = token
 
@@ -317,9 +389,12 @@ class GroupShutdown:
     def escalate(self, why: str) -> None:
         """End the grace period of the shutdown (now or once it starts): SIGKILL.
 
-        Once only, and not once the outcome is known; logs a warning with ``why``.
+        Once only, and not once the outcome is known and the cleanup (its
+        daemon sweep) is done; logs a warning with ``why``.
         """
-        if self.kill_now.is_set() or self.result is not None:
+        if self.kill_now.is_set() or (
+            self.result is not None and (self.after is None or self.after.done())
+        ):
             return
         self.kill_now.set()
         self._signals.set_deadline(0.0)
@@ -343,12 +418,84 @@ class GroupShutdown:
                 self.escalate("second cancellation of close()")
 
         await shielded(finish(), on_cancel)
+        await self.cleaned(on_cancel)
 
-    async def stop(self, workers: Sequence[WorkerHandle], death_sig: int, grace: float) -> None:
+    def handed_over(self) -> None:
+        """``wait()`` returned the result to its caller: the cleanup may start."""
+        self._handed.set()
+
+    async def cleaned(self, on_cancel: Callable[[int], None] | None = None) -> None:
+        """Start the cleanup that follows the result (if any) and await it, shielded."""
+        self._handed.set()
+        if self.after is not None:
+            await shielded(self.after, on_cancel)
+
+    def follow(
+        self,
+        sweep: Sequence[int] | None,
+        death_sig: int,
+        grace: float,
+        drop_files: Callable[[], None],
+        prune: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Start the cleanup that follows the result, once :meth:`handed_over`.
+
+        In order: the stop deadline file and ``drop_files()`` (in a thread),
+        the escaped descendants (:func:`sweep_tagged`; ``sweep``: the worker
+        pids, when :meth:`stop` did not scan for them), then ``prune()``.
+        If the loop cancels it (``asyncio.run`` ending without ``close()``),
+        the escapees get SIGKILL at once instead.
+        """
+        self.after = asyncio.ensure_future(self._follow(sweep, death_sig, grace, drop_files, prune))
+
+    async def _follow(
+        self,
+        sweep: Sequence[int] | None,
+        death_sig: int,
+        grace: float,
+        drop_files: Callable[[], None],
+        prune: Callable[[], Awaitable[None]],
+    ) -> None:
+        def drop() -> None:
+            self._signals.release()
+            drop_files()
+
+        try:
+            await self._handed.wait()
+            await asyncio.to_thread(drop)
+            if sweep:
+                await sweep_tagged(
+                    self._token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
+                )
+        except asyncio.CancelledError:
+            task_uncancel(asyncio.current_task())
+            drop()  # idempotent
+            if sweep:
+                await sweep_tagged(self._token, min(sweep), sweep, signal.SIGKILL, 0.0)
+        finally:
+            await prune()
+
+    async def stop(
+        self,
+        workers: Sequence[WorkerHandle],
+        death_sig: int,
+        grace: float,
+        *,
+        decided: bool = False,
+    ) -> None:
         """Stop ``workers`` (:func:`terminate_group`); the workers' stop deadline
-        file says when survivors get SIGKILL, and is removed afterwards."""
+        file says when survivors get SIGKILL, and is removed afterwards.
+
+        ``decided``: ``wait()`` saw the outcome and awaits this. Then only what
+        the outcome needs happens here: the workers, their groups and process
+        trees; the token scan for escaped daemons (a thread hop and ~60 us
+        per process on the host) is left to the cleanup (:meth:`follow`),
+        and so is removing the deadline file - which is not even written
+        when no worker is left alive to read it.
+        """
         now = death_sig == signal.SIGKILL or self.kill_now.is_set()
-        self._signals.set_deadline(0.0 if now else grace)
+        if not decided or any(w.alive for w in workers):
+            self._signals.set_deadline(0.0 if now else grace)
         try:
             await terminate_group(
                 workers,
@@ -356,8 +503,11 @@ class GroupShutdown:
                 grace,
                 on_sent=self.sent.set,
                 escalate=self.kill_now,
-                token=self._token,
+                token=None if decided else self._token,
                 on_torn_down=lambda: self.escalate("cancellation of the event loop's tasks"),
             )
-        finally:
+        except BaseException:
+            self._signals.release()
+            raise
+        if not decided:
             self._signals.release()

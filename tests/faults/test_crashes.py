@@ -348,6 +348,114 @@ async def test_double_forked_daemon_is_killed_by_close(tmp_path: Path, ignore_te
         wait_dead(daemon, 5)
 
 
+DAEMONIZE_THEN_EXIT = """
+import os, sys, time
+pid_dir, code = sys.argv[1], int(sys.argv[2])
+if os.fork() == 0:
+    os.setsid()
+    middle = os.getpid()
+    if os.fork() == 0:
+        while os.getppid() == middle:
+            time.sleep(0.01)
+        open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w").write(f"{os.getpid()}.")
+        time.sleep(60)
+        os._exit(0)
+    os._exit(0)
+# Exit (deciding the group) only once the daemon escaped.
+while not any(n.endswith(".pid") for n in os.listdir(pid_dir)):
+    time.sleep(0.01)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("code", [0, 1], ids=["success", "failure"])
+async def test_daemon_of_a_worker_that_exited_is_gone_after_close(
+    tmp_path: Path, code: int
+) -> None:
+    """``wait()`` decides on the exits alone; the daemon sweep follows the result.
+
+    The worker double-forks a daemon (escaped: another session, re-parented
+    away) and exits; ``wait()`` returns without scanning ``/proc`` for it, and
+    the context's cleanup - which ``close()`` awaits - stops it.
+    """
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script = tmp_path / "daemon.py"
+    script.write_text(DAEMONIZE_THEN_EXIT)
+    daemon: list[int] = []
+    try:
+        async with aiolaunch.start_processes(
+            name="x",
+            entrypoint=sys.executable,
+            args={
+                0: (str(script), str(pid_dir), str(code)),
+                1: ("-c", "import time; time.sleep(60)" if code else ""),
+            },
+            envs={0: {}, 1: {}},
+            log_dir=str(tmp_path / "logs"),
+            redirects=Std.ALL,
+            shutdown_timeout=2,
+        ) as ctx:
+            result = await asyncio.wait_for(ctx.wait(), 30)
+            daemon = read_pids(pid_dir, 1)
+            assert result is not None and result.is_failed() == bool(code)
+        assert [p for p in daemon if alive(p)] == [], "the daemon outlived close()"
+    finally:
+        for pid in [p for p in daemon if alive(p)]:
+            os.kill(pid, signal.SIGKILL)
+        wait_dead(daemon, 5)
+
+
+WAIT_WITHOUT_CLOSE = """
+import asyncio, os, sys
+import aiolaunch
+
+async def main():
+    ctx = await aiolaunch.start_processes(
+        name="n", entrypoint=sys.executable, args={0: (sys.argv[1], sys.argv[2], "0")},
+        envs={0: {}},
+    )
+    result = await ctx.wait()
+    print("result", result.is_failed(), flush=True)
+
+asyncio.run(main())
+# Before this interpreter exits (its guardian would kill the daemon then).
+for name in os.listdir(sys.argv[2]):
+    try:
+        state = open(f"/proc/{name[:-4]}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    print("daemon", "gone" if state in ("gone", "Z", "X") else "alive", flush=True)
+"""
+
+
+def test_daemon_is_killed_when_the_loop_ends_after_wait_without_close(tmp_path: Path) -> None:
+    """``asyncio.run`` ending right after ``wait()`` (no ``close()``) cancels the
+    pending cleanup: the escaped daemon still gets SIGKILL before the run ends."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script = tmp_path / "daemon.py"
+    script.write_text(DAEMONIZE_THEN_EXIT)
+    main = tmp_path / "main.py"
+    main.write_text(WAIT_WITHOUT_CLOSE)
+    daemon: list[int] = []
+    try:
+        out = subprocess.run(
+            [sys.executable, str(main), str(script), str(pid_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert out.stdout == "result False\ndaemon gone\n", out.stderr
+        daemon = read_pids(pid_dir, 1, timeout=1)
+        assert wait_dead(daemon, 2) == [], "the daemon outlived the supervisor's loop"
+    finally:
+        for pid in [p for p in daemon if alive(p)]:
+            os.kill(pid, signal.SIGKILL)
+        wait_dead(daemon, 5)
+
+
 FORK_TREE = """
 import os, signal, sys, time
 depth, fanout, setsid = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"

@@ -243,6 +243,59 @@ async def test_symlink_planted_at_rank_dir_is_refused(tmp_path: Path) -> None:
     assert list(victim.iterdir()) == []
 
 
+async def test_symlink_planted_at_a_later_rank_dir_is_refused(tmp_path: Path) -> None:
+    """Rank folders 1.. are made by a background ``mkdir`` while earlier
+    ranks spawn: a symlink planted at ``{log_dir}/5`` still fails the await
+    with the same error, the target stays untouched, the ranks already
+    started are stopped (the autouse leak check: no process left) and no
+    folder appears after the call failed.
+    """
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    marker = tmp_path / "ran"
+    marker.mkdir()
+    n = 8
+    starting = aiolaunch.start_processes(
+        name="s",
+        entrypoint="/bin/sh",
+        args={r: ("-c", f"touch {marker}/$0; exec sleep 30", str(r)) for r in range(n)},
+        envs={r: {} for r in range(n)},
+        log_dir=str(log_dir),
+        redirects=Std.ALL,
+    )
+    (log_dir / "5").symlink_to(victim)
+    with pytest.raises(FileExistsError, match="refusing to follow"):
+        await starting
+    assert list(victim.iterdir()) == []
+    made = sorted(p.name for p in log_dir.iterdir())
+    assert {"0", "1", "2", "3", "4", "5"} <= set(made) <= {str(r) for r in range(n)}, made
+    assert (log_dir / "5").is_symlink()
+    await asyncio.sleep(0.2)
+    assert sorted(p.name for p in log_dir.iterdir()) == made  # none made after the call
+
+
+async def test_every_rank_dir_exists_before_its_worker_runs(tmp_path: Path) -> None:
+    """Each worker finds its own rank folder (where ``TORCHELASTIC_ERROR_FILE``
+    points) from its first instruction, though folders 1.. are made in the
+    background; every folder exists once the await returned.
+    """
+    n = 16
+    script = 'test -d "$(dirname "$TORCHELASTIC_ERROR_FILE")" || exit 7'
+    ctx = await aiolaunch.start_processes(
+        name="d",
+        entrypoint="/bin/sh",
+        args={r: ("-c", script) for r in range(n)},
+        envs={r: {} for r in range(n)},
+        log_dir=str(tmp_path / "logs"),
+    )
+    assert all((tmp_path / "logs" / str(r)).is_dir() for r in range(n))
+    result = await ctx.wait()
+    assert result is not None
+    assert not result.is_failed(), result.failures
+
+
 async def test_symlink_planted_at_stdout_log_is_refused(tmp_path: Path) -> None:
     """``{log_dir}/0/stdout.log -> /victim``: ``O_NOFOLLOW`` makes the open fail
     (ELOOP); the victim file keeps its bytes; no worker started; fds closed.

@@ -22,6 +22,29 @@ _MAX_LINE = 64 * 1024
 _ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
 
+_allocator_warm = False
+
+
+def _warm_allocator() -> None:
+    """Raise glibc malloc's dynamic thresholds once per process.
+
+    A tee'd megabyte costs three buffers of about a megabyte (the read, the
+    prefixed bytes, the decoded text), freed a moment later. Under glibc's
+    default thresholds each is a fresh ``mmap`` or the heap top is trimmed
+    and grown again, so every page faults anew: measured 0.65-0.70 ms/MiB of
+    framing instead of 0.30. Freeing one 8 MiB block raises the mmap
+    threshold to 8 MiB and the trim threshold to 16 MiB (glibc's documented
+    dynamic adjustment, what any process that once freed such a buffer gets),
+    so the buffers are reused from the heap. It costs no page: ``bytes(n)``
+    is a ``calloc`` of untouched memory. Elsewhere it is a no-op in effect.
+    """
+    global _allocator_warm
+    if not _allocator_warm:
+        _allocator_warm = True
+        block = bytes(8 << 20)
+        del block
+
+
 def _lines_within(data: bytes, pos: int, end: int, limit: int) -> bool:
     """Whether no line of ``data[pos:end]`` (``data[end]`` is a newline) is
     longer than ``limit`` bytes: about ``len / limit`` C-level searches."""
@@ -64,6 +87,7 @@ class ConsoleSink(Sink):
         self._status = False
         self._dedup = dedup
         self._rank = rank
+        _warm_allocator()
         # The byte-level fast path (see _feed_fast): plain prefixed lines only.
         self._fast = dedup is None and not strip_ansi
         try:

@@ -218,6 +218,9 @@ class LogWiring:
         :param line_sink: ``line_sink(stream)``: the sink that turns a read
             stream into lines for probes and ``LogLine`` events.
         """
+        rank_dirs = getattr(self._dest, "rank_dirs", None)
+        if rank_dirs is not None:
+            rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
         streams = RankStreams(rank)
         inotify = self._direct()
         if self._dedup_window and self._dedup is None:
@@ -380,6 +383,9 @@ class LogWiring:
         if self._closed:
             return
         self._closed = True
+        rank_dirs = getattr(self._dest, "rank_dirs", None)
+        if rank_dirs is not None:
+            rank_dirs.close()  # a failed start: no folder appears after this
         pumps, self._pumps = self._pumps, []
         followers, self._followers = self._followers, []
         try:
