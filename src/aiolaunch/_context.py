@@ -21,25 +21,17 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._errors import fd_limit_error
-from ._events import (
-    Event,
-    EventBus,
-    GroupStopped,
-    WorkerStarted,
-    worker_exited,
-)
+from ._events import Event, EventBus, GroupStopped, WorkerStarted, worker_exited
 from ._forensics import Forensics
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RespawnSteps, RestartPolicy, Restarts
-from ._results import RunProcsResult, build_result, failed_ranks, not_ready_failure
+from ._results import RunProcsResult, build_result, decided, failed_ranks, not_ready_failure
 from ._shutdown import GroupShutdown, shielded
-from ._signals import forward_signal, watch_signals
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
-    from types import TracebackType
 
     from ._control import WorkerStatus
     from ._logs import LineSink, LogWiring
@@ -96,7 +88,7 @@ class PContext:
         self._changed = asyncio.Event()
         #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
         self._token = new_context_token()
-        self._stop: GroupShutdown[RunProcsResult] = GroupShutdown(self._signals, self._token)
+        self._stop = GroupShutdown(self._signals, self._token)
         self._exit_order: list[int] = []
         self._bus = EventBus()
         steps = RespawnSteps(
@@ -194,13 +186,8 @@ class PContext:
         return failed_ranks(self._workers, self._exit_order, self._restarts.pending)
 
     def _decided(self) -> bool:
-        if self._failed_ranks() or self._forensics.failing:
-            return True
-        return (
-            len(self._workers) == self.nprocs
-            and not self._restarts.pending
-            and all(not w.alive for w in self._workers.values())
-        )
+        ended = decided(self._workers, self.nprocs, self._exit_order, self._restarts.pending)
+        return ended or bool(self._forensics.failing)
 
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
@@ -300,18 +287,12 @@ class PContext:
         waiting only; the workers stop when the context is closed.
         """
         check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
-        if self._stop.result is not None:
-            return self._stop.result
-        if self._stop.task is not None:
-            return await shielded(self._stop.task)
+        if self._stop.task is not None:  # the outcome is known, or on its way
+            return self._stop.result or await shielded(self._stop.task)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
-        with watch_signals(
-            lambda sig: self._changed.set(),
-            stop=self._signals.stop,
-            forward=self._signals.forward,
-            on_repeat=lambda sig: self._stop.escalate(f"second {sig.name}"),
-            on_forward=lambda sig: forward_signal(self._workers.values(), sig, self.name),
+        with self._signals.watch(
+            self._changed, self._stop.escalate, self._workers, self.name
         ) as watch:
             while True:
                 self._changed.clear()
@@ -368,13 +349,8 @@ class PContext:
         await self._logs.aclose()
         for w in workers:
             w.release()
-        result = build_result(
-            self._workers,
-            [r for r in self._exit_order if r in failed_before],
-            self.error_files,
-            self.stdouts,
-            self.stderrs,
-        )
+        failed = [r for r in self._exit_order if r in failed_before]
+        result = build_result(self._workers, failed, self.error_files, self.stdouts, self.stderrs)
         # The report and the folder cleanup follow the result (off wait()'s
         # path), then the pruning (after the error files are written).
         self._stop.result = result = self._forensics.finish(result, conclude=False)
@@ -392,24 +368,13 @@ class PContext:
     async def __aenter__(self) -> PContext:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
         grace = self._shutdown_timeout
         await self._stop.close(lambda: self._finish(signal.SIGTERM, grace), cancelled=cancelled)
 
     def __repr__(self) -> str:
-        if self._stop.result is not None:
-            state = "failed" if self._stop.result.is_failed() else "done"
-        elif self._stop.task is not None:
-            state = "closing"
-        else:
-            state = "running"
         return (
             f"<{type(self).__name__} name={self.name!r} nprocs={self.nprocs} "
-            f"state={state} pids={self.pids()}>"
+            f"state={self._stop.state} pids={self.pids()}>"
         )

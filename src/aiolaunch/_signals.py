@@ -50,6 +50,8 @@ from ._errors import SignalException
 from ._shutdown import shielded
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ._workers._handle import WorkerHandle
 
 __all__ = [
@@ -456,6 +458,24 @@ class SignalPlan:
         self._shutdown_timeout = shutdown_timeout
         self._deadline_file = ""
         self._released = False
+
+    def watch(
+        self,
+        changed: asyncio.Event,
+        escalate: Callable[[str], None],
+        workers: Mapping[int, WorkerHandle],
+        name: str,
+    ) -> contextlib.AbstractContextManager[SignalWatch]:
+        """:func:`watch_signals` for one group's ``wait()``: a stop signal sets
+        ``changed``, a second one calls ``escalate(why)``; a forwarded signal
+        goes to every worker of ``workers``."""
+        return watch_signals(
+            lambda sig: changed.set(),
+            stop=self.stop,
+            forward=self.forward,
+            on_repeat=lambda sig: escalate(f"second {sig.name}"),
+            on_forward=lambda sig: forward_signal(workers.values(), sig, name),
+        )
 
     def env(self, folder: str | None = None) -> dict[str, str]:
         """What every worker's environment gets (the deadline file is made on first use).
