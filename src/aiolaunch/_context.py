@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._errors import fd_limit_error
-from ._events import Event, EventBus, GroupStopped, WorkerStarted, worker_exited
+from ._events import Event, EventBus, GroupStopped, worker_exited, worker_started
 from ._forensics import Forensics
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RespawnSteps, RestartPolicy, Restarts
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
     from ._control import WorkerStatus
-    from ._logs import LineSink, LogWiring
+    from ._logs import LogWiring
     from ._signals import SignalPlan
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
@@ -62,7 +62,6 @@ class PContext:
         args: dict[int, tuple[Any, ...]],
         envs: dict[int, dict[str, str]],
         logs: LogWiring,
-        shutdown_timeout: float,
         start_method: str,
         signal_plan: SignalPlan,
         ready: dict[int, ReadinessProbe] | None = None,
@@ -82,13 +81,10 @@ class PContext:
         # torch's attributes: the files of the duplicate filters, or None.
         self.filtered_stdout = self._logs.filtered_file("stdout")
         self.filtered_stderr = self._logs.filtered_file("stderr")
-        self._shutdown_timeout = shutdown_timeout
         self._signals = signal_plan
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
-        #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
-        self._token = new_context_token()
-        self._stop = GroupShutdown(self._signals, self._token)
+        self._stop = GroupShutdown(self._signals, new_context_token())
         self._exit_order: list[int] = []
         self._bus = EventBus()
         steps = RespawnSteps(
@@ -127,13 +123,7 @@ class PContext:
             raise
 
     async def _start_one(self, rank: int) -> None:
-        def watch(stream: str) -> bool:
-            # Lines are needed by a readiness probe or the watchdog's progress regex.
-            return self._readiness.reads(rank, stream) or self._forensics.needs_lines
-
-        def line_sink(stream: str) -> LineSink:
-            return self._readiness.line_sink(rank, stream, watch(stream))
-
+        watch, line_sink = self._readiness.stream_hooks(rank, self._forensics.needs_lines)
         streams = await self._logs.open(rank, watch=watch, line_sink=line_sink)
         try:
             handle = await self._spawn(rank, streams.stdout, streams.stderr)
@@ -142,9 +132,7 @@ class PContext:
             raise
         handle.attempt = self._restarts.attempts[rank]
         self._workers[rank] = handle
-        self._bus.emit(
-            WorkerStarted(rank=rank, time=time.monotonic(), pid=handle.pid, attempt=handle.attempt)
-        )
+        self._bus.emit(worker_started(handle))
         self._readiness.started(rank, handle)
         handle.on_exit = self._on_exit
         if not handle.alive:  # it exited while we were still wiring it up
@@ -161,7 +149,7 @@ class PContext:
             **self._forensics.env(),
             **self._signals.env(self._forensics.stacks_dir),
             # Inherited by every descendant: close() finds daemons by it.
-            CONTEXT_ENV: self._token,
+            CONTEXT_ENV: self._stop.token,
         }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
@@ -181,9 +169,6 @@ class PContext:
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of every started worker."""
         return {rank: w.pid for rank, w in self._workers.items()}
-
-    def _failed_ranks(self) -> list[int]:
-        return failed_ranks(self._workers, self._exit_order, self._restarts.pending)
 
     def _decided(self) -> bool:
         ended = decided(self._workers, self.nprocs, self._exit_order, self._restarts.pending)
@@ -291,16 +276,17 @@ class PContext:
             return self._stop.result or await shielded(self._stop.task)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
+        grace = self._signals.shutdown_timeout
         with self._signals.watch(
             self._changed, self._stop.escalate, self._workers, self.name
         ) as watch:
             while True:
                 self._changed.clear()
                 if watch.received is not None:
-                    end = self._finish(watch.received, self._shutdown_timeout)
+                    end = self._finish(watch.received, grace)
                     await watch.stop_group(self._stop.sent, end)
                 if self._decided() or self._stop.task is not None:
-                    end = self._finish(signal.SIGTERM, self._shutdown_timeout, decided=True)
+                    end = self._finish(signal.SIGTERM, grace, decided=True)
                     try:
                         return await shielded(end)
                     finally:
@@ -344,7 +330,7 @@ class PContext:
         await self._forensics.stop()
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
-        failed_before = set(self._failed_ranks())
+        failed_before = set(failed_ranks(self._workers, self._exit_order, self._restarts.pending))
         await self._stop.stop(workers, death_sig, grace, decided=decided)
         await self._logs.aclose()
         for w in workers:
@@ -370,7 +356,7 @@ class PContext:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
-        grace = self._shutdown_timeout
+        grace = self._signals.shutdown_timeout
         await self._stop.close(lambda: self._finish(signal.SIGTERM, grace), cancelled=cancelled)
 
     def __repr__(self) -> str:

@@ -369,7 +369,7 @@ class GroupShutdown:
         self.after: asyncio.Task[None] | None = None
         self._handed = asyncio.Event()
         self._signals = signals
-        self._token = token
+        self.token = token
 
     @property
     def state(self) -> str:
@@ -465,13 +465,13 @@ class GroupShutdown:
             await asyncio.to_thread(drop)
             if sweep:
                 await sweep_tagged(
-                    self._token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
+                    self.token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
                 )
         except asyncio.CancelledError:
             task_uncancel(asyncio.current_task())
             drop()  # idempotent
             if sweep:
-                await sweep_tagged(self._token, min(sweep), sweep, signal.SIGKILL, 0.0)
+                await sweep_tagged(self.token, min(sweep), sweep, signal.SIGKILL, 0.0)
         finally:
             await prune()
 
@@ -503,7 +503,7 @@ class GroupShutdown:
                 grace,
                 on_sent=self.sent.set,
                 escalate=self.kill_now,
-                token=None if decided else self._token,
+                token=None if decided else self.token,
                 on_torn_down=lambda: self.escalate("cancellation of the event loop's tasks"),
             )
         except BaseException:

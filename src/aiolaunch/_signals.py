@@ -455,7 +455,7 @@ class SignalPlan:
         self.forward = forward
         # A signal in both sets is only forwarded (the explicit opt-in wins).
         self.stop = stop - forward
-        self._shutdown_timeout = shutdown_timeout
+        self.shutdown_timeout = shutdown_timeout
         self._deadline_file = ""
         self._released = False
 
@@ -495,7 +495,7 @@ class SignalPlan:
             else:
                 os.close(fd)
         return {
-            SHUTDOWN_TIMEOUT_ENV: repr(float(self._shutdown_timeout)),
+            SHUTDOWN_TIMEOUT_ENV: repr(float(self.shutdown_timeout)),
             STOP_DEADLINE_FILE_ENV: self._deadline_file,
         }
 
