@@ -300,6 +300,15 @@ class PContext:
         waiting only; the workers stop when the context is closed.
         """
         check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
+        try:
+            return await self._wait(timeout)
+        finally:
+            # The outcome is out (returned, or SignalException): the cleanup
+            # that follows it may start now - not ahead of our caller.
+            if self._stop.result is not None:
+                self._stop.handed_over()
+
+    async def _wait(self, timeout: float | None) -> RunProcsResult | None:
         if self._stop.result is not None:
             return self._stop.result
         if self._stop.task is not None:
@@ -320,10 +329,7 @@ class PContext:
                     await watch.stop_group(self._stop.sent, end)
                 if self._decided() or self._stop.task is not None:
                     end = self._finish(signal.SIGTERM, self._shutdown_timeout, decided=True)
-                    try:
-                        return await shielded(end)
-                    finally:
-                        self._stop.handed_over()
+                    return await shielded(end)
                 remaining = math.inf if deadline is None else deadline - loop.time()
                 if remaining <= 0:
                     return None
