@@ -1,6 +1,7 @@
 """aiolaunch benchmarks against torch.distributed.elastic 2.13 and a raw asyncio floor.
 
     python benchmarks/run.py [--quick] [--only NAME,...] [--out DIR] [--list]
+                             [--baseline SRC]
 
 Writes results.json, results.md and results.png to --out (default
 benchmarks/results/). Exits 1 if any correctness check failed (a FAIL row),
@@ -34,6 +35,7 @@ VARIANT_LABEL = {
     "torch-p0.1": "torch (period=0.1)",
     "raw": "raw asyncio/mp floor",
     "torchrun": "torchrun",
+    "aiolaunch-base": "baseline aiolaunch (--baseline)",
 }
 
 #: Variants that need torch: dropped (with their targets) when it is not installed.
@@ -487,6 +489,13 @@ def main() -> int:
         "--list", action="store_true", help="list benchmark groups and cases, then exit"
     )
     ap.add_argument(
+        "--baseline",
+        default="",
+        metavar="SRC",
+        help="A/B: also run the aiolaunch found in SRC (e.g. a `git archive` of the "
+        "previous commit's src/) as variant aiolaunch-base, interleaved with the others",
+    )
+    ap.add_argument(
         "--replot", action="store_true", help="re-render results.md/png from OUT/results.json"
     )
     ap.add_argument(
@@ -541,6 +550,15 @@ def main() -> int:
         cases = [c for c in cases if c.trials]
     worker = build_worker(tmp)
     env["BENCH_WORKER"] = json.dumps(worker)
+    base_env = dict(env)
+    if a.baseline:
+        # Same harness, the other aiolaunch first on the path; only the
+        # driver benches (e2e and startup run the installed CLI).
+        src = os.path.abspath(a.baseline)
+        base_env["PYTHONPATH"] = os.pathsep.join((HERE, src))
+        for c in cases:
+            if "aiolaunch" in c.trials and c.bench not in ("e2e", "startup"):
+                c.trials["aiolaunch-base"] = c.trials["aiolaunch"]
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {"nproc": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform()},
@@ -589,9 +607,10 @@ def main() -> int:
                     except subprocess.TimeoutExpired:
                         return {"ok": False, "error": "timed out"}
                 impl = variant.split("-")[0]
-                if impl not in drivers:
-                    drivers[impl] = Driver(impl, env, tmp)
-                return drivers[impl].trial(case.bench, variant, case.params, case.timeout)
+                key = variant if variant == "aiolaunch-base" else impl
+                if key not in drivers:
+                    drivers[key] = Driver(impl, base_env if key != impl else env, tmp)
+                return drivers[key].trial(case.bench, variant, case.params, case.timeout)
 
             samples: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
             errors: dict[str, list[str]] = {v: [] for v in variants}
@@ -762,6 +781,8 @@ def caption(meta: dict) -> str:
 def render_md(out: dict) -> str:
     meta = out["meta"]
     variants = ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]
+    if any("aiolaunch-base" in r["stats"] for r in out["results"]):
+        variants.append("aiolaunch-base")
     load = ""
     if "loadavg_end" in meta:
         load = (

@@ -437,6 +437,31 @@ async def test_each_start_sees_the_supervisors_environment_of_that_moment(
     assert seen == [["one", "one"], ["two", "two"], ["unset", "unset"]]
 
 
+async def test_environment_bytes_reach_the_worker_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The environment is handed to the spawn encoded: a parent variable that is
+    # not UTF-8 arrives byte for byte, and envs[rank] (non-ASCII included)
+    # overrides a parent variable of the same name.
+    os.environb[b"AIOLAUNCH_T_RAW"] = b"caf\xe9\xff"
+    monkeypatch.setenv("AIOLAUNCH_T_OVER", "parent")
+    try:
+        ctx = await aiolaunch.start_processes(
+            name="t",
+            entrypoint=SH,
+            args=sh(2, 'printf "%s|%s" "$AIOLAUNCH_T_RAW" "$AIOLAUNCH_T_OVER"'),
+            envs={r: {"AIOLAUNCH_T_OVER": f"r\u00e9{r}"} for r in range(2)},
+            log_dir=str(tmp_path / "logs"),
+            redirects=Std.OUT,
+        )
+        result = await ctx.wait()
+    finally:
+        del os.environb[b"AIOLAUNCH_T_RAW"]
+    assert result is not None and not result.is_failed()
+    for r in range(2):
+        assert Path(result.stdouts[r]).read_bytes() == b"caf\xe9\xff|r\xc3\xa9" + str(r).encode()
+
+
 def test_guardian_kills_only_the_groups_still_registered_after_many_changes() -> None:
     # The guardian script itself, fed as the supervisor feeds it: 300 groups
     # registered and unregistered (its list is compacted on the way), one

@@ -314,7 +314,6 @@ def start_processes(
                 stdout_filters=dup_out,
                 stderr_filters=dup_err,
             ),
-            "shutdown_timeout": float(shutdown_timeout),
             "start_method": start_method,
             "ready": probes,
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},

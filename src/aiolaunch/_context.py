@@ -21,28 +21,20 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._errors import fd_limit_error
-from ._events import (
-    Event,
-    EventBus,
-    GroupStopped,
-    WorkerStarted,
-    worker_exited,
-)
+from ._events import Event, EventBus, GroupStopped, worker_exited, worker_started
 from ._forensics import Forensics
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RespawnSteps, RestartPolicy, Restarts
-from ._results import RunProcsResult, build_result, failed_ranks, not_ready_failure
+from ._results import RunProcsResult, build_result, decided, failed_ranks, not_ready_failure
 from ._shutdown import GroupShutdown, shielded
-from ._signals import forward_signal, watch_signals
 from ._validate import check_seconds, check_signal
 from ._workers._proc import CONTEXT_ENV, new_context_token
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
-    from types import TracebackType
 
     from ._control import WorkerStatus
-    from ._logs import LineSink, LogWiring
+    from ._logs import LogWiring
     from ._signals import SignalPlan
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
@@ -70,7 +62,6 @@ class PContext:
         args: dict[int, tuple[Any, ...]],
         envs: dict[int, dict[str, str]],
         logs: LogWiring,
-        shutdown_timeout: float,
         start_method: str,
         signal_plan: SignalPlan,
         ready: dict[int, ReadinessProbe] | None = None,
@@ -90,13 +81,10 @@ class PContext:
         # torch's attributes: the files of the duplicate filters, or None.
         self.filtered_stdout = self._logs.filtered_file("stdout")
         self.filtered_stderr = self._logs.filtered_file("stderr")
-        self._shutdown_timeout = shutdown_timeout
         self._signals = signal_plan
         self._workers: dict[int, WorkerHandle] = {}
         self._changed = asyncio.Event()
-        #: in every worker's environment (CONTEXT_ENV): close() finds escaped descendants
-        self._token = new_context_token()
-        self._stop: GroupShutdown[RunProcsResult] = GroupShutdown(self._signals, self._token)
+        self._stop = GroupShutdown(self._signals, new_context_token())
         self._exit_order: list[int] = []
         self._bus = EventBus()
         steps = RespawnSteps(
@@ -135,13 +123,7 @@ class PContext:
             raise
 
     async def _start_one(self, rank: int) -> None:
-        def watch(stream: str) -> bool:
-            # Lines are needed by a readiness probe or the watchdog's progress regex.
-            return self._readiness.reads(rank, stream) or self._forensics.needs_lines
-
-        def line_sink(stream: str) -> LineSink:
-            return self._readiness.line_sink(rank, stream, watch(stream))
-
+        watch, line_sink = self._readiness.stream_hooks(rank, self._forensics.needs_lines)
         streams = await self._logs.open(rank, watch=watch, line_sink=line_sink)
         try:
             handle = await self._spawn(rank, streams.stdout, streams.stderr)
@@ -150,9 +132,7 @@ class PContext:
             raise
         handle.attempt = self._restarts.attempts[rank]
         self._workers[rank] = handle
-        self._bus.emit(
-            WorkerStarted(rank=rank, time=time.monotonic(), pid=handle.pid, attempt=handle.attempt)
-        )
+        self._bus.emit(worker_started(handle))
         self._readiness.started(rank, handle)
         handle.on_exit = self._on_exit
         if not handle.alive:  # it exited while we were still wiring it up
@@ -169,7 +149,7 @@ class PContext:
             **self._forensics.env(),
             **self._signals.env(self._forensics.stacks_dir),
             # Inherited by every descendant: close() finds daemons by it.
-            CONTEXT_ENV: self._token,
+            CONTEXT_ENV: self._stop.token,
         }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
@@ -190,17 +170,9 @@ class PContext:
         """``{local_rank: pid}`` of every started worker."""
         return {rank: w.pid for rank, w in self._workers.items()}
 
-    def _failed_ranks(self) -> list[int]:
-        return failed_ranks(self._workers, self._exit_order, self._restarts.pending)
-
     def _decided(self) -> bool:
-        if self._failed_ranks() or self._forensics.failing:
-            return True
-        return (
-            len(self._workers) == self.nprocs
-            and not self._restarts.pending
-            and all(not w.alive for w in self._workers.values())
-        )
+        ended = decided(self._workers, self.nprocs, self._exit_order, self._restarts.pending)
+        return ended or bool(self._forensics.failing)
 
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
@@ -309,26 +281,21 @@ class PContext:
                 self._stop.handed_over()
 
     async def _wait(self, timeout: float | None) -> RunProcsResult | None:
-        if self._stop.result is not None:
-            return self._stop.result
-        if self._stop.task is not None:
-            return await shielded(self._stop.task)
+        if self._stop.task is not None:  # the outcome is known, or on its way
+            return self._stop.result or await shielded(self._stop.task)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
-        with watch_signals(
-            lambda sig: self._changed.set(),
-            stop=self._signals.stop,
-            forward=self._signals.forward,
-            on_repeat=lambda sig: self._stop.escalate(f"second {sig.name}"),
-            on_forward=lambda sig: forward_signal(self._workers.values(), sig, self.name),
+        grace = self._signals.shutdown_timeout
+        with self._signals.watch(
+            self._changed, self._stop.escalate, self._workers, self.name
         ) as watch:
             while True:
                 self._changed.clear()
                 if watch.received is not None:
-                    end = self._finish(watch.received, self._shutdown_timeout)
+                    end = self._finish(watch.received, grace)
                     await watch.stop_group(self._stop.sent, end)
                 if self._decided() or self._stop.task is not None:
-                    end = self._finish(signal.SIGTERM, self._shutdown_timeout, decided=True)
+                    end = self._finish(signal.SIGTERM, grace, decided=True)
                     return await shielded(end)
                 remaining = math.inf if deadline is None else deadline - loop.time()
                 if remaining <= 0:
@@ -369,18 +336,13 @@ class PContext:
         await self._forensics.stop()
         await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
         workers = list(self._workers.values())
-        failed_before = set(self._failed_ranks())
+        failed_before = set(failed_ranks(self._workers, self._exit_order, self._restarts.pending))
         await self._stop.stop(workers, death_sig, grace, decided=decided)
         await self._logs.aclose()
         for w in workers:
             w.release()
-        result = build_result(
-            self._workers,
-            [r for r in self._exit_order if r in failed_before],
-            self.error_files,
-            self.stdouts,
-            self.stderrs,
-        )
+        failed = [r for r in self._exit_order if r in failed_before]
+        result = build_result(self._workers, failed, self.error_files, self.stdouts, self.stderrs)
         # The report and the folder cleanup follow the result (off wait()'s
         # path), then the pruning (after the error files are written).
         self._stop.result = result = self._forensics.finish(result, conclude=False)
@@ -398,24 +360,13 @@ class PContext:
     async def __aenter__(self) -> PContext:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
-        grace = self._shutdown_timeout
+        grace = self._signals.shutdown_timeout
         await self._stop.close(lambda: self._finish(signal.SIGTERM, grace), cancelled=cancelled)
 
     def __repr__(self) -> str:
-        if self._stop.result is not None:
-            state = "failed" if self._stop.result.is_failed() else "done"
-        elif self._stop.task is not None:
-            state = "closing"
-        else:
-            state = "running"
         return (
             f"<{type(self).__name__} name={self.name!r} nprocs={self.nprocs} "
-            f"state={state} pids={self.pids()}>"
+            f"state={self._stop.state} pids={self.pids()}>"
         )

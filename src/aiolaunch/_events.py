@@ -77,6 +77,13 @@ class WorkerExited(Event):
     stopped: bool
 
 
+def worker_started(handle: WorkerHandle) -> WorkerStarted:
+    """The :class:`WorkerStarted` event of ``handle``, spawned just now."""
+    return WorkerStarted(
+        rank=handle.local_rank, time=time.monotonic(), pid=handle.pid, attempt=handle.attempt
+    )
+
+
 def worker_exited(handle: WorkerHandle) -> WorkerExited:
     """The :class:`WorkerExited` event of ``handle``, which was reaped just now."""
     rc = handle.returncode

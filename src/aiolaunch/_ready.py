@@ -252,6 +252,18 @@ class Readiness:
         if self.listening(rank):
             self._lines[rank].put(line)
 
+    def stream_hooks(
+        self, rank: int, all_lines: bool
+    ) -> tuple[Callable[[str], bool], Callable[[str], LineSink]]:
+        """``watch`` and ``line_sink`` of ``rank``'s streams for ``LogWiring.open``:
+        a stream is watched (split into lines) if ``rank``'s probe reads it or
+        ``all_lines`` (e.g. for the watchdog's progress regex)."""
+
+        def watch(stream: str) -> bool:
+            return all_lines or self.reads(rank, stream)
+
+        return watch, lambda stream: self.line_sink(rank, stream, watch(stream))
+
     def line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
         """The sink of ``rank``'s ``stream`` lines: its probe (if ``watch``) and
         ``events(lines=True)`` consumers as :class:`LogLine` events.

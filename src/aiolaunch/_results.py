@@ -272,6 +272,19 @@ def failed_ranks(
     return failed
 
 
+def decided(
+    workers: Mapping[int, WorkerHandle],
+    nprocs: int,
+    exit_order: Iterable[int],
+    restarting: Container[int],
+) -> bool:
+    """Whether a group's outcome is known: a rank failed (:func:`failed_ranks`),
+    or all ``nprocs`` ranks started, none is restarting, and every one exited."""
+    if failed_ranks(workers, exit_order, restarting):
+        return True
+    return len(workers) == nprocs and not restarting and all(not w.alive for w in workers.values())
+
+
 def build_result(
     workers: Mapping[int, WorkerHandle],
     failed: Iterable[int],

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import signal
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
@@ -24,6 +24,7 @@ from ._workers._proc import ProcTable, find_tagged, open_exit_fd, read_stat
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
+    from ._results import RunProcsResult
     from ._signals import SignalPlan
     from ._workers._handle import WorkerHandle
 
@@ -345,7 +346,7 @@ def _alive_pids(pids: set[int]) -> set[int]:
     return alive
 
 
-class GroupShutdown(Generic[T]):
+class GroupShutdown:
     """The one shutdown of a group: begun once, awaited by every caller.
 
     Holds what the group's shutdown shares with ``wait()`` and ``close()``:
@@ -360,17 +361,26 @@ class GroupShutdown(Generic[T]):
     """
 
     def __init__(self, signals: SignalPlan, token: str) -> None:
-        self.task: asyncio.Task[T] | None = None
-        self.result: T | None = None
+        self.task: asyncio.Task[RunProcsResult] | None = None
+        self.result: RunProcsResult | None = None
         self.sent = asyncio.Event()
         self.kill_now = asyncio.Event()
         #: the cleanup that follows the result (:meth:`follow`)
         self.after: asyncio.Task[None] | None = None
         self._handed = asyncio.Event()
         self._signals = signals
-        self._token = token
+        self.token = token
 
-    def begin(self, shutdown: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
+    @property
+    def state(self) -> str:
+        """``"running"`` (not begun), ``"closing"``, then ``"done"`` or ``"failed"``."""
+        if self.result is not None:
+            return "failed" if self.result.is_failed() else "done"
+        return "running" if self.task is None else "closing"
+
+    def begin(
+        self, shutdown: Callable[[], Awaitable[RunProcsResult]]
+    ) -> asyncio.Task[RunProcsResult]:
         """The shutdown task, started from ``shutdown()`` by the first call."""
         if self.task is None:
             self.task = asyncio.ensure_future(shutdown())
@@ -390,7 +400,9 @@ class GroupShutdown(Generic[T]):
         self._signals.set_deadline(0.0)
         logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
 
-    async def close(self, finish: Callable[[], asyncio.Task[T]], *, cancelled: bool) -> None:
+    async def close(
+        self, finish: Callable[[], asyncio.Task[RunProcsResult]], *, cancelled: bool
+    ) -> None:
         """Await ``finish()`` shielded; the second cancellation escalates.
 
         ``cancelled``: the caller leaves ``async with`` because of a
@@ -453,13 +465,13 @@ class GroupShutdown(Generic[T]):
             await asyncio.to_thread(drop)
             if sweep:
                 await sweep_tagged(
-                    self._token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
+                    self.token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
                 )
         except asyncio.CancelledError:
             task_uncancel(asyncio.current_task())
             drop()  # idempotent
             if sweep:
-                await sweep_tagged(self._token, min(sweep), sweep, signal.SIGKILL, 0.0)
+                await sweep_tagged(self.token, min(sweep), sweep, signal.SIGKILL, 0.0)
         finally:
             await prune()
 
@@ -491,7 +503,7 @@ class GroupShutdown(Generic[T]):
                 grace,
                 on_sent=self.sent.set,
                 escalate=self.kill_now,
-                token=None if decided else self._token,
+                token=None if decided else self.token,
                 on_torn_down=lambda: self.escalate("cancellation of the event loop's tasks"),
             )
         except BaseException:

@@ -50,6 +50,8 @@ from ._errors import SignalException
 from ._shutdown import shielded
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ._workers._handle import WorkerHandle
 
 __all__ = [
@@ -453,9 +455,27 @@ class SignalPlan:
         self.forward = forward
         # A signal in both sets is only forwarded (the explicit opt-in wins).
         self.stop = stop - forward
-        self._shutdown_timeout = shutdown_timeout
+        self.shutdown_timeout = shutdown_timeout
         self._deadline_file = ""
         self._released = False
+
+    def watch(
+        self,
+        changed: asyncio.Event,
+        escalate: Callable[[str], None],
+        workers: Mapping[int, WorkerHandle],
+        name: str,
+    ) -> contextlib.AbstractContextManager[SignalWatch]:
+        """:func:`watch_signals` for one group's ``wait()``: a stop signal sets
+        ``changed``, a second one calls ``escalate(why)``; a forwarded signal
+        goes to every worker of ``workers``."""
+        return watch_signals(
+            lambda sig: changed.set(),
+            stop=self.stop,
+            forward=self.forward,
+            on_repeat=lambda sig: escalate(f"second {sig.name}"),
+            on_forward=lambda sig: forward_signal(workers.values(), sig, name),
+        )
 
     def env(self, folder: str | None = None) -> dict[str, str]:
         """What every worker's environment gets (the deadline file is made on first use).
@@ -475,7 +495,7 @@ class SignalPlan:
             else:
                 os.close(fd)
         return {
-            SHUTDOWN_TIMEOUT_ENV: repr(float(self._shutdown_timeout)),
+            SHUTDOWN_TIMEOUT_ENV: repr(float(self.shutdown_timeout)),
             STOP_DEADLINE_FILE_ENV: self._deadline_file,
         }
 

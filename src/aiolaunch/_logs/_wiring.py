@@ -220,7 +220,7 @@ class LogWiring:
         """
         rank_dirs = getattr(self._dest, "rank_dirs", None)
         if rank_dirs is not None:
-            rank_dirs.wait(rank)  # made in a thread while earlier ranks spawned
+            rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
         streams = RankStreams(rank)
         inotify = self._direct()
         if self._dedup_window and self._dedup is None:
