@@ -268,6 +268,15 @@ class PContext:
         waiting only; the workers stop when the context is closed.
         """
         check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
+        try:
+            return await self._wait(timeout)
+        finally:
+            # The outcome is out (returned, or SignalException): the cleanup
+            # that follows it may start now - not ahead of our caller.
+            if self._stop.result is not None:
+                self._stop.handed_over()
+
+    async def _wait(self, timeout: float | None) -> RunProcsResult | None:
         if self._stop.task is not None:  # the outcome is known, or on its way
             return self._stop.result or await shielded(self._stop.task)
         deadline = math.inf if timeout is None or timeout < 0 else anyio.current_time() + timeout
@@ -281,11 +290,7 @@ class PContext:
                     end = self._finish(watch.received, grace)
                     await watch.stop_group(self._stop.sent, end)
                 if self._decided() or self._stop.task is not None:
-                    end = self._finish(signal.SIGTERM, grace, decided=True)
-                    try:
-                        return await shielded(end)
-                    finally:
-                        self._stop.handed_over()
+                    return await shielded(self._finish(signal.SIGTERM, grace, decided=True))
                 if anyio.current_time() >= deadline:
                     return None
                 with anyio.CancelScope(deadline=deadline):
