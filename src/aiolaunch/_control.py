@@ -110,7 +110,16 @@ class ControlServer:
 
     async def aclose(self) -> None:
         """Stop listening; remove the socket (and its private folder). Idempotent."""
+        self.close()
+        self.remove()
+
+    def close(self) -> None:
+        """Stop listening (on the loop). Idempotent."""
         self._server.close()
+
+    def remove(self) -> None:
+        """Remove the socket, its private folder and its entry (plain file
+        operations: safe in a worker thread once closed). Idempotent."""
         _unbind(self.path, self._real, self._tmpdir)
         self._tmpdir = None
         if self._entry is not None:

@@ -133,14 +133,19 @@ class Forensics:
         for act in self._activity.values():
             act.close()
         if self._server is not None:
-            await self._server.aclose()
-            self._server = None
+            # Stop listening now; the socket's files go in cleanup() (file
+            # I/O, off wait()'s path).
+            self._server.close()
 
     def cleanup(self) -> None:
-        """Remove the dump scratch folder (and a temporary log dir of our own)."""
+        """Remove the control socket's files, the dump scratch folder (and a
+        temporary log dir of our own)."""
         if self._closed:
             return
         self._closed = True
+        if self._server is not None:
+            self._server.remove()
+            self._server = None
         for act in self._activity.values():
             act.close()
         self._activity.clear()
