@@ -289,3 +289,14 @@ async def test_task_cancelling_counts_pending_cancellations() -> None:
         await task
     assert seen == [1]
     assert _compat.task_cancelling(None) == 0
+
+
+def test_environ_data_follows_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _compat.environ_data()
+    assert data is not None, "os.environ._data is gone: _kinds._environ_snapshot re-decodes"
+    before = dict(data)
+    monkeypatch.setenv("AIOLAUNCH_COMPAT_PROBE", "1")
+    assert _compat.environ_data() != before
+    assert os.fsencode("AIOLAUNCH_COMPAT_PROBE") in data
+    monkeypatch.delenv("AIOLAUNCH_COMPAT_PROBE")
+    assert _compat.environ_data() == before

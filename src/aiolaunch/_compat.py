@@ -5,7 +5,8 @@ loop keeps for ``loop.add_signal_handler``, a handle's callback, the SIGINT
 handler installed by ``asyncio.run``, resetting the running loop in a forked
 child) and of :mod:`multiprocessing` (a process's ``_popen``, the
 ``_children`` registry, ``DupFd`` while spawning, the spawn preparation data,
-the resource tracker's and forkserver's pid and fd). Keeping each access here
+the resource tracker's and forkserver's pid and fd), and ``os.environ``'s
+encoded mapping. Keeping each access here
 means a CPython change breaks one small function with a test
 (``tests/test_compat.py``), not the supervisor; where it can, a function
 degrades to "not found" rather than raising when the detail is missing.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import signal
 import sys
 import threading
@@ -31,6 +33,7 @@ __all__ = [
     "call_handle_soon",
     "clear_running_loop",
     "dup_fd_for_child",
+    "environ_data",
     "forget_child",
     "is_asyncio_run_sigint_handler",
     "is_default_handler",
@@ -140,6 +143,21 @@ def is_default_handler(handler: object) -> bool:
         or handler is signal.default_int_handler
         or is_asyncio_run_sigint_handler(handler)
     )
+
+
+# -- os ----------------------------------------------------------------------
+
+
+def environ_data() -> dict[Any, Any] | None:
+    """The encoded mapping behind ``os.environ`` (``os.environ._data``, a dict
+    of bytes -> bytes on POSIX, updated by every change made through
+    ``os.environ``), or ``None`` where it is missing (checked on 3.10-3.13).
+
+    Comparing it to an earlier copy tells, in one C-level dict comparison,
+    whether the environment changed - without decoding every variable.
+    """
+    data = getattr(os.environ, "_data", None)
+    return data if isinstance(data, dict) else None
 
 
 # -- multiprocessing ---------------------------------------------------------

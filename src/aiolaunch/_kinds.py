@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from ._compat import environ_data
 from ._context import PContext
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def _environ_snapshot() -> dict[str, str]:
     The result is shared: callers must not modify it.
     """
     global _environ_cache
-    raw = getattr(os.environ, "_data", None)  # CPython's encoded mapping
+    raw = environ_data()
     if raw is None:  # pragma: no cover - other interpreters
         return dict(os.environ)
     if _environ_cache is not None and _environ_cache[0] == raw:
