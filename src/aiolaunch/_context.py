@@ -15,20 +15,19 @@ import asyncio
 import errno
 import math
 import signal
-import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ._errors import fd_limit_error
-from ._events import Event, EventBus, GroupStopped, worker_exited, worker_started
+from ._events import Event, EventBus, group_stopped, worker_exited, worker_started
 from ._forensics import Forensics
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RespawnSteps, RestartPolicy, Restarts
 from ._results import RunProcsResult, build_result, decided, failed_ranks, not_ready_failure
 from ._shutdown import GroupShutdown, shielded
 from ._validate import check_seconds, check_signal
-from ._workers._proc import CONTEXT_ENV, new_context_token
+from ._workers._proc import new_context_token
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -148,15 +147,12 @@ class PContext:
             **self._restarts.env(rank),
             **self._forensics.env(),
             **self._signals.env(self._forensics.stacks_dir),
-            # Inherited by every descendant: close() finds daemons by it.
-            CONTEXT_ENV: self._stop.token,
+            **self._stop.env(),
         }
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         self._bus.emit(worker_exited(handle))
-        # Stopped by the supervisor, or the group is ending: no restart follows.
-        ending = handle.stopped_by_us or self._stop.task is not None
-        if ending or not self._restarts.after_exit(handle):
+        if not self._restarts.after_exit(handle):  # no restart follows
             self._gone(handle.local_rank)
 
     def _gone(self, rank: int) -> None:
@@ -283,8 +279,7 @@ class PContext:
     async def _wait(self, timeout: float | None) -> RunProcsResult | None:
         if self._stop.task is not None:  # the outcome is known, or on its way
             return self._stop.result or await shielded(self._stop.task)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None or timeout < 0 else loop.time() + timeout
+        deadline = math.inf if timeout is None or timeout < 0 else anyio.current_time() + timeout
         grace = self._signals.shutdown_timeout
         with self._signals.watch(
             self._changed, self._stop.escalate, self._workers, self.name
@@ -295,12 +290,10 @@ class PContext:
                     end = self._finish(watch.received, grace)
                     await watch.stop_group(self._stop.sent, end)
                 if self._decided() or self._stop.task is not None:
-                    end = self._finish(signal.SIGTERM, grace, decided=True)
-                    return await shielded(end)
-                remaining = math.inf if deadline is None else deadline - loop.time()
-                if remaining <= 0:
+                    return await shielded(self._finish(signal.SIGTERM, grace, decided=True))
+                if anyio.current_time() >= deadline:
                     return None
-                with anyio.move_on_after(remaining):
+                with anyio.CancelScope(deadline=deadline):
                     await self._changed.wait()
 
     async def close(self, death_sig: int = signal.SIGTERM, timeout: float = 30) -> None:
@@ -353,7 +346,7 @@ class PContext:
             lambda: self._forensics.conclude(result),
             self._logs.prune_temp_dirs,
         )
-        self._bus.emit(GroupStopped(rank=None, time=time.monotonic(), failed=result.is_failed()))
+        self._bus.emit(group_stopped(result.is_failed()))
         return result
 
     # -- context manager --------------------------------------------------

@@ -77,6 +77,11 @@ class WorkerExited(Event):
     stopped: bool
 
 
+def group_stopped(failed: bool) -> GroupStopped:
+    """The :class:`GroupStopped` event, now."""
+    return GroupStopped(rank=None, time=time.monotonic(), failed=failed)
+
+
 def worker_started(handle: WorkerHandle) -> WorkerStarted:
     """The :class:`WorkerStarted` event of ``handle``, spawned just now."""
     return WorkerStarted(

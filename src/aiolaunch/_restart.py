@@ -188,8 +188,9 @@ class Restarts:
         return delay, tracker.attempts
 
     def after_exit(self, handle: WorkerHandle) -> bool:
-        """An incarnation exited on its own (not stopped by the supervisor):
-        restart it if its policy wants it and the budget allows it.
+        """An incarnation exited: restart it if it exited on its own (not
+        stopped by the supervisor), the group is not ending, its policy wants
+        a restart and the budget allows it.
 
         :returns: whether a restart follows (:meth:`respawn`, in a task, after
             the rank's earlier restarts). If not, a spent budget sets
@@ -197,6 +198,8 @@ class Restarts:
             promises a service that keeps running, so an exit it cannot
             restart any more fails the group.
         """
+        if handle.stopped_by_us or self._steps.ending():
+            return False
         rank = handle.local_rank
         failed = handle.returncode != 0 or handle.failure_reason is not None
         planned = self.plan(rank, failed, time.monotonic())

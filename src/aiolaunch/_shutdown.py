@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 
 from ._compat import task_cancelling, task_uncancel
-from ._workers._proc import ProcTable, find_tagged, open_exit_fd, read_stat
+from ._workers._proc import CONTEXT_ENV, ProcTable, find_tagged, open_exit_fd, read_stat
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -370,6 +370,11 @@ class GroupShutdown:
         self._handed = asyncio.Event()
         self._signals = signals
         self.token = token
+
+    def env(self) -> dict[str, str]:
+        """What every worker's environment gets: the token, inherited by every
+        descendant, by which the shutdown finds escaped daemons."""
+        return {CONTEXT_ENV: self.token}
 
     @property
     def state(self) -> str:
