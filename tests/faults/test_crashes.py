@@ -349,12 +349,14 @@ async def test_double_forked_daemon_is_killed_by_close(tmp_path: Path, ignore_te
 
 
 DAEMONIZE_THEN_EXIT = """
-import os, sys, time
+import os, signal, sys, time
 pid_dir, code = sys.argv[1], int(sys.argv[2])
 if os.fork() == 0:
     os.setsid()
     middle = os.getpid()
     if os.fork() == 0:
+        if sys.argv[3:] == ["ignore-term"]:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         while os.getppid() == middle:
             time.sleep(0.01)
         open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w").write(f"{os.getpid()}.")
@@ -368,15 +370,20 @@ sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("code", [0, 1], ids=["success", "failure"])
+@pytest.mark.parametrize(
+    ("code", "daemon_mode"),
+    [(0, "term"), (1, "term"), (0, "ignore-term")],
+    ids=["success", "failure", "success-ignores-term"],
+)
 async def test_daemon_of_a_worker_that_exited_is_gone_after_close(
-    tmp_path: Path, code: int
+    tmp_path: Path, code: int, daemon_mode: str
 ) -> None:
     """``wait()`` decides on the exits alone; the daemon sweep follows the result.
 
     The worker double-forks a daemon (escaped: another session, re-parented
     away) and exits; ``wait()`` returns without scanning ``/proc`` for it, and
-    the context's cleanup - which ``close()`` awaits - stops it.
+    the context's cleanup - which ``close()`` awaits - stops it: SIGTERM,
+    then SIGKILL after the grace for one that ignores SIGTERM.
     """
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -388,17 +395,21 @@ async def test_daemon_of_a_worker_that_exited_is_gone_after_close(
             name="x",
             entrypoint=sys.executable,
             args={
-                0: (str(script), str(pid_dir), str(code)),
+                0: (str(script), str(pid_dir), str(code), daemon_mode),
                 1: ("-c", "import time; time.sleep(60)" if code else ""),
             },
             envs={0: {}, 1: {}},
             log_dir=str(tmp_path / "logs"),
             redirects=Std.ALL,
-            shutdown_timeout=2,
+            shutdown_timeout=5,
         ) as ctx:
+            t0 = time.monotonic()
             result = await asyncio.wait_for(ctx.wait(), 30)
+            took = time.monotonic() - t0
             daemon = read_pids(pid_dir, 1)
             assert result is not None and result.is_failed() == bool(code)
+            # The daemon's grace period is not on wait()'s path (a hang bound).
+            assert took < 4, took
         assert [p for p in daemon if alive(p)] == [], "the daemon outlived close()"
     finally:
         for pid in [p for p in daemon if alive(p)]:
