@@ -6,10 +6,10 @@ handler installed by ``asyncio.run``, resetting the running loop in a forked
 child) and of :mod:`multiprocessing` (a process's ``_popen``, the
 ``_children`` registry, ``DupFd`` while spawning, the spawn preparation data,
 the resource tracker's and forkserver's pid and fd), and ``os.environ``'s
-encoded mapping. Keeping each access here
-means a CPython change breaks one small function with a test
-(``tests/test_compat.py``), not the supervisor; where it can, a function
-degrades to "not found" rather than raising when the detail is missing.
+encoded mapping. Keeping each access here means a CPython change breaks one
+small function with a test (``tests/test_compat.py``), not the supervisor;
+where it can, a function degrades to "not found" rather than raising when the
+detail is missing.
 
 Every function was checked on CPython 3.10, 3.11, 3.12 and 3.13.
 """
