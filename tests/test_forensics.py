@@ -451,6 +451,30 @@ async def test_status_and_stacks_from_another_process(tmp_path: Path) -> None:
     assert proc.returncode == 1 and b"no control.sock" in err
 
 
+async def test_control_socket_of_a_group_closed_at_once_leaves_nothing(tmp_path: Path) -> None:
+    # The socket is bound by a task started as start_processes returns: a
+    # group closed before (or while) it runs leaves no socket, no private
+    # folder and no entry in the per-user list of running groups.
+    from aiolaunch._control import registry_dir
+
+    for _ in range(3):
+        log_dir = tmp_path / str(_)
+        ctx = await aiolaunch.start_processes(
+            "c", "/bin/sh", {0: ("-c", "sleep 30")}, _envs(1), log_dir=log_dir
+        )
+        await ctx.close(timeout=5)
+        assert not (log_dir / "control.sock").exists()
+        assert not list(log_dir.glob(".ctl-*"))
+        folder = registry_dir()
+        mine = os.listdir(folder) if folder else []
+        assert not [e for e in mine if e.startswith(f"{os.getpid()}-")]
+    async with aiolaunch.start_processes(
+        "c", "/bin/sh", {0: ("-c", "sleep 30")}, _envs(1), log_dir=tmp_path / "x"
+    ):
+        await asyncio.sleep(0)  # one loop turn: the socket is there
+        assert (tmp_path / "x" / "control.sock").is_socket()
+
+
 async def test_control_socket_with_a_path_too_long_for_af_unix(tmp_path: Path) -> None:
     deep = tmp_path / ("x" * 60) / ("y" * 60)
     async with aiolaunch.start_processes(

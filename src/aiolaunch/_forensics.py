@@ -89,6 +89,7 @@ class Forensics:
         self._task: asyncio.Task[None] | None = None
         self._lines_task: asyncio.Task[None] | None = None
         self._server: ControlServer | None = None
+        self._server_task: asyncio.Task[None] | None = None
         #: ranks flagged and not active since
         self.flagged: dict[int, Stall] = {}
         #: stalls that fail the group (action "fail", or "restart" without a policy)
@@ -110,26 +111,37 @@ class Forensics:
         return {STACKS_DIR_ENV: self.stacks_dir}
 
     async def start(self) -> None:
-        """Serve the control socket; start the watchdog. Called once all ranks started."""
+        """Start serving the control socket and start the watchdog. Called once all ranks started.
+
+        The socket is bound by a task of its own that runs as soon as the
+        caller yields to the loop (its files cost ~0.5 ms: off the path to
+        ``start_processes`` returning); ``status``/``stacks`` clients are
+        separate processes, which take far longer to start than that.
+        """
+        self._server_task = asyncio.ensure_future(self._serve())
+        if self.watchdog is not None:
+            self._task = asyncio.ensure_future(self._watch(self.watchdog))
+            if self._progress is not None:
+                self._lines_task = asyncio.ensure_future(self._read_progress(self._progress))
+
+    async def _serve(self) -> None:
         from ._control import ControlServer
 
         try:
             self._server = await ControlServer.start(self.log_dir, self._handle)
         except OSError as exc:  # a status endpoint must never stop a job
             logger.warning("aiolaunch: no control socket in %s: %s", self.log_dir, exc)
-        if self.watchdog is not None:
-            self._task = asyncio.ensure_future(self._watch(self.watchdog))
-            if self._progress is not None:
-                self._lines_task = asyncio.ensure_future(self._read_progress(self._progress))
 
     async def stop(self) -> None:
         """Stop the watchdog and the control socket (the group is ending). Idempotent."""
-        tasks = [t for t in (self._task, self._lines_task) if t is not None]
+        # A server still being set up is stopped too (ControlServer.start
+        # removes its files when cancelled).
+        tasks = [t for t in (self._task, self._lines_task, self._server_task) if t is not None]
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._task = self._lines_task = None
+        self._task = self._lines_task = self._server_task = None
         for act in self._activity.values():
             act.close()
         if self._server is not None:
