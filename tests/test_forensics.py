@@ -475,6 +475,43 @@ async def test_control_socket_of_a_group_closed_at_once_leaves_nothing(tmp_path:
         assert (tmp_path / "x" / "control.sock").is_socket()
 
 
+async def test_group_files_are_made_as_start_processes_returns(tmp_path: Path) -> None:
+    # The stacks folder and the stop deadline file are made right after the
+    # spawns (off the path to the first worker): once the caller yields to the
+    # loop they exist, the deadline file empty; both go with the group.
+    ctx = await aiolaunch.start_processes(
+        "f", "/bin/sh", {0: ("-c", "sleep 30")}, _envs(1), log_dir=tmp_path
+    )
+    try:
+        await asyncio.sleep(0)
+        environ = Path(f"/proc/{ctx.pids()[0]}/environ").read_bytes().split(b"\0")
+        env = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
+        stacks = Path(env["AIOLAUNCH_STACKS_DIR"])
+        deadline = Path(env["AIOLAUNCH_STOP_DEADLINE_FILE"])
+        assert stacks == tmp_path / ".aiolaunch-stacks" and deadline.parent == stacks
+        assert stacks.is_dir() and (stacks.stat().st_mode & 0o777) == 0o700
+        assert deadline.is_file() and deadline.read_text() == ""
+    finally:
+        await ctx.close(timeout=5)
+    assert not deadline.exists() and not stacks.exists()
+
+
+def test_register_makes_the_stacks_folder_a_worker_gets_to_first(tmp_path: Path) -> None:
+    # A worker can run its bootstrap before the supervisor made the folder.
+    folder = tmp_path / "later" / ".aiolaunch-stacks"
+    code = "import os; from aiolaunch._dump_handler import register; print(register(), os.getpid())"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "AIOLAUNCH_STACKS_DIR": str(folder),
+    }
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    ok, pid = out.stdout.split()
+    assert ok == "True", out.stderr
+    assert (folder / f"{pid}.txt").exists() and (folder / f"{pid}.ok").exists()
+    assert (folder.stat().st_mode & 0o777) == 0o700
+
+
 async def test_control_socket_with_a_path_too_long_for_af_unix(tmp_path: Path) -> None:
     deep = tmp_path / ("x" * 60) / ("y" * 60)
     async with aiolaunch.start_processes(

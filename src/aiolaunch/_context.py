@@ -113,7 +113,7 @@ class PContext:
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
-            await self._forensics.start()
+            await self._forensics.start(self._signals.make_file)
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
             await self._stop.cleaned()

@@ -42,7 +42,14 @@ def register(directory: str | None = None) -> bool:
         import faulthandler
 
         pid = os.getpid()
-        out = open(os.path.join(directory, f"{pid}.txt"), "ab", buffering=0)  # noqa: SIM115
+        path = os.path.join(directory, f"{pid}.txt")
+        try:
+            out = open(path, "ab", buffering=0)  # noqa: SIM115
+        except FileNotFoundError:
+            # The supervisor makes the folder as start_processes returns; a
+            # worker can get here first.
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            out = open(path, "ab", buffering=0)  # noqa: SIM115
         faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True, chain=False)
         _keep[:] = [out]
         marker = os.path.join(directory, f"{pid}.ok")

@@ -27,6 +27,8 @@ from ._stacks import STACKS_DIR_ENV, StackReport, dump_stacks, rank_ranges
 from ._watchdog import RankActivity, Watchdog, wchan
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._context import PContext
     from ._control import ControlServer, WorkerStatus
     from ._results import RunProcsResult
@@ -75,10 +77,11 @@ class Forensics:
         self.watchdog = watchdog
         self.log_dir, self._own_dir = _group_dir(ctx.error_files)
         self.log_dir = os.path.abspath(self.log_dir)
+        # Made as start_processes returns (make_files), not before the first
+        # spawn: a mkdir costs as much as a spawn. A worker's bootstrap that
+        # gets there first makes it itself (_dump_handler.register).
         self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
-        try:
-            os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
-        except OSError:
+        if not os.access(self.log_dir, os.W_OK | os.X_OK):
             # A LogsSpecs with an unusual layout may leave no writable group
             # folder: dumps still work from a private one.
             self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
@@ -110,23 +113,29 @@ class Forensics:
         """Environment every worker gets."""
         return {STACKS_DIR_ENV: self.stacks_dir}
 
-    async def start(self) -> None:
+    async def start(self, make_files: Callable[[], None] = lambda: None) -> None:
         """Start serving the control socket and start the watchdog. Called once all ranks started.
 
-        The socket is bound by a task of its own that runs as soon as the
-        caller yields to the loop (its files cost ~0.5 ms: off the path to
+        The stacks folder, then ``make_files()`` (the group's other files),
+        then the socket are made by a task of its own that runs as soon as the
+        caller yields to the loop (together ~0.7 ms: off the path to
         ``start_processes`` returning); ``status``/``stacks`` clients are
         separate processes, which take far longer to start than that.
         """
-        self._server_task = asyncio.ensure_future(self._serve())
+        self._server_task = asyncio.ensure_future(self._serve(make_files))
         if self.watchdog is not None:
             self._task = asyncio.ensure_future(self._watch(self.watchdog))
             if self._progress is not None:
                 self._lines_task = asyncio.ensure_future(self._read_progress(self._progress))
 
-    async def _serve(self) -> None:
+    async def _serve(self, make_files: Callable[[], None]) -> None:
         from ._control import ControlServer
 
+        try:
+            os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
+        except OSError as exc:  # dumps are impossible; the job runs on
+            logger.warning("aiolaunch: no stacks folder %s: %s", self.stacks_dir, exc)
+        make_files()
         try:
             self._server = await ControlServer.start(self.log_dir, self._handle)
         except OSError as exc:  # a status endpoint must never stop a job

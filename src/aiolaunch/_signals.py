@@ -367,6 +367,7 @@ SHUTDOWN_TIMEOUT_ENV = "AIOLAUNCH_SHUTDOWN_TIMEOUT"
 #: In every worker's environment: a file that holds, once the group is being
 #: stopped, the wall-clock time (Unix seconds) at which survivors get SIGKILL.
 STOP_DEADLINE_FILE_ENV = "AIOLAUNCH_STOP_DEADLINE_FILE"
+_DEADLINE_NAME = "stop_deadline"
 
 # Cannot be caught (KILL, STOP), or asyncio reaps children with it (CHLD).
 _UNHANDLED = frozenset({signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD})
@@ -440,10 +441,11 @@ class SignalPlan:
     """One group's signals: which stop it, which are only forwarded, and the stop deadline.
 
     The deadline file (``$AIOLAUNCH_STOP_DEADLINE_FILE`` in the workers'
-    environment) is empty while the group runs; before the death signal goes
-    out the supervisor writes the wall-clock time at which survivors get
-    SIGKILL (rewritten to "now" when a second signal escalates). It is
-    removed once the group is gone.
+    environment) is empty while the group runs (made by :meth:`make_file` as
+    ``start_processes`` returns, not before the first spawn); before the death
+    signal goes out the supervisor writes the wall-clock time at which
+    survivors get SIGKILL (rewritten to "now" when a second signal
+    escalates). It is removed once the group is gone.
     """
 
     def __init__(
@@ -478,11 +480,15 @@ class SignalPlan:
         )
 
     def env(self, folder: str | None = None) -> dict[str, str]:
-        """What every worker's environment gets (the deadline file is made on first use).
+        """What every worker's environment gets.
 
-        The file goes in ``folder`` (the group's private folder, so that a
-        supervisor killed by SIGKILL leaves it there, not in the temp folder).
+        The file is ``{folder}/stop_deadline`` (the group's private folder, so
+        that a supervisor killed by SIGKILL leaves it there, not in the temp
+        folder), made by :meth:`make_file`; without ``folder``, a unique file
+        in the temp folder, made now.
         """
+        if folder is not None and not self._deadline_file and not self._released:
+            self._deadline_file = os.path.join(folder, _DEADLINE_NAME)
         if not self._deadline_file and not self._released:
             try:
                 fd, self._deadline_file = tempfile.mkstemp(
@@ -499,13 +505,28 @@ class SignalPlan:
             STOP_DEADLINE_FILE_ENV: self._deadline_file,
         }
 
+    def make_file(self) -> None:
+        """Make the (empty) deadline file that :meth:`env` named; never raises."""
+        if not self._deadline_file or self._released:
+            return
+        try:
+            os.close(os.open(self._deadline_file, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError as exc:  # the workers run on; set_deadline() tries again
+            logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
+
     def set_deadline(self, grace: float) -> None:
         """Record that survivors get SIGKILL ``grace`` seconds from now."""
         if not self._deadline_file:
             return
         tmp = self._deadline_file + ".tmp"
         try:
-            with open(tmp, "w") as f:
+            try:
+                f = open(tmp, "w")  # noqa: SIM115
+            except FileNotFoundError:
+                # Stopped before the folder was made (make_file's caller).
+                os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
+                f = open(tmp, "w")  # noqa: SIM115
+            with f:
                 f.write(f"{time.time() + max(0.0, grace):.3f}\n")
             os.replace(tmp, self._deadline_file)  # a worker never reads half of it
         except OSError as exc:  # e.g. /tmp full: the signal still goes out
