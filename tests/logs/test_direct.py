@@ -100,3 +100,28 @@ async def test_output_age_per_rank(tmp_path: Path) -> None:
         later = ctx._logs.last_output(0)
         assert later is not None and later >= first + 0.2
         await ctx.close(timeout=5)
+
+
+def _inotify_fds() -> int:
+    fds = os.listdir("/proc/self/fd")
+    targets = []
+    for fd in fds:
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own fd, closed by now
+            pass
+    return sum(t == "anon_inode:inotify" for t in targets)
+
+
+@pytest.mark.parametrize(("redirects", "made"), [(Std.NONE, 0), (Std.ALL, 1)])
+async def test_an_inotify_instance_only_where_a_stream_goes_to_a_file(
+    tmp_path: Path, redirects: Std, made: int
+) -> None:
+    # Output to the console needs no output-age watch: no fd, no loop reader.
+    before = _inotify_fds()
+    async with aiolaunch.start_processes(
+        "i", "/bin/sh", {r: ("-c", "sleep 30") for r in range(2)}, {0: {}, 1: {}},
+        log_dir=tmp_path, redirects=redirects,
+    ):  # fmt: skip
+        assert _inotify_fds() - before == made
+    assert _inotify_fds() == before

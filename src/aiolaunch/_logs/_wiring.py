@@ -222,7 +222,14 @@ class LogWiring:
         if rank_dirs is not None:
             rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
         streams = RankStreams(rank)
-        inotify = self._direct()
+        # The inotify instance (an fd and a loop reader) only where a stream
+        # goes to a file, or the dedup asks: a group whose output goes to the
+        # console pays nothing for it.
+        files = (self._dest.stdouts[rank], self._dest.stderrs[rank])
+        direct = any(p not in ("", os.devnull) for p in files)
+        if self._dedup_window and self._dedup is None:
+            direct = True  # its losslessness depends on inotify being there
+        inotify = self._direct() if direct else None
         if self._dedup_window and self._dedup is None:
             self._dedup = ConsoleDedup(self._name, self._dedup_window, lossless=bool(inotify))
         try:
