@@ -103,6 +103,13 @@ CASES += [
     (IsADirectoryError, r"entrypoint='/tmp' is a directory", {**BIN, "entrypoint": "/tmp"}),
     (
         FileNotFoundError,
+        r"entrypoint='/nonexistent/prog' does not exist",
+        {**BIN, "entrypoint": "/nonexistent/prog"},
+    ),
+    (FileNotFoundError, r"'/dev/null' does not exist", {**BIN, "entrypoint": "/dev/null"}),
+    (PermissionError, r"'/etc/passwd' is not executable", {**BIN, "entrypoint": "/etc/passwd"}),
+    (
+        FileNotFoundError,
         r"entrypoint='echo hi'.*arguments go in args: entrypoint='echo', args=\{0: \('hi',\)",
         {**BIN, "entrypoint": "echo hi"},
     ),

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -354,12 +355,16 @@ def _check_binary(entrypoint: str) -> None:
             f"in args: entrypoint={words[0]!r}, args={{0: {tuple(words[1:])!r}, ...}}"
         )
     if os.sep in entrypoint:
-        if os.path.isdir(entrypoint):
+        try:  # one stat for both checks below (this runs on every call)
+            mode = os.stat(entrypoint).st_mode
+        except (OSError, ValueError):
+            mode = 0
+        if stat.S_ISDIR(mode):
             raise IsADirectoryError(
                 f"entrypoint={entrypoint!r} is a directory; name the binary inside it "
                 "(e.g. entrypoint='/path/to/dir/program')"
             )
-        if not os.path.isfile(entrypoint):
+        if not stat.S_ISREG(mode):
             raise FileNotFoundError(
                 f"entrypoint={entrypoint!r} does not exist; fix the path to the binary"
             )
