@@ -113,6 +113,10 @@ class PContext:
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
+            # One loop turn once every rank started (the spawns may never
+            # yield): a cancellation that came meanwhile (Ctrl-C under
+            # asyncio.run) lands here, inside the try, and stops the group.
+            await asyncio.sleep(0)
             await self._forensics.start(self._signals.make_file)
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
