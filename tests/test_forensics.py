@@ -475,6 +475,44 @@ async def test_control_socket_of_a_group_closed_at_once_leaves_nothing(tmp_path:
         assert (tmp_path / "x" / "control.sock").is_socket()
 
 
+async def test_control_server_cancelled_while_starting_leaves_no_stale_reader(
+    tmp_path: Path,
+) -> None:
+    # A group closed while its control socket starts cancels ControlServer.start
+    # after the listening socket was registered with the loop. Closed behind
+    # the loop's back, its fd number stayed registered: the next file to get
+    # that number (a pidfd terminate() waits on) never woke its reader, and
+    # close() hung for its 10 s SIGKILL wait. Put a pipe on the same number:
+    # its reader must fire.
+    from aiolaunch._control import ControlServer
+
+    async def handler(req: dict[str, object]) -> dict[str, object]:
+        return {}
+
+    loop = asyncio.get_running_loop()
+    probe = os.open(os.devnull, os.O_RDONLY)
+    os.close(probe)  # the socket gets the lowest free fd number: this one
+    task = asyncio.ensure_future(ControlServer.start(str(tmp_path), handler))
+    await asyncio.sleep(0)  # the task runs to its first await: listening
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not (tmp_path / "control.sock").exists()
+    r, w = os.pipe()
+    if r != probe:
+        os.dup2(r, probe)
+        os.close(r)
+    readable = asyncio.Event()
+    try:
+        loop.add_reader(probe, readable.set)
+        os.write(w, b"x")
+        await asyncio.wait_for(readable.wait(), 10)
+    finally:
+        loop.remove_reader(probe)
+        os.close(probe)
+        os.close(w)
+
+
 async def test_group_files_are_made_as_start_processes_returns(tmp_path: Path) -> None:
     # The stacks folder and the stop deadline file are made right after the
     # spawns (off the path to the first worker): once the caller yields to the

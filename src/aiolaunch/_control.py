@@ -101,9 +101,23 @@ class ControlServer:
                 finally:
                     writer.close()
 
-            server = await asyncio.start_unix_server(serve, sock=sock, limit=_MAX_LINE)
+            # Not listening yet, and no await point: a cancellation cannot
+            # land between the server taking the socket and us holding it.
+            server = await asyncio.start_unix_server(
+                serve, sock=sock, limit=_MAX_LINE, start_serving=False
+            )
         except BaseException:
             sock.close()
+            _unbind(link, real, tmpdir)
+            raise
+        try:
+            await server.start_serving()
+        except BaseException:
+            # The socket is registered with the loop now: only the server may
+            # close it (it removes the reader first). Closed any other way, its
+            # fd number - soon another file's - stays registered for the old
+            # one, and a reader added for the new file never fires.
+            server.close()
             _unbind(link, real, tmpdir)
             raise
         return cls(link, real, tmpdir, server)
