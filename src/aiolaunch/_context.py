@@ -103,6 +103,7 @@ class PContext:
             bus=self._bus,
             changed=self._changed,
             restarting=self._restarts.pending,
+            exited=self._exit_order,
             failure=lambda r: not_ready_failure(self._workers[r], self.error_files.get(r, "")),
         )
         self._forensics = Forensics(self, watchdog)
@@ -113,10 +114,9 @@ class PContext:
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
-            # One loop turn once every rank started (the spawns may never
-            # yield): a cancellation that came meanwhile (Ctrl-C under
-            # asyncio.run) lands here, inside the try, and stops the group.
-            await asyncio.sleep(0)
+            # The spawns may never yield: a cancellation that came meanwhile
+            # (Ctrl-C) must land inside this try.
+            await asyncio.sleep(0)  # allowed: one loop turn, not a wait
             await self._forensics.start(self._signals.make_file)
         except BaseException as exc:
             await shielded(self._finish(signal.SIGKILL, 0.0))
@@ -146,13 +146,9 @@ class PContext:
         raise NotImplementedError
 
     def _env(self, rank: int) -> dict[str, str]:
-        return {
-            **self.envs[rank],
-            **self._restarts.env(rank),
-            **self._forensics.env(),
-            **self._signals.env(self._forensics.stacks_dir),
-            **self._stop.env(),
-        }
+        # Later layers win: the user's, then the restart count, then ours.
+        env = {**self.envs[rank], **self._restarts.env(rank), **self._forensics.env()}
+        return env | self._signals.env(self._forensics.stacks_dir) | self._stop.env()
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         self._bus.emit(worker_exited(handle))
@@ -160,19 +156,13 @@ class PContext:
             self._gone(handle.local_rank)
 
     def _gone(self, rank: int) -> None:
-        # The rank's last incarnation exited: no restart follows.
-        self._exit_order.append(rank)
-        self._readiness.gone(rank)
+        self._exit_order.append(rank)  # its last incarnation: no restart follows
         self._changed.set()
 
     # -- queries ----------------------------------------------------------
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of every started worker."""
         return {rank: w.pid for rank, w in self._workers.items()}
-
-    def _decided(self) -> bool:
-        ended = decided(self._workers, self.nprocs, self._exit_order, self._restarts.pending)
-        return ended or bool(self._forensics.failing)
 
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
@@ -187,14 +177,13 @@ class PContext:
     ) -> dict[int, str]:
         """The Python stacks of every thread of each live worker, ``{rank: text}``.
 
-        Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n`` counts the
-        dumps of this group). Workers are signalled only if they registered
-        for it (function workers; Python programs run through the CLI or
-        ``python -m aiolaunch._bootstrap``); any other rank gets one line
-        saying why (or a ``py-spy dump`` where py-spy is installed) - never
-        a signal that would kill it. A worker that does not answer within
-        ``timeout`` seconds (stopped, D state) gets a line saying so. Use
-        :meth:`StackReport.from_dumps` for the verdict.
+        Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n``: the group's
+        dump count). Only registered workers are signalled (function workers;
+        Python programs run by the CLI or ``python -m aiolaunch._bootstrap``):
+        any other rank, or one silent for ``timeout`` seconds (stopped, D
+        state), gets a line saying why (or a ``py-spy dump`` where installed),
+        never a signal that would kill it. :meth:`StackReport.from_dumps`
+        gives the verdict.
 
         :raises ValueError: an unknown rank, or ``timeout`` not > 0.
         """
@@ -204,19 +193,16 @@ class PContext:
     def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
         """Iterate over the group's lifecycle events, in order, until it stops.
 
-        Yields :class:`WorkerStarted`, :class:`WorkerReady`,
-        :class:`WorkerExited`, :class:`WorkerRestarting`,
-        :class:`WorkerStalled` (with a watchdog) and, last,
-        :class:`GroupStopped`; with ``lines=True`` also a :class:`LogLine` per
-        line of every stream the supervisor reads (redirected, tee'd or
-        probed). Events from before the call are replayed first. Several
-        consumers may iterate at once, each with its own buffer of ``maxsize``
-        events: one that falls behind loses its oldest events and receives an
-        :class:`EventsDropped` with the count.
+        Yields :class:`WorkerStarted`, :class:`WorkerReady`, :class:`WorkerExited`,
+        :class:`WorkerRestarting`, :class:`WorkerStalled` (with a watchdog) and,
+        last, :class:`GroupStopped`; with ``lines=True`` also a :class:`LogLine`
+        per line of every stream the supervisor reads (redirected, tee'd or
+        probed). Earlier events are replayed first. Each of several consumers
+        has a buffer of ``maxsize`` events: one that falls behind loses its
+        oldest and receives an :class:`EventsDropped` with the count.
 
-        :raises TypeError: ``maxsize`` is not an int (at the call, not at
-            the first iteration).
-        :raises ValueError: ``maxsize`` is below 1 (also at the call).
+        :raises TypeError: ``maxsize`` is not an int (at the call, not later).
+        :raises ValueError: ``maxsize`` is below 1 (at the call).
         """
         return self._bus.iterate(lines=lines, maxsize=maxsize)
 
@@ -242,21 +228,18 @@ class PContext:
         """Wait for the group's outcome.
 
         Returns a :class:`RunProcsResult` once every worker succeeded, or at
-        the first failure after stopping the others (death signal, then
-        SIGKILL after ``shutdown_timeout``). Returns ``None`` if ``timeout``
-        seconds pass first (``None`` or negative: wait forever; ``0``: poll).
-        Returns within milliseconds of the deciding exit: it is woken by the
-        exit itself (``period`` is accepted for torch compatibility and
-        ignored). After a result every worker is reaped, every pipe drained
-        into its log file and console, its group and process tree signalled,
-        and error files read. What no outcome depends on follows the return,
-        in a cleanup task that :meth:`close` (or leaving ``async with``)
-        awaits and that is otherwise all :meth:`close` does: escaped
-        descendants (double-forked daemons, found by the context token in
-        ``/proc``) get the death signal, then SIGKILL; the failure report is
-        written; temporary folders are pruned. Should the loop end first
-        (``asyncio.run`` returning without ``close()``), the daemons get
-        SIGKILL at once.
+        the first failure after stopping the others (death signal, SIGKILL
+        after ``shutdown_timeout``); ``None`` if ``timeout`` seconds pass first
+        (``None`` or negative: forever; ``0``: poll). Woken by the exit itself,
+        it returns within milliseconds of it (``period``: torch's, ignored).
+        After a result every worker is reaped, every pipe drained into its
+        log file and console, its group and process tree signalled, and error
+        files read. The rest follows in a cleanup task that :meth:`close` (or
+        leaving ``async with``) awaits: escaped descendants (double-forked
+        daemons, found by the context token in ``/proc``) get the death
+        signal, then SIGKILL; the failure report is written; temporary
+        folders are pruned. If the loop ends first (``asyncio.run`` without
+        ``close()``), the daemons get SIGKILL at once.
 
         While it runs in the main thread, a stop signal sent to the supervisor
         (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default; see *Signals* in the API
@@ -274,9 +257,7 @@ class PContext:
         check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
         try:
             return await self._wait(timeout)
-        finally:
-            # The outcome is out (returned, or SignalException): the cleanup
-            # that follows it may start now - not ahead of our caller.
+        finally:  # the outcome is out: the cleanup may start (not ahead of our caller)
             if self._stop.result is not None:
                 self._stop.handed_over()
 
@@ -293,7 +274,9 @@ class PContext:
                 if watch.received is not None:
                     end = self._finish(watch.received, grace)
                     await watch.stop_group(self._stop.sent, end)
-                if self._decided() or self._stop.task is not None:
+                pending = self._restarts.pending
+                ended = decided(self._workers, self.nprocs, self._exit_order, pending)
+                if ended or self._forensics.failing or self._stop.task is not None:
                     return await shielded(self._finish(signal.SIGTERM, grace, decided=True))
                 if anyio.current_time() >= deadline:
                     return None
@@ -304,18 +287,16 @@ class PContext:
         """Stop every worker and its whole process tree; release everything.
 
         Sends ``death_sig`` to each worker's process group and descendants,
-        SIGKILLs survivors after ``timeout`` seconds (logging a warning naming
-        rank and pid), reaps them, drains and closes every pipe and log file.
-        Idempotent; shielded from cancellation (a cancel is re-raised after the
-        cleanup finished). A *second* cancellation - counting the one that
-        made an ``async with`` block call ``close()`` - ends the grace period
-        at once: the survivors get SIGKILL (as a second Ctrl-C does in
-        ``wait()``), with a warning in the log.
+        SIGKILLs survivors after ``timeout`` seconds (a warning names rank and
+        pid), reaps them, drains and closes every pipe and log file. Idempotent;
+        shielded from cancellation (re-raised once done). A *second*
+        cancellation (counting the one that made ``async with`` call it) ends
+        the grace period at once: survivors get SIGKILL with a warning, as on a
+        second Ctrl-C in ``wait()``. Bad arguments raise before any signal.
 
-        :raises TypeError: ``death_sig`` or ``timeout`` has the wrong type -
-            before any worker is signalled.
+        :raises TypeError: ``death_sig`` or ``timeout`` has the wrong type.
         :raises ValueError: ``death_sig`` is not a signal number (0 included)
-            or ``timeout`` is negative - before any worker is signalled.
+            or ``timeout`` is negative.
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)

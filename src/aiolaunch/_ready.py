@@ -36,7 +36,7 @@ from ._logs._line import LineSink
 from ._validate import check_port
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Container, Mapping
+    from collections.abc import AsyncIterator, Callable, Container, Mapping, Sequence
 
     from ._events import EventBus
     from ._results import ProcessFailure
@@ -222,6 +222,7 @@ class Readiness:
         bus: EventBus,
         changed: asyncio.Event,
         restarting: Container[int],
+        exited: Sequence[int],
         failure: Callable[[int], ProcessFailure],
     ) -> None:
         self._name = name
@@ -234,7 +235,7 @@ class Readiness:
         self._lines: dict[int, _Lines] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._errors: dict[int, BaseException] = {}
-        self._gone: list[int] = []  # ranks that exited for good, in order
+        self._exited = exited  # the group's record: ranks that exited for good
         self._closed = False
 
     # -- wiring -------------------------------------------------------------
@@ -304,10 +305,6 @@ class Readiness:
         task = self._tasks.pop(rank, None)
         if task is not None:
             task.cancel()
-
-    def gone(self, rank: int) -> None:
-        """``rank`` exited for good (no restart follows)."""
-        self._gone.append(rank)
 
     def is_ready(self, rank: int) -> bool:
         return self._ready[rank].is_set()
@@ -380,7 +377,7 @@ class Readiness:
             ):
                 return
             dead = [
-                r for r in self._gone if not self._ready[r].is_set() and r not in self._restarting
+                r for r in self._exited if not self._ready[r].is_set() and r not in self._restarting
             ]
             if dead or self._closed:
                 raise ChildFailedError(self._name, {r: self._failure(r) for r in dead})
