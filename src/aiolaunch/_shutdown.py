@@ -196,21 +196,13 @@ async def terminate(
     # Nothing signalled (every worker exited by itself, nothing left in its
     # group or tree): no grace period to wait out.
     if death_sig != signal.SIGKILL and (alive or extras):
-        with anyio.move_on_after(grace):
-            async with anyio.create_task_group() as tg:
-                if escalate is not None:
 
-                    async def cut_short() -> None:
-                        nonlocal escalated
-                        await escalate.wait()
-                        escalated = True
-                        tg.cancel_scope.cancel()
+        async def gone() -> None:
+            await _wait_exited(alive, math.inf)
+            if extras:
+                await _wait_pids_gone(_alive_pids(extras), math.inf)
 
-                    tg.start_soon(cut_short)
-                await _wait_exited(alive, math.inf)
-                if extras:
-                    await _wait_pids_gone(_alive_pids(extras), math.inf)
-                tg.cancel_scope.cancel()
+        escalated = await _grace_period(gone, grace, escalate)
     survivors = [w for w in alive if w.alive]
     for w in survivors:
         if death_sig != signal.SIGKILL and not escalated:
@@ -289,17 +281,7 @@ async def sweep_tagged(
         with contextlib.suppress(OSError):
             os.kill(pid, death_sig)
     if death_sig != signal.SIGKILL:
-        with anyio.move_on_after(grace):
-            async with anyio.create_task_group() as tg:
-                if escalate is not None:
-
-                    async def cut_short() -> None:
-                        await escalate.wait()
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(cut_short)
-                await _wait_pids_gone(_alive_pids(tagged), math.inf)
-                tg.cancel_scope.cancel()
+        await _grace_period(lambda: _wait_pids_gone(_alive_pids(tagged), math.inf), grace, escalate)
     # As in terminate(): a process may fork between a scan and its SIGKILL.
     # Only fresh scans are signalled: a pid seen earlier may be recycled.
     killed: set[int] = set()
@@ -316,6 +298,28 @@ async def sweep_tagged(
     still = _alive_pids(found)
     if still:  # pragma: no cover - D-state processes
         logger.warning("aiolaunch: processes %s did not exit after SIGKILL", sorted(still))
+
+
+async def _grace_period(
+    gone: Callable[[], Awaitable[object]], grace: float, escalate: asyncio.Event | None
+) -> bool:
+    """Await ``gone()`` for up to ``grace`` seconds, cut short once ``escalate``
+    is set; ``True`` if it was cut short."""
+    escalated = False
+    with anyio.move_on_after(grace):
+        async with anyio.create_task_group() as tg:
+            if escalate is not None:
+
+                async def cut_short() -> None:
+                    nonlocal escalated
+                    await escalate.wait()
+                    escalated = True
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(cut_short)
+            await gone()
+            tg.cancel_scope.cancel()
+    return escalated
 
 
 async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[int]:
@@ -451,34 +455,28 @@ class GroupShutdown:
         If the loop cancels it (``asyncio.run`` ending without ``close()``),
         the escapees get SIGKILL at once instead.
         """
-        self.after = asyncio.ensure_future(self._follow(sweep, death_sig, grace, drop_files, prune))
 
-    async def _follow(
-        self,
-        sweep: Sequence[int] | None,
-        death_sig: int,
-        grace: float,
-        drop_files: Callable[[], None],
-        prune: Callable[[], Awaitable[None]],
-    ) -> None:
         def drop() -> None:
             self._signals.release()
             drop_files()
 
-        try:
-            await self._handed.wait()
-            await asyncio.to_thread(drop)
-            if sweep:
-                await sweep_tagged(
-                    self.token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
-                )
-        except asyncio.CancelledError:
-            task_uncancel(asyncio.current_task())
-            drop()  # idempotent
-            if sweep:
-                await sweep_tagged(self.token, min(sweep), sweep, signal.SIGKILL, 0.0)
-        finally:
-            await prune()
+        async def cleanup() -> None:
+            try:
+                await self._handed.wait()
+                await asyncio.to_thread(drop)
+                if sweep:
+                    await sweep_tagged(
+                        self.token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
+                    )
+            except asyncio.CancelledError:
+                task_uncancel(asyncio.current_task())
+                drop()  # idempotent
+                if sweep:
+                    await sweep_tagged(self.token, min(sweep), sweep, signal.SIGKILL, 0.0)
+            finally:
+                await prune()
+
+        self.after = asyncio.ensure_future(cleanup())
 
     async def stop(
         self,
