@@ -531,6 +531,57 @@ async def test_bounded_fork_bomb_is_contained(tmp_path: Path, setsid: bool) -> N
     assert left == [], f"{len(left)} processes of the fork tree survived close()"
 
 
+WRAP_CHILD = """
+import os, sys, time
+go, out = sys.argv[1], sys.argv[2]
+while not os.path.exists(go):
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:
+    os.setsid()  # outside the worker's group: only the /proc scan finds it
+    with open(out + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(out + ".tmp", out)
+    time.sleep(3600)
+    os._exit(0)
+time.sleep(3600)
+"""
+
+
+async def test_descendant_born_after_the_pid_counter_wrapped_is_stopped(tmp_path: Path) -> None:
+    """pid_max is 32768 on many hosts, and a long run wraps it: a setsid'd
+    descendant born after the wrap has a pid *below* its worker's. close()
+    must still find it (it once scanned only pids >= the first worker's).
+    The wrap is forced through ``ns_last_pid`` (root only).
+    """
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if not os.access(last_pid, os.W_OK):
+        pytest.skip("setting the next pid needs root (CAP_SYS_ADMIN)")
+    script, go, out = tmp_path / "wrap.py", tmp_path / "go", tmp_path / "child.pid"
+    script.write_text(WRAP_CHILD)
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    last_pid.write_text(str(pid_max - 1000))  # the worker gets a high pid
+    child = 0
+    try:
+        async with aiolaunch.start_processes(
+            "w", sys.executable, {0: (str(script), str(go), str(out))}, {0: {}},
+            log_dir=str(tmp_path / "logs"), shutdown_timeout=1,
+        ) as ctx:  # fmt: skip
+            worker = ctx.pids()[0]
+            last_pid.write_text("300")  # the next pids come from 301 on: a wrap
+            go.touch()
+            deadline = time.monotonic() + 30
+            while not out.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            child = int(out.read_text())
+            assert child < worker, (child, worker)
+            await ctx.close(timeout=1)
+        assert not alive(child), f"descendant {child} (born after the wrap) survived close()"
+    finally:
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def _tagged_new_processes(before: set[int], token: str) -> list[int]:
     # The guardian lives as long as this process: when this test runs alone it
     # is started here (after ``before``), and it inherits the leak-check token.

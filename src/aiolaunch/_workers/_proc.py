@@ -46,12 +46,30 @@ def new_context_token() -> str:
 
 
 def proc_pids(since: int = 0) -> list[int]:
-    """The pids listed in ``/proc`` that are at least ``since``; ``[]`` without ``/proc``."""
+    """The pids listed in ``/proc`` that may belong to processes born after ``since``.
+
+    Those at least ``since`` - and, once the pid counter wrapped around (the
+    last pid handed out is below ``since``; pid_max is 32768 on many hosts,
+    which a long test suite wraps), also those up to that last pid. ``[]``
+    without ``/proc``.
+    """
     try:
         entries = os.listdir("/proc")
     except OSError:
         return []
-    return [int(e) for e in entries if e.isdigit() and int(e) >= since]
+    pids = [int(e) for e in entries if e.isdigit()]
+    if since <= 1:
+        return pids
+    # Read after the listing: every pid listed that was handed out after a
+    # wrap is at most this one.
+    last = read_proc_file("sys/kernel", "ns_last_pid", 32)
+    try:
+        wrapped_to = int(last) if last is not None else 0
+    except ValueError:
+        wrapped_to = 0
+    if wrapped_to >= since:
+        wrapped_to = 0
+    return [p for p in pids if p >= since or p <= wrapped_to]
 
 
 def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[int]:
@@ -165,9 +183,8 @@ class ProcTable:
 
     Only processes with a pid of at least ``since`` are read: descendants of
     a worker are born after it, so this skips the rest of the machine (a full
-    scan costs ~20 us per process). The price, documented: a descendant born
-    after the pid counter wrapped around *and* outside the worker's process
-    group is not seen (group members are still signalled through ``killpg``).
+    scan costs ~20 us per process); once the pid counter wrapped around, the
+    low pids handed out since are read too (:func:`proc_pids`).
 
     Empty where there is no ``/proc`` (macOS): callers then rely on process
     groups alone.
