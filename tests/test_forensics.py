@@ -18,7 +18,7 @@ import aiolaunch
 from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
 
 # -- workers ------------------------------------------------------------------
 
@@ -486,8 +486,8 @@ async def test_control_server_cancelled_while_starting_leaves_no_stale_reader(
     # its reader must fire.
     from aiolaunch._control import ControlServer
 
-    async def handler(req: dict[str, object]) -> dict[str, object]:
-        return {}
+    async def handler(req: object) -> AsyncIterator[dict[str, object]]:
+        yield {}
 
     loop = asyncio.get_running_loop()
     probe = os.open(os.devnull, os.O_RDONLY)

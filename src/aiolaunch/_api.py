@@ -19,7 +19,7 @@ from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
-from ._signals import (
+from ._signal_plan import (
     DEFAULT_SIGNALS_TO_HANDLE,
     FORWARD_SIGNALS_ENV,
     SIGNALS_TO_HANDLE_ENV,

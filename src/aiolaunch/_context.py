@@ -1,17 +1,25 @@
 """The process context: a started group of workers, awaited as one.
 
-Exit flow: a worker exits -> its handle's exit callback (subprocess protocol or
-pidfd reader) runs on the loop -> ``_changed`` is set -> ``wait()`` wakes,
-decides (all succeeded / first failure) and finishes the group through the one
-shutdown path (:func:`aiolaunch._shutdown.terminate`), then drains every pipe
-into its sinks before returning. No step polls. Work no outcome depends on -
-the ``/proc`` scan for escaped daemons, the failure report, folder cleanup -
-runs after ``wait()`` returned (``GroupShutdown.follow``), awaited by ``close()``.
+``PContext`` assembles the parts of a group and is its public face; each part
+has one job and one owner:
+
+- ``_group.GroupState``: the group's state (workers, exits, restarts, forced
+  failures) and its one wake-up (``Wakeup``);
+- ``_ending.GroupEnding``: the one way a group ends (outcome, then aftermath);
+- ``_logs.LogWiring``: the streams; ``_ready.Readiness``: the probes;
+  ``_restart.Restarts``: the restart policies; ``_forensics.Forensics``:
+  stacks, watchdog, status and the control socket; ``_events.EventBus``.
+
+Exit flow: a worker exits -> its handle's exit callback runs on the loop ->
+``GroupState.gone`` (or a restart) notifies the wake-up -> ``wait()`` checks
+``GroupState.decided()`` and ends the group through ``GroupEnding.begin``.
+No step polls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import math
 import signal
@@ -19,22 +27,25 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._cancel import shielded
+from ._deadline import StopDeadline
+from ._ending import GroupEnding
 from ._errors import fd_limit_error
-from ._events import Event, EventBus, group_stopped, worker_exited, worker_started
+from ._events import Event, EventBus, worker_exited, worker_started
 from ._forensics import Forensics
+from ._group import GroupState
 from ._ready import Readiness, ReadinessProbe
-from ._restart import RespawnSteps, RestartPolicy, Restarts
-from ._results import RunProcsResult, build_result, decided, failed_ranks, not_ready_failure
-from ._shutdown import GroupShutdown, shielded
+from ._restart import RestartPolicy, Restarts
 from ._validate import check_seconds, check_signal
 from ._workers._proc import new_context_token
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-    from ._control import WorkerStatus
     from ._logs import LogWiring
-    from ._signals import SignalPlan
+    from ._results import RunProcsResult
+    from ._signal_plan import SignalPlan
+    from ._status import WorkerStatus
     from ._watchdog import Watchdog
     from ._workers._handle import WorkerHandle
 
@@ -76,37 +87,39 @@ class PContext:
         self.stdouts = dict(logs.dest.stdouts)
         self.stderrs = dict(logs.dest.stderrs)
         self.error_files = dict(logs.dest.error_files)
-        self._logs = logs
         # torch's attributes: the files of the duplicate filters, or None.
-        self.filtered_stdout = self._logs.filtered_file("stdout")
-        self.filtered_stderr = self._logs.filtered_file("stderr")
+        self.filtered_stdout = logs.filtered_file("stdout")
+        self.filtered_stderr = logs.filtered_file("stderr")
+        self._logs = logs
         self._signals = signal_plan
-        self._workers: dict[int, WorkerHandle] = {}
-        self._changed = asyncio.Event()
-        self._stop = GroupShutdown(self._signals, new_context_token())
-        self._exit_order: list[int] = []
+        self._state = GroupState(name, self.nprocs)
         self._bus = EventBus()
-        steps = RespawnSteps(
-            drain=self._logs.drain_rank,
-            start=self._start_one,
-            ending=lambda: self._stop.task is not None,
-            planned=lambda rank: self._readiness.reset(rank),
-            gone=self._gone,
-        )
         self._restarts = Restarts(
-            restart or {}, self.nprocs, self._changed.set, bus=self._bus, steps=steps
+            restart or {}, self._state, bus=self._bus, drain=logs.drain_rank, start=self._start_one
         )
         self._readiness = Readiness(
-            name,
-            self.nprocs,
-            ready or {},
-            bus=self._bus,
-            changed=self._changed,
-            restarting=self._restarts.pending,
-            exited=self._exit_order,
-            failure=lambda r: not_ready_failure(self._workers[r], self.error_files.get(r, "")),
+            self._state, ready or {}, bus=self._bus, error_files=self.error_files
         )
-        self._forensics = Forensics(self, watchdog)
+        self._forensics = Forensics(
+            self._state,
+            watchdog,
+            error_files=self.error_files,
+            stderrs=self.stderrs,
+            output_age=logs.last_output,
+            emit=self._bus.emit,
+            lines=lambda: self._bus.iterate(lines=True, maxsize=100_000),
+            restartable=self._restarts.has_policy,
+        )
+        self._ending = GroupEnding(
+            self._state,
+            logs=logs,
+            forensics=self._forensics,
+            observers=(self._readiness, self._restarts),
+            bus=self._bus,
+            # The group's private folder: a supervisor killed by SIGKILL leaves it there.
+            deadline=StopDeadline(self._forensics.stacks_dir, signal_plan.shutdown_timeout),
+            token=new_context_token(),
+        )
 
     # -- start ------------------------------------------------------------
     async def _start(self) -> None:
@@ -117,24 +130,22 @@ class PContext:
             # The spawns may never yield: a cancellation that came meanwhile
             # (Ctrl-C) must land inside this try.
             await asyncio.sleep(0)  # allowed: one loop turn, not a wait
-            await self._forensics.start(self._signals.make_file)
+            self._forensics.start(self._ending.deadline.make)
         except BaseException as exc:
-            await shielded(self._finish(signal.SIGKILL, 0.0))
-            await self._stop.cleaned()
+            await shielded(self._ending.begin(signal.SIGKILL, 0.0))
+            await self._ending.finished()
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise fd_limit_error(exc, rank, self.nprocs) from exc
             raise
 
     async def _start_one(self, rank: int) -> None:
         watch, line_sink = self._readiness.stream_hooks(rank, self._forensics.needs_lines)
-        streams = await self._logs.open(rank, watch=watch, line_sink=line_sink)
-        try:
+        async with contextlib.AsyncExitStack() as cleanup_on_fail:
+            streams = await self._logs.open(rank, watch=watch, line_sink=line_sink)
+            cleanup_on_fail.push_async_callback(self._logs.discard, streams)
             handle = await self._spawn(rank, streams.stdout, streams.stderr)
-        except BaseException:
-            await self._logs.discard(streams)
-            raise
-        handle.attempt = self._restarts.attempts[rank]
-        self._workers[rank] = handle
+            cleanup_on_fail.pop_all()  # the handle owns the worker now: nothing to undo
+        self._state.started(handle)
         self._bus.emit(worker_started(handle))
         self._readiness.started(rank, handle)
         handle.on_exit = self._on_exit
@@ -148,21 +159,17 @@ class PContext:
     def _env(self, rank: int) -> dict[str, str]:
         # Later layers win: the user's, then the restart count, then ours.
         env = {**self.envs[rank], **self._restarts.env(rank), **self._forensics.env()}
-        return env | self._signals.env(self._forensics.stacks_dir) | self._stop.env()
+        return env | self._ending.env()
 
     def _on_exit(self, handle: WorkerHandle) -> None:
         self._bus.emit(worker_exited(handle))
-        if not self._restarts.after_exit(handle):  # no restart follows
-            self._gone(handle.local_rank)
-
-    def _gone(self, rank: int) -> None:
-        self._exit_order.append(rank)  # its last incarnation: no restart follows
-        self._changed.set()
+        if not self._restarts.after_exit(handle):  # its last incarnation: no restart follows
+            self._state.gone(handle.local_rank)
 
     # -- queries ----------------------------------------------------------
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of every started worker."""
-        return {rank: w.pid for rank, w in self._workers.items()}
+        return self._state.pids()
 
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
@@ -181,11 +188,13 @@ class PContext:
         dump count). Only registered workers are signalled (function workers;
         Python programs run by the CLI or ``python -m aiolaunch._bootstrap``):
         any other rank, or one silent for ``timeout`` seconds (stopped, D
-        state), gets a line saying why (or a ``py-spy dump`` where installed),
-        never a signal that would kill it. :meth:`StackReport.from_dumps`
-        gives the verdict.
+        state; at most 30 s, whatever is asked), gets a line saying why (or a
+        ``py-spy dump`` where installed), never a signal that would kill it.
+        :meth:`StackReport.from_dumps` gives the verdict. One round of
+        signals runs at a time; a dump of every rank joins one under way.
 
-        :raises ValueError: an unknown rank, or ``timeout`` not > 0.
+        :raises ValueError: an unknown rank, or ``timeout`` not a finite
+            number of seconds > 0.
         """
         return await self._forensics.dump_stacks(ranks, timeout)
 
@@ -257,31 +266,30 @@ class PContext:
         check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
         try:
             return await self._wait(timeout)
-        finally:  # the outcome is out: the cleanup may start (not ahead of our caller)
-            if self._stop.result is not None:
-                self._stop.handed_over()
+        finally:  # the outcome is out: the aftermath may start (not ahead of our caller)
+            if self._ending.result is not None:
+                self._ending.handed_over()
 
     async def _wait(self, timeout: float | None) -> RunProcsResult | None:
-        if self._stop.task is not None:  # the outcome is known, or on its way
-            return self._stop.result or await shielded(self._stop.task)
+        ending, state = self._ending, self._state
+        if ending.begun:  # the outcome is known, or on its way
+            return ending.result or await shielded(ending.begin(signal.SIGTERM, 0.0))
         deadline = math.inf if timeout is None or timeout < 0 else anyio.current_time() + timeout
         grace = self._signals.shutdown_timeout
         with self._signals.watch(
-            self._changed, self._stop.escalate, self._workers, self.name
+            state.wakeup.notify, ending.escalate, state.workers, self.name
         ) as watch:
             while True:
-                self._changed.clear()
+                seen = state.wakeup.version  # before the checks (see _group.Wakeup)
                 if watch.received is not None:
-                    end = self._finish(watch.received, grace)
-                    await watch.stop_group(self._stop.sent, end)
-                pending = self._restarts.pending
-                ended = decided(self._workers, self.nprocs, self._exit_order, pending)
-                if ended or self._forensics.failing or self._stop.task is not None:
-                    return await shielded(self._finish(signal.SIGTERM, grace, decided=True))
+                    end = ending.begin(watch.received, grace)
+                    await watch.stop_group(ending.sent, end)
+                if state.decided() or ending.begun:
+                    return await shielded(ending.begin(signal.SIGTERM, grace, decided=True))
                 if anyio.current_time() >= deadline:
                     return None
                 with anyio.CancelScope(deadline=deadline):
-                    await self._changed.wait()
+                    await state.wakeup.changed(seen)
 
     async def close(self, death_sig: int = signal.SIGTERM, timeout: float = 30) -> None:
         """Stop every worker and its whole process tree; release everything.
@@ -300,39 +308,7 @@ class PContext:
         """
         check_signal("close(death_sig)", death_sig)
         check_seconds("close(timeout)", timeout)
-        await self._stop.close(lambda: self._finish(death_sig, timeout), cancelled=False)
-
-    def _finish(
-        self, death_sig: int, grace: float, *, decided: bool = False
-    ) -> asyncio.Task[RunProcsResult]:
-        # ``decided``: wait() saw the outcome (see GroupShutdown.stop).
-        if self._stop.task is None:
-            self._readiness.closing()
-        return self._stop.begin(lambda: self._shutdown(death_sig, grace, decided))
-
-    async def _shutdown(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
-        await self._forensics.stop()
-        await asyncio.gather(self._readiness.aclose(), self._restarts.aclose())
-        workers = list(self._workers.values())
-        failed_before = set(failed_ranks(self._workers, self._exit_order, self._restarts.pending))
-        await self._stop.stop(workers, death_sig, grace, decided=decided)
-        await self._logs.aclose()
-        for w in workers:
-            w.release()
-        failed = [r for r in self._exit_order if r in failed_before]
-        result = build_result(self._workers, failed, self.error_files, self.stdouts, self.stderrs)
-        # The report and the folder cleanup follow the result (off wait()'s
-        # path), then the pruning (after the error files are written).
-        self._stop.result = result = self._forensics.finish(result, conclude=False)
-        self._stop.follow(
-            [w.pid for w in workers] if decided else None,
-            death_sig,
-            grace,
-            lambda: self._forensics.conclude(result),
-            self._logs.prune_temp_dirs,
-        )
-        self._bus.emit(group_stopped(result.is_failed()))
-        return result
+        await self._ending.close(death_sig, timeout, cancelled=False)
 
     # -- context manager --------------------------------------------------
     async def __aenter__(self) -> PContext:
@@ -340,11 +316,19 @@ class PContext:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
-        grace = self._signals.shutdown_timeout
-        await self._stop.close(lambda: self._finish(signal.SIGTERM, grace), cancelled=cancelled)
+        await self._ending.close(
+            signal.SIGTERM, self._signals.shutdown_timeout, cancelled=cancelled
+        )
 
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} name={self.name!r} nprocs={self.nprocs} "
-            f"state={self._stop.state} pids={self.pids()}>"
+            f"state={self._state_name()} pids={self.pids()}>"
         )
+
+    def _state_name(self) -> str:
+        # "running", "closing", then "done" or "failed" (as printed since 0.1).
+        result = self._ending.result
+        if result is not None:
+            return "failed" if result.is_failed() else "done"
+        return "closing" if self._ending.begun else "running"
