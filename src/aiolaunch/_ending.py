@@ -234,20 +234,22 @@ class GroupEnding:
     async def _after(
         self, result: RunProcsResult, sweep: Sequence[int] | None, death_sig: int, grace: float
     ) -> None:
-        # If the loop cancels this (``asyncio.run`` ending without close()),
-        # the escapees get SIGKILL at once instead of a grace period.
+        # Escaped descendants first: if the loop cancels this (``asyncio.run``
+        # ending without close()), they get SIGKILL at once instead of a grace
+        # period. Then the files. All of it on the loop (the sweep a slice at
+        # a time): worker threads would wait for the GIL before each of their
+        # many small syscalls whenever the loop is busy (issue #27 item 5).
         try:
             await self._handed.wait()
-            await asyncio.to_thread(self._drop_files, result)
             if sweep:
                 await sweep_tagged(
                     self.token, min(sweep), sweep, death_sig, grace, escalate=self._kill_now
                 )
         except asyncio.CancelledError:
             task_uncancel(asyncio.current_task())
-            self._drop_files(result)  # idempotent
             if sweep:
                 await sweep_tagged(self.token, min(sweep), sweep, signal.SIGKILL, 0.0)
         finally:
+            self._drop_files(result)
             await self._logs.prune_temp_dirs()
             self.phase = Phase.CLOSED

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ._compat import task_uncancel
-from ._workers._proc import ProcTable, find_tagged, open_exit_fd, read_stat
+from ._workers._proc import ProcTable, find_tagged, open_exit_fd, proc_pids, read_stat
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -36,6 +36,9 @@ logger = logging.getLogger("aiolaunch")
 _KILL_WAIT = 10.0
 # Scan-and-SIGKILL rounds at most (a fork tree may grow while it is killed).
 _KILL_ROUNDS = 5
+# Processes whose environment one slice of a token scan reads before the loop
+# gets a turn.
+_SCAN_SLICE = 64
 
 
 async def _wait_exited(workers: Sequence[WorkerHandle], timeout: float) -> None:
@@ -219,10 +222,7 @@ async def terminate(
 
 
 async def _tagged(token: str, since: int, workers: Sequence[WorkerHandle]) -> set[int]:
-    # In a thread: one open+read per process from ``since`` on, measured at
-    # ~60 us per process on a loaded 2-core machine (10 ms for 160), too much
-    # to hold the event loop for on a busy host.
-    return await asyncio.to_thread(find_tagged, token, since, [w.pid for w in workers])
+    return await _scan_tagged(token, since, [w.pid for w in workers])
 
 
 async def sweep_tagged(
@@ -295,8 +295,22 @@ async def _grace_period(
 
 
 async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[int]:
-    # In a thread, as _tagged(): one open+read per process from ``since`` on.
-    return await asyncio.to_thread(find_tagged, token, since, list(exclude))
+    """:func:`find_tagged` on the loop, :data:`_SCAN_SLICE` processes at a time.
+
+    One open+read per process from ``since`` on (~20-60 us each on a loaded
+    2-core host): a slice holds the loop for a few milliseconds at most. Not
+    in a thread: a thread waits for the GIL before each of its small
+    syscalls while the loop is busy (the convoy effect: one switch interval,
+    5 ms, per syscall beside a CPU-bound asyncio task), which made close()
+    of 64 exited workers take seconds (issue #27 item 5).
+    """
+    pids = proc_pids(since)
+    found: set[int] = set()
+    for i in range(0, len(pids), _SCAN_SLICE):
+        if i:
+            await asyncio.sleep(0)  # allowed: one loop turn between slices
+        found |= find_tagged(token, exclude=exclude, pids=pids[i : i + _SCAN_SLICE])
+    return found
 
 
 def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
