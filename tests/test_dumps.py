@@ -13,13 +13,16 @@ import math
 import os
 import signal
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import aiolaunch
 import aiolaunch._dumper
 from aiolaunch import Std
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def parked(rank: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,6 +15,9 @@ from aiolaunch._group import GroupState, Wakeup
 from aiolaunch._status import WorkerStatus
 from aiolaunch._workers._handle import WorkerHandle
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 
 def _handle(rank: int, pid: int) -> WorkerHandle:
     h = WorkerHandle(rank)
@@ -23,7 +26,7 @@ def _handle(rank: int, pid: int) -> WorkerHandle:
 
 
 def _exit(state: GroupState, h: WorkerHandle, code: int) -> None:
-    h._set_exited(code)
+    h.set_exited(code)
     state.gone(h.local_rank)
 
 
@@ -82,7 +85,7 @@ async def test_restarting_rank_is_neither_failed_nor_done() -> None:
     h = _handle(0, 300)
     state.started(h)
     state.restart_planned(0)
-    h._set_exited(1)
+    h.set_exited(1)
     assert state.restarting(0) and state.any_restarting()
     assert not state.decided()
     assert state.next_attempt(0) == 1
@@ -112,7 +115,7 @@ async def test_kill_records_why_and_refuses_exited_ranks() -> None:
     state = GroupState("g", 1)
     h = _handle(0, 500)
     state.started(h)
-    h._set_exited(0)
+    h.set_exited(0)
     assert not state.kill(0, 9, "stalled") and h.failure_reason is None
     assert not state.kill(5, 9, "no such rank")
 

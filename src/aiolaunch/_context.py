@@ -21,11 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import math
 import signal
 from typing import TYPE_CHECKING, Any
-
-import anyio
 
 from ._cancel import shielded
 from ._deadline import StopDeadline
@@ -101,14 +98,7 @@ class PContext:
             self._state, ready or {}, bus=self._bus, error_files=self.error_files
         )
         self._forensics = Forensics(
-            self._state,
-            watchdog,
-            error_files=self.error_files,
-            stderrs=self.stderrs,
-            output_age=logs.last_output,
-            emit=self._bus.emit,
-            lines=lambda: self._bus.iterate(lines=True, maxsize=100_000),
-            restartable=self._restarts.has_policy,
+            self._state, watchdog, logs=logs, bus=self._bus, restartable=self._restarts.has_policy
         )
         self._ending = GroupEnding(
             self._state,
@@ -166,7 +156,6 @@ class PContext:
         if not self._restarts.after_exit(handle):  # its last incarnation: no restart follows
             self._state.gone(handle.local_rank)
 
-    # -- queries ----------------------------------------------------------
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of every started worker."""
         return self._state.pids()
@@ -184,21 +173,19 @@ class PContext:
     ) -> dict[int, str]:
         """The Python stacks of every thread of each live worker, ``{rank: text}``.
 
-        Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n``: the group's
-        dump count). Only registered workers are signalled (function workers;
-        Python programs run by the CLI or ``python -m aiolaunch._bootstrap``):
-        any other rank, or one silent for ``timeout`` seconds (stopped, D
-        state; at most 30 s, whatever is asked), gets a line saying why (or a
-        ``py-spy dump`` where installed), never a signal that would kill it.
-        :meth:`StackReport.from_dumps` gives the verdict. One round of
-        signals runs at a time; a dump of every rank joins one under way.
+        Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n``: the dump's
+        number). Only registered workers are signalled (function workers,
+        Python programs run by the CLI or ``python -m aiolaunch._bootstrap``);
+        any other rank, or one silent for ``timeout`` seconds (at most 30),
+        gets a line saying why (or a ``py-spy dump`` where installed).
+        :meth:`StackReport.from_dumps` gives the verdict. One round runs at a
+        time; a dump of every rank joins one under way.
 
         :raises ValueError: an unknown rank, or ``timeout`` not a finite
             number of seconds > 0.
         """
         return await self._forensics.dump_stacks(ranks, timeout)
 
-    # -- orchestration ----------------------------------------------------
     def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
         """Iterate over the group's lifecycle events, in order, until it stops.
 
@@ -230,7 +217,6 @@ class PContext:
         check_seconds("wait_ready(timeout)", timeout)
         await self._readiness.wait_ready(timeout)
 
-    # -- wait / close -----------------------------------------------------
     async def wait(
         self, timeout: float | None = None, period: float | None = None
     ) -> RunProcsResult | None:
@@ -240,67 +226,44 @@ class PContext:
         the first failure after stopping the others (death signal, SIGKILL
         after ``shutdown_timeout``); ``None`` if ``timeout`` seconds pass first
         (``None`` or negative: forever; ``0``: poll). Woken by the exit itself,
-        it returns within milliseconds of it (``period``: torch's, ignored).
-        After a result every worker is reaped, every pipe drained into its
-        log file and console, its group and process tree signalled, and error
-        files read. The rest follows in a cleanup task that :meth:`close` (or
-        leaving ``async with``) awaits: escaped descendants (double-forked
-        daemons, found by the context token in ``/proc``) get the death
-        signal, then SIGKILL; the failure report is written; temporary
-        folders are pruned. If the loop ends first (``asyncio.run`` without
-        ``close()``), the daemons get SIGKILL at once.
+        it returns within milliseconds (``period``: torch's, ignored). By then
+        every worker is reaped, its group and process tree signalled, every
+        pipe drained into its log file and console, and error files read.
+        The aftermath, which :meth:`close` (or leaving ``async with``) awaits,
+        stops escaped descendants (double-forked daemons, found by the
+        context token in ``/proc``: death signal, then SIGKILL), writes the
+        failure report and prunes temporary folders; if the loop ends first
+        (``asyncio.run`` without ``close()``), the daemons get SIGKILL at once.
 
         While it runs in the main thread, a stop signal sent to the supervisor
-        (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default; see *Signals* in the API
-        docs) goes to every worker's process group, survivors get SIGKILL after
-        ``shutdown_timeout`` (at once on a second such signal), then
-        :class:`SignalException` is raised. The application's own handler for
-        it (not a SIGINT one: that stands for ``KeyboardInterrupt``) is called
-        once the workers were sent it; ``SIG_IGN`` stays ignored; previous
-        handlers are restored on return. Outside the main thread there is no
-        such race (a warning, once).
+        (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default; *Signals* in the API
+        docs) goes to every worker's process group, survivors get SIGKILL
+        after ``shutdown_timeout`` (at once on a second one), then
+        :class:`SignalException` is raised. The application's own handler
+        (not a SIGINT one: that stands for ``KeyboardInterrupt``) runs once
+        the workers were sent the signal; ``SIG_IGN`` stays ignored; handlers
+        are restored on return. Outside the main thread: no race (a warning).
 
         *Cancellation*: cancelling the task that awaits ``wait()`` stops the
         waiting only; the workers stop when the context is closed.
         """
         check_seconds("wait(timeout)", timeout, forever="None or negative: wait forever")
         try:
-            return await self._wait(timeout)
+            return await self._ending.wait(timeout, self._signals)
         finally:  # the outcome is out: the aftermath may start (not ahead of our caller)
             if self._ending.result is not None:
                 self._ending.handed_over()
-
-    async def _wait(self, timeout: float | None) -> RunProcsResult | None:
-        ending, state = self._ending, self._state
-        if ending.begun:  # the outcome is known, or on its way
-            return ending.result or await shielded(ending.begin(signal.SIGTERM, 0.0))
-        deadline = math.inf if timeout is None or timeout < 0 else anyio.current_time() + timeout
-        grace = self._signals.shutdown_timeout
-        with self._signals.watch(
-            state.wakeup.notify, ending.escalate, state.workers, self.name
-        ) as watch:
-            while True:
-                seen = state.wakeup.version  # before the checks (see _group.Wakeup)
-                if watch.received is not None:
-                    end = ending.begin(watch.received, grace)
-                    await watch.stop_group(ending.sent, end)
-                if state.decided() or ending.begun:
-                    return await shielded(ending.begin(signal.SIGTERM, grace, decided=True))
-                if anyio.current_time() >= deadline:
-                    return None
-                with anyio.CancelScope(deadline=deadline):
-                    await state.wakeup.changed(seen)
 
     async def close(self, death_sig: int = signal.SIGTERM, timeout: float = 30) -> None:
         """Stop every worker and its whole process tree; release everything.
 
         Sends ``death_sig`` to each worker's process group and descendants,
         SIGKILLs survivors after ``timeout`` seconds (a warning names rank and
-        pid), reaps them, drains and closes every pipe and log file. Idempotent;
-        shielded from cancellation (re-raised once done). A *second*
-        cancellation (counting the one that made ``async with`` call it) ends
-        the grace period at once: survivors get SIGKILL with a warning, as on a
-        second Ctrl-C in ``wait()``. Bad arguments raise before any signal.
+        pid), reaps them, drains and closes every pipe and log file, and
+        awaits the aftermath (see :meth:`wait`). Idempotent; shielded from
+        cancellation (re-raised once done); a *second* cancellation (counting
+        the one that made ``async with`` call it) SIGKILLs at once, with a
+        warning. Bad arguments raise before any signal.
 
         :raises TypeError: ``death_sig`` or ``timeout`` has the wrong type.
         :raises ValueError: ``death_sig`` is not a signal number (0 included)
@@ -310,7 +273,6 @@ class PContext:
         check_seconds("close(timeout)", timeout)
         await self._ending.close(death_sig, timeout, cancelled=False)
 
-    # -- context manager --------------------------------------------------
     async def __aenter__(self) -> PContext:
         return self
 
@@ -323,12 +285,5 @@ class PContext:
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} name={self.name!r} nprocs={self.nprocs} "
-            f"state={self._state_name()} pids={self.pids()}>"
+            f"state={self._ending.describe()} pids={self.pids()}>"
         )
-
-    def _state_name(self) -> str:
-        # "running", "closing", then "done" or "failed" (as printed since 0.1).
-        result = self._ending.result
-        if result is not None:
-            return "failed" if result.is_failed() else "done"
-        return "closing" if self._ending.begun else "running"

@@ -24,8 +24,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import signal
 from typing import TYPE_CHECKING
+
+import anyio
 
 from ._cancel import shielded
 from ._compat import task_cancelling, task_uncancel
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from ._group import GroupState
     from ._logs import LogWiring
     from ._results import RunProcsResult
+    from ._signal_plan import SignalPlan
     from ._workers._handle import WorkerHandle
 
     class Observer(Protocol):
@@ -122,7 +126,38 @@ class GroupEnding:
         """Whether :meth:`begin` was called."""
         return self._outcome is not None
 
+    def describe(self) -> str:
+        """``"running"``, ``"closing"``, then ``"done"`` or ``"failed"`` (for reprs)."""
+        if self.result is not None:
+            return "failed" if self.result.is_failed() else "done"
+        return "closing" if self.begun else "running"
+
     # -- commands -------------------------------------------------------------
+    async def wait(self, timeout: float | None, signals: SignalPlan) -> RunProcsResult | None:
+        """``PContext.wait()``: race the group's outcome against ``signals``.
+
+        Returns the result once the group is decided
+        (:meth:`GroupState.decided`) and ended, or ``None`` after ``timeout``
+        seconds (``None`` or negative: no limit). A stop signal received
+        meanwhile ends the group and raises ``SignalException``.
+        """
+        if self.begun:  # the outcome is known, or on its way
+            return self.result or await shielded(self.begin(signal.SIGTERM, 0.0))
+        state = self._state
+        deadline = math.inf if timeout is None or timeout < 0 else anyio.current_time() + timeout
+        grace = signals.shutdown_timeout
+        with signals.watch(state.wakeup.notify, self.escalate, state.workers, state.name) as watch:
+            while True:
+                seen = state.wakeup.version  # before the checks (see _group.Wakeup)
+                if watch.received is not None:
+                    await watch.stop_group(self.sent, self.begin(watch.received, grace))
+                if state.decided() or self.begun:
+                    return await shielded(self.begin(signal.SIGTERM, grace, decided=True))
+                if anyio.current_time() >= deadline:
+                    return None
+                with anyio.CancelScope(deadline=deadline):
+                    await state.wakeup.changed(seen)
+
     def begin(
         self, death_sig: int, grace: float, *, decided: bool = False
     ) -> asyncio.Task[RunProcsResult]:

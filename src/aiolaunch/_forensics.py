@@ -35,12 +35,13 @@ from ._watchdog import Sampler
 from ._watcher import StallWatcher
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ._control import ControlServer
     from ._dumper import Dump
-    from ._events import Event
+    from ._events import EventBus
     from ._group import GroupState
+    from ._logs import LogWiring
     from ._results import RunProcsResult
     from ._status import WorkerStatus
     from ._watchdog import Watchdog
@@ -54,11 +55,11 @@ class Forensics:
     """Stacks, watchdog, status, control socket and reports of one group.
 
     :param state: the group.
-    :param error_files: ``{rank: path}``: the rank folders live beside them.
-    :param stderrs: ``{rank: stderr log}``, quoted by the report.
-    :param output_age: seconds since the log pipeline saw output of a rank.
-    :param emit: the event bus's ``emit``; ``lines`` a fresh iterator of its
-        events with lines (the watchdog's progress regex).
+    :param logs: its streams: where the rank folders are (beside the error
+        files), the stderr logs the report quotes, and the output age the
+        log pipeline saw.
+    :param bus: where :class:`WorkerStalled` goes; its lines feed the
+        watchdog's progress regex.
     :param restartable: whether a rank has a restart policy.
     """
 
@@ -67,17 +68,14 @@ class Forensics:
         state: GroupState,
         watchdog: Watchdog | None,
         *,
-        error_files: Mapping[int, str],
-        stderrs: Mapping[int, str],
-        output_age: Callable[[int], float | None],
-        emit: Callable[[Event], None],
-        lines: Callable[[], AsyncIterator[Event]],
+        logs: LogWiring,
+        bus: EventBus,
         restartable: Callable[[int], bool],
     ) -> None:
         self._state = state
-        self._error_files = dict(error_files)
-        self._stderrs = dict(stderrs)
-        log_dir, self._own_dir = _group_dir(error_files)
+        self._error_files = dict(logs.dest.error_files)
+        self._stderrs = dict(logs.dest.stderrs)
+        log_dir, self._own_dir = _group_dir(self._error_files)
         self.log_dir = os.path.abspath(log_dir)
         # Made as start_processes returns (start), not before the first spawn:
         # a mkdir costs as much as a spawn. A worker's bootstrap that gets
@@ -87,12 +85,13 @@ class Forensics:
             # A LogsSpecs with an unusual layout may leave no writable group
             # folder: dumps still work from a private one.
             self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
-        self.sampler = Sampler(output_age)
+        self.sampler = Sampler(logs.last_output)
         self.dumper = StackDumper(state, self.stacks_dir, self._rank_dir, self.sampler.rebase)
         self.watcher: StallWatcher | None = None
         if watchdog is not None:
             self.watcher = StallWatcher(
-                watchdog, state, self.sampler, self.dumper, emit=emit, lines=lines,
+                watchdog, state, self.sampler, self.dumper, emit=bus.emit,
+                lines=lambda: bus.iterate(lines=True, maxsize=100_000),
                 restartable=restartable, write_report=lambda: self.write_report(None),
             )  # fmt: skip
         self._server: ControlServer | None = None

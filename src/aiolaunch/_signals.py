@@ -90,7 +90,8 @@ class SignalWatch:
         self._on_signal = on_signal
         self._on_repeat = on_repeat
         self._on_forward = on_forward
-        self._hub: _Hub | None = None
+        #: the hub of its loop while it watches (set and cleared by watch_signals)
+        self.hub: _Hub | None = None
 
     def signalled(self) -> None:
         """Say that the workers were sent :attr:`received`.
@@ -98,8 +99,8 @@ class SignalWatch:
         The application's own handler for that signal, if any, runs once every
         waiter that received it said so (or left). Idempotent.
         """
-        if self._hub is not None:
-            self._hub.acknowledge(self)
+        if self.hub is not None:
+            self.hub.acknowledge(self)
 
     async def stop_group(self, sent: asyncio.Event, end: asyncio.Future[Any]) -> NoReturn:
         """Act on :attr:`received`, whose shutdown ``end`` already began.
@@ -119,7 +120,8 @@ class SignalWatch:
         await shielded(end)
         raise SignalException(f"Process {os.getpid()} got signal: {sig.value}", sigval=sig)
 
-    def _deliver(self, sig: signal.Signals) -> None:
+    def deliver(self, sig: signal.Signals) -> None:
+        """The hub received ``sig``: record it or pass it on (see the callbacks)."""
         if sig in self.forward:
             if self._on_forward is not None:
                 self._on_forward(sig)
@@ -248,7 +250,7 @@ class _Hub:
         for watch in list(self.watches):
             if sig in watch.stop and watch.received is None:
                 fresh.append(watch)
-            watch._deliver(sig)
+            watch.deliver(sig)
         if fresh:
             # The application's handler runs once these waiters signalled their
             # workers, so a graceful shutdown of its own finds them stopping.
@@ -320,7 +322,7 @@ def watch_signals(
         _degraded("this event loop cannot take signal handlers")
         yield watch
         return
-    watch._hub = hub
+    watch.hub = hub
     hub.watches.append(watch)
     try:
         yield watch
@@ -328,7 +330,7 @@ def watch_signals(
         hub.watches.remove(watch)
         hub.leave(watch)
         hub.release(taken)
-        watch._hub = None
+        watch.hub = None
         if not hub.watches:
             del _hubs[loop]
         received = watch.received

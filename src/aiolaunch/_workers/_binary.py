@@ -49,7 +49,7 @@ class _ExitProtocol(asyncio.SubprocessProtocol):
     def process_exited(self) -> None:
         assert self.transport is not None
         rc = self.transport.get_returncode()
-        self.handle._set_exited(rc if rc is not None else -1)
+        self.handle.set_exited(rc if rc is not None else -1)
 
 
 class BinaryWorker(WorkerHandle):
@@ -68,7 +68,7 @@ class BinaryWorker(WorkerHandle):
         asyncio.get_running_loop().remove_reader(self._pidfd)
         close_fd(self._pidfd)
         self._pidfd = None
-        self._set_exited(rc)
+        self.set_exited(rc)
 
     def release(self) -> None:
         if self.returncode is None:

@@ -79,9 +79,10 @@ def find_tagged(
 
     Reads ``/proc/<pid>/environ`` - the environment the process was *exec'd*
     with - of pids >= ``since`` (see :class:`ProcTable` for that bound), or
-    of ``pids`` when given, other than ours and ``exclude``. So it finds what a binary worker and its
-    descendants inherit; a process that only changed ``os.environ`` (a function
-    worker) passes the token on to what it execs, not to its own entry.
+    of ``pids`` when given, other than ours and ``exclude``. So it finds what
+    a binary worker and its descendants inherit; a process that only changed
+    ``os.environ`` (a function worker) passes the token on to what it execs,
+    not to its own entry.
     Processes of other users are unreadable and skipped. Empty without
     ``/proc``. Costs about one ``open``+``read`` per scanned process.
     """
