@@ -58,7 +58,7 @@ class _Starting:
     async def _start(self) -> PContext:
         _require_asyncio()  # before the log folder, pipes or any process exist
         ctx = self._make()
-        await ctx._start()
+        await ctx.start()
         return ctx
 
     def __await__(self) -> Generator[Any, None, PContext]:

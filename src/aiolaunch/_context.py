@@ -112,7 +112,13 @@ class PContext:
         )
 
     # -- start ------------------------------------------------------------
-    async def _start(self) -> None:
+    async def start(self) -> None:
+        """Start every worker, in rank order (``start_processes`` calls this).
+
+        A failure part-way stops the workers already started (SIGKILL), then
+        raises; running out of file descriptors raises an ``OSError`` that
+        says how many ranks started and how to raise the limit.
+        """
         rank = 0
         try:
             for rank in range(self.nprocs):
