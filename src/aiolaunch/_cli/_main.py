@@ -74,6 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .._control import stacks_main, status_main
 
         return (status_main if argv[0] == "status" else stacks_main)(argv[1:])
+    if argv and argv[0] in ("top", "events", "attach"):
+        from ._attach import attach_main
+        from ._events import events_main
+        from ._top import top_main
+
+        verb = {"top": top_main, "events": events_main, "attach": attach_main}[argv[0]]
+        return verb(argv[1:])
     args = parse_args(argv)
     _setup_logging()
     try:
