@@ -219,7 +219,7 @@ def test_bind_metrics_names_a_port_in_use() -> None:
 
 # -- top's screen and keys ---------------------------------------------------------------
 
-_worker_st = st.builds(
+_worker_st: st.SearchStrategy[dict[str, Any]] = st.builds(
     dict,
     rank=st.integers(0, 10_000),
     pid=st.integers(0, 4_000_000),
@@ -256,10 +256,17 @@ def test_screen_fits_any_terminal(
         lines = tv.screen(snap, state, width, height, "12:00:00")
         assert len(lines) <= height
         assert all(len(text) == width for text, _ in lines)
-        shown = [t for t, style in lines if style in ("row", "selected", "alert", "warn", "dim")]
         selected = [t for t, style in lines if style == "selected"]
         assert len(selected) <= 1
-        del shown
+        if height >= 5 and width >= 4 and state.pager is None:
+            # every rank row shown is a rank of the filter, once, in order
+            ranks = [int(t.split()[0]) for t, style in lines[3:-1]
+                     if style in ("row", "selected", "alert", "warn", "dim") and t.split()
+                     and t.split()[0].isdigit()]  # fmt: skip
+            want = [w["rank"] for w in workers
+                    if state.filter is None or w["state"] == state.filter]  # fmt: skip
+            assert ranks == want[state.top : state.top + len(ranks)]
+            assert len(ranks) == min(len(want) - state.top, height - 4)
 
 
 def test_screen_80x24_one_row_per_rank() -> None:
