@@ -42,7 +42,7 @@ class ControlConnection:
         :raises ValueError: no ``log_dir`` and several jobs are running.
         :raises PermissionError: the socket belongs to another user.
         """
-        from .._control import find_socket
+        from ._client import find_socket
 
         self.close()
         path = find_socket(self.log_dir)
