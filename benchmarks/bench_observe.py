@@ -203,7 +203,9 @@ def main() -> None:
     print(f"{args.ranks} ranks, {rounds} x {window:g} s windows, load {res['load'][0]:.1f} "
           f"on {res['nproc']} cores")  # fmt: skip
     for k, v in res["cpu_ms_per_s"].items():
-        extra = "" if k == "idle" else f"  (+{res['added_percent_of_one_core'][k]:.3f} % of one core)"
+        extra = (
+            "" if k == "idle" else f"  (+{res['added_percent_of_one_core'][k]:.3f} % of one core)"
+        )
         print(f"  {k:<11} {v:7.2f} CPU-ms/s{extra}")
     print(f"  one status request: {status_ms:.2f} CPU-ms; one scrape: {scrape_ms:.2f} CPU-ms")
     if args.json:
