@@ -129,3 +129,20 @@ def test_formats() -> None:
         "-", "0.0s", "10.0s", "42s", "12m05s", "3h03m"]  # fmt: skip
     assert [tv.fmt_bytes(x) for x in (0, 512, 2048, 5 << 20, 3 << 30)] == [
         "-", "512B", "2.0K", "5.0M", "3.0G"]  # fmt: skip
+
+
+def test_pager_puts_a_frame_function_first_and_wraps() -> None:
+    dump = [
+        "Current thread 0x00007fad34bbbb80 (most recent call first):",
+        '  File "/very/long/folder/name/train.py", line 4 in load_batch',
+        '  File "<frozen runpy>", line 88 in _run_code',
+    ]
+    assert tv.pager_lines(dump, 80) == [
+        dump[0],
+        "  load_batch  train.py:4  (/very/long/folder/name)",
+        "  _run_code  <frozen runpy>:88",
+    ]
+    narrow = tv.pager_lines(dump, 20)
+    assert narrow[:3] == ["Current thread 0x000", "    07fad34bbbb80 (m", "    ost recent call "]
+    assert all(len(line) <= 20 for line in narrow)
+    assert "".join(line.strip() for line in narrow).count("load_batch") == 1

@@ -1,16 +1,16 @@
 """``aiolaunch top [LOG_DIR]``: a running job's ranks, live, in the terminal.
 
-Drawn with the standard library's :mod:`curses` - no dependency, ~5 ms to
+Drawn with the standard library's :mod:`curses` - no dependency, ~1 ms to
 import, terminfo for whatever terminal (80x24 over ssh, tmux, screen), and
-only the cells that changed are sent each second. The layout and the keys
-are plain functions in ``_top_view.py`` (tested without a terminal); this
-module only polls the control socket and paints.
+only the cells that changed are sent each second (docs/ARCHITECTURE.md says
+why not a TUI library). The layout and the keys are plain functions in
+``_top_view.py`` (tested without a terminal); this module only polls the
+control socket and paints.
 
 One connection to ``{log_dir}/control.sock``, one ``status`` request per
-interval (1 s): at 64 ranks that costs the supervisor about a millisecond of
-CPU per request (benchmarks/bench_observe.py). ``s`` asks for the selected
-rank's stacks only. When the job ends, the last screen stays, marked, until
-``q``; with the elastic agent, the next attempt's socket is found again.
+interval (1 s). ``s`` asks for the selected rank's stacks. When the job ends,
+the last screen stays, marked, until ``q``; with the elastic agent, the next
+attempt's socket is found again.
 """
 
 from __future__ import annotations

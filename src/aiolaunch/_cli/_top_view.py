@@ -219,7 +219,9 @@ def pager_lines(text: list[str], width: int) -> list[str]:
         m = _FRAME.match(line)
         if m:
             indent, path, lineno, func = m.groups()
-            line = f"{indent}{func}  {os.path.basename(path)}:{lineno}  ({os.path.dirname(path)})"
+            folder = os.path.dirname(path)
+            line = f"{indent}{func}  {os.path.basename(path)}:{lineno}"
+            line += f"  ({folder})" if folder else ""
         first = True
         while True:
             room = width if first else max(1, width - 4)
