@@ -374,7 +374,9 @@ async def test_watchdog_restart_uses_the_restart_policy(tmp_path: Path) -> None:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and not result.is_failed(), result
     assert result.return_values == {0: "second life"}
-    assert [type(e).__name__ for e in ctx._bus.history].count("WorkerStalled") == 1, ctx._bus.history
+    assert [type(e).__name__ for e in ctx._bus.history].count("WorkerStalled") == 1, (
+        ctx._bus.history
+    )
     assert (tmp_path / "0" / "stacks-1.txt").exists()
 
 

@@ -19,7 +19,6 @@ No step polls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import signal
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from ._cancel import shielded
 from ._deadline import StopDeadline
 from ._ending import GroupEnding
 from ._errors import fd_limit_error
-from ._events import Event, EventBus, worker_exited, worker_started
+from ._events import Event, EventBus, LogLines, worker_exited, worker_started
 from ._forensics import Forensics
 from ._group import GroupState
 from ._ready import Readiness, ReadinessProbe
@@ -110,6 +109,11 @@ class PContext:
             deadline=StopDeadline(self._forensics.stacks_dir, signal_plan.shutdown_timeout),
             token=new_context_token(),
         )
+        # The line consumers of the log pipeline: probes, LogLine events, progress.
+        logs.lines.subscribe(self._readiness)
+        logs.lines.subscribe(LogLines(self._bus))
+        if self._forensics.progress_lines is not None:
+            logs.lines.subscribe(self._forensics.progress_lines)
 
     # -- start ------------------------------------------------------------
     async def start(self) -> None:
@@ -135,19 +139,16 @@ class PContext:
             raise
 
     async def _start_one(self, rank: int) -> None:
-        watch, line_sink = self._readiness.stream_hooks(rank, self._forensics.needs_lines)
-        async with contextlib.AsyncExitStack() as cleanup_on_fail:
-            streams = await self._logs.open(rank, watch=watch, line_sink=line_sink)
-            cleanup_on_fail.push_async_callback(self._logs.discard, streams)
+        # The streams are read from the end of the block on (after started()),
+        # and closed if the spawn fails.
+        async with self._logs.open(rank) as streams:
             handle = await self._spawn(rank, streams.stdout, streams.stderr)
-            cleanup_on_fail.pop_all()  # the handle owns the worker now: nothing to undo
-        self._state.started(handle)
-        self._bus.emit(worker_started(handle))
-        self._readiness.started(rank, handle)
-        handle.on_exit = self._on_exit
-        if not handle.alive:  # it exited while we were still wiring it up
-            self._on_exit(handle)
-        await self._logs.connect(streams)
+            self._state.started(handle)
+            self._bus.emit(worker_started(handle))
+            self._readiness.started(rank, handle)
+            handle.on_exit = self._on_exit
+            if not handle.alive:  # it exited while we were still wiring it up
+                self._on_exit(handle)
 
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
         raise NotImplementedError

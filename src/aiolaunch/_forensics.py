@@ -58,8 +58,7 @@ class Forensics:
     :param logs: its streams: where the rank folders are (beside the error
         files), the stderr logs the report quotes, and the output age the
         log pipeline saw.
-    :param bus: where :class:`WorkerStalled` goes; its lines feed the
-        watchdog's progress regex.
+    :param bus: where :class:`WorkerStalled` goes.
     :param restartable: whether a rank has a restart policy.
     """
 
@@ -91,7 +90,6 @@ class Forensics:
         if watchdog is not None:
             self.watcher = StallWatcher(
                 watchdog, state, self.sampler, self.dumper, emit=bus.emit,
-                lines=lambda: bus.iterate(lines=True, maxsize=100_000),
                 restartable=restartable, write_report=lambda: self.write_report(None),
             )  # fmt: skip
         self._server: ControlServer | None = None
@@ -106,9 +104,12 @@ class Forensics:
         return self._state.name
 
     @property
-    def needs_lines(self) -> bool:
-        """Whether the supervisor must read every stream (a progress regex)."""
-        return self.watcher is not None and self.watcher.watchdog.progress is not None
+    def progress_lines(self) -> StallWatcher | None:
+        """With a progress regex, the line listener the group subscribes to its
+        log pipeline (the watcher), else ``None``."""
+        if self.watcher is not None and self.watcher.watchdog.progress is not None:
+            return self.watcher
+        return None
 
     def env(self) -> dict[str, str]:
         """Environment every worker gets."""

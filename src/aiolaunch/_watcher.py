@@ -26,12 +26,12 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from ._events import LogLine, WorkerStalled
+from ._events import WorkerStalled
 from ._stacks import StackReport, rank_ranges
 from ._stall import Stall, StallDetector
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import Callable
 
     from ._dumper import StackDumper
     from ._events import Event
@@ -49,9 +49,11 @@ _STALL_DUMP_TIMEOUT = 5.0
 class StallWatcher:
     """The watchdog of one group (see the module docstring).
 
+    With a progress regex it is also a line listener of the log pipeline
+    (``reads``/``wants``/``line``): it needs every stream, and notes when each
+    rank last printed a matching line.
+
     :param emit: where :class:`WorkerStalled` goes (the event bus).
-    :param lines: a fresh iterator over the group's events with lines, for
-        the progress regex.
     :param restartable: whether a rank has a restart policy.
     :param write_report: writes the report now; returns its paths or ``None``.
     """
@@ -64,7 +66,6 @@ class StallWatcher:
         dumper: StackDumper,
         *,
         emit: Callable[[Event], None],
-        lines: Callable[[], AsyncIterator[Event]],
         restartable: Callable[[int], bool],
         write_report: Callable[[], tuple[str, str] | None],
     ) -> None:
@@ -75,7 +76,6 @@ class StallWatcher:
         self._sampler = sampler
         self._dumper = dumper
         self._emit = emit
-        self._lines = lines
         self._restartable = restartable
         self._write_report = write_report
         self._last_progress: dict[int, float] = {}
@@ -88,10 +88,8 @@ class StallWatcher:
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        """Start sampling (and reading progress lines)."""
+        """Start sampling."""
         self._tasks.append(asyncio.ensure_future(self._watch()))
-        if self._progress is not None:
-            self._tasks.append(asyncio.ensure_future(self._read_progress(self._progress)))
 
     async def stop(self) -> None:
         """Stop sampling. Idempotent."""
@@ -114,11 +112,21 @@ class StallWatcher:
             if self.detector.flagged(rank) or rank in forced
         ]
 
+    # -- the progress regex: a line listener of the log pipeline ---------------
+    def reads(self, rank: int, stream: str) -> bool:
+        """Every stream is read (none is inherited by the worker)."""
+        return True
+
+    def wants(self, rank: int, stream: str) -> bool:
+        """Every line is wanted."""
+        return True
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """One line of ``rank``: progress if it matches the regex."""
+        if self._progress is not None and self._progress.search(text) is not None:
+            self._last_progress[rank] = time.monotonic()
+
     # -- sampling -------------------------------------------------------------
-    async def _read_progress(self, regex: re.Pattern[str]) -> None:
-        async for event in self._lines():
-            if isinstance(event, LogLine) and event.rank is not None and regex.search(event.text):
-                self._last_progress[event.rank] = event.time
 
     async def _watch(self) -> None:
         period = self.watchdog.period

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._api import start_processes
-from .._logs_specs import attempt_dir_path, make_run_dir, prune_empty_dirs
+from .._logs._specs import attempt_dir_path, make_run_dir, prune_empty_dirs
 from .._validate import log_dir_error
 from ._env import substitute_local_rank, worker_envs
 from ._numa import numa_cpus, wrap_for_numa
