@@ -8,7 +8,13 @@
  *   sleep  STAMP RANK                 append "RANK ready T"; pause forever
  *   ignore STAMP RANK                 ignore SIGTERM; append "RANK ready T"; pause
  *   lines  N INTERVAL_US              N lines "T\n" on stdout, INTERVAL_US apart
- *   bulk   RANK MIB                   MIB blocks of the verifiable pattern on stdout
+ *   bulk   RANK MIB [STAMP]           MIB blocks of the verifiable pattern on stdout;
+ *                                     with STAMP, then append "RANK first T" (just
+ *                                     before the first write) and "RANK last T"
+ *                                     (just after the last): the writer's own rate
+ *   count  OUT                        (not a worker) a console: read stdin to EOF,
+ *                                     then write "LINES BYTES T" to OUT, T = the
+ *                                     time of the last read that returned bytes
  *   observe OUT PID...                exit observer (not a worker): opens a pidfd per
  *                                     PID, writes "ready", then "PID T" as each exits
  * T is CLOCK_MONOTONIC in seconds (Python's time.monotonic()). */
@@ -80,12 +86,41 @@ int main(int argc, char **argv) {
         static char block[1 << 20];
         for (int i = 0; i < (1 << 20); i++)
             block[i] = (i % 128 == 127) ? '\n' : (char)('a' + (i % 128) % 26);
+        double first = mono();
         for (int k = 0; k < mib; k++) {
             char hdr[32];
             snprintf(hdr, sizeof hdr, "%03d %010d ", rank, k);
             memcpy(block, hdr, 15);
             write_all(block, sizeof block);
         }
+        double last = mono();
+        if (argc > 4) {
+            char buf[128];
+            int n = snprintf(buf, sizeof buf, "%s first %.9f\n%s last %.9f\n",
+                             argv[2], first, argv[2], last);
+            int fd = open(argv[4], O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+            if (fd < 0 || write(fd, buf, n) != n) _exit(90);
+            close(fd);
+        }
+        return 0;
+    }
+    if (!strcmp(mode, "count")) {
+        static char buf[1 << 20];
+        long long lines = 0, bytes = 0;
+        double t = 0;
+        for (;;) {
+            ssize_t k = read(0, buf, sizeof buf);
+            if (k < 0) _exit(94);
+            if (k == 0) break;
+            t = mono();
+            bytes += k;
+            for (char *p = buf, *end = buf + k; (p = memchr(p, '\n', end - p)); p++) lines++;
+        }
+        char out[128];
+        int n = snprintf(out, sizeof out, "%lld %lld %.9f\n", lines, bytes, t);
+        int fd = open(argv[2], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0 || write(fd, out, n) != n) _exit(95);
+        close(fd);
         return 0;
     }
     if (!strcmp(mode, "observe")) {

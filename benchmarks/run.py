@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import os
 import platform
+import re
 import select
 import shutil
 import signal
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,11 +63,18 @@ class Target:
         return f"{self.stat} {self.op} {self.factor:g} x {VARIANT_LABEL[self.vs]}"
 
 
+#: A trial run in this process (not by a driver): ``f(variant, params, env,
+#: tmp) -> {"ok": bool, "metrics": {...}, "error": str}``; ``env`` is the
+#: variant's (``--baseline`` puts the other aiolaunch on its PYTHONPATH).
+#: Given as a function or as ``"module:function"`` (imported when first run).
+Runner = Callable[[str, dict, dict, str], dict]
+
+
 @dataclass
 class Case:
     group: str  # --only name
     label: str
-    bench: str
+    bench: str  # the driver's bench_<name> (_driver.py), unless `runner` is given
     params: dict
     trials: dict[str, int]  # variant -> measured trials
     metrics: list[str]  # metrics shown in the table (first = main)
@@ -72,12 +82,37 @@ class Case:
     warmup: int = 0  # discarded trials per variant before measuring
     targets: list[Target] = field(default_factory=list)
     timeout: float = 120.0  # per trial
+    runner: Runner | str | None = None  # run here, not by a driver (see Runner)
+    needs_torch: bool = False  # left out without torch (else only its torch variants are)
+    needs_cli: bool = False  # its aiolaunch variants skipped if `python -m aiolaunch` fails
+    baseline: bool = True  # --baseline adds the variant aiolaunch-base
+
+    def run_here(self) -> Runner | None:
+        if self.runner is None or callable(self.runner):
+            return self.runner
+        mod, _, fn = self.runner.partition(":")
+        runner: Runner = getattr(importlib.import_module(mod), fn)
+        return runner
+
+
+#: The row registry: each function returns the cases of one benchmark group,
+#: for ``quick`` (CI smoke run) or the full run; groups run in this order.
+#: Add a group with ``@rows`` on a function that returns its cases.
+ROWS: list[Callable[[bool], list[Case]]] = []
+
+
+def rows(fn: Callable[[bool], list[Case]]) -> Callable[[bool], list[Case]]:
+    ROWS.append(fn)
+    return fn
 
 
 def plan(quick: bool) -> list[Case]:
-    q = quick
-    cases: list[Case] = []
-    # launch latency ------------------------------------------------------
+    return [c for fn in ROWS for c in fn(quick)]
+
+
+@rows
+def launch_rows(q: bool) -> list[Case]:
+    cases = []
     for n in (1, 4, 16, 64):
         k = 3 if q else 12
         cases.append(
@@ -87,8 +122,9 @@ def plan(quick: bool) -> list[Case]:
                 "launch_bin",
                 {"n": n},
                 {"aiolaunch": k, "torch": k, "raw": k},
-                ["all_running_ms", "call_returned_ms"],
+                ["all_running_ms", "call_returned_ms", "call_cpu_ms"],
                 warmup=1,
+                targets=[Target("all_running_ms", "median", ">=", vs="torch", factor=1.0)],
             )
         )
     for method in ("spawn", "forkserver"):
@@ -107,7 +143,12 @@ def plan(quick: bool) -> list[Case]:
                     timeout=300,
                 )
             )
-    # exit detection --------------------------------------------------------
+    return cases
+
+
+@rows
+def exit_rows(q: bool) -> list[Case]:
+    cases = []
     for n in (1, 8, 64):
         for code in (0, 1):
             k = (8 if n < 64 else 4) if q else (40 if n < 64 else 15)
@@ -142,32 +183,39 @@ def plan(quick: bool) -> list[Case]:
                     timeout=300,
                 )
             )
-    # shutdown ------------------------------------------------------------
+    return cases
+
+
+@rows
+def shutdown_rows(q: bool) -> list[Case]:
     k = 3 if q else 10
-    cases.append(
+    k2 = 2 if q else 4
+    return [
         Case(
             "shutdown",
             "close() N=8 well-behaved",
             "shutdown",
             {"n": 8, "mode": "sleep", "timeout": 30},
             {"aiolaunch": k, "torch": k, "raw": k},
-            ["close_ms"],
-        )
-    )
-    k = 2 if q else 4
-    cases.append(
+            ["close_ms", "close_cpu_ms"],
+            warmup=1,
+            targets=[Target("close_ms", "median", ">=", vs="torch", factor=1.0)],
+        ),
         Case(
             "shutdown",
             "close(timeout=1) N=8 ignore SIGTERM",
             "shutdown",
             {"n": 8, "mode": "ignore", "timeout": 1},
-            {"aiolaunch": k, "torch": k, "raw": k},
+            {"aiolaunch": k2, "torch": k2, "raw": k2},
             ["close_ms", "overshoot_ms"],
-        )
-    )
-    # tee latency and throughput ---------------------------------------------
+        ),
+    ]
+
+
+@rows
+def tee_latency_rows(q: bool) -> list[Case]:
     k = 2 if q else 5
-    cases.append(
+    return [
         Case(
             "tee_latency",
             f"4 workers x {60 if q else 200} lines, 5 ms apart",
@@ -177,52 +225,71 @@ def plan(quick: bool) -> list[Case]:
             ["line_ms"],
             targets=[Target("line_ms", "p50", "<=", 1.0), Target("line_ms", "p99", "<=", 5.0)],
         )
-    )
-    # 32 MiB per worker (16 for tee: torch's tee is slow), 128-byte lines in
-    # 64 KiB blocks; first write -> last worker done, files (and console)
-    # verified byte for byte.
+    ]
+
+
+@rows
+def throughput_rows(q: bool) -> list[Case]:
+    """The writers' own rate (``_writers.py``): 32 MiB per worker redirected,
+    16 MiB tee'd (torch's tee is slow), 128-byte lines in 1 MiB writes; every
+    byte of every file (and of the console) verified."""
+    cases = []
     for tee in (False, True):
         for n in (1, 4) if q else (1, 4, 16):
             mib = (4 if q else 32) if not tee else (2 if q else 16)
-            k = 2 if q else (5 if not tee else 3)
+            k = 2 if q else (7 if not tee else 4)
             cases.append(
                 Case(
                     "throughput",
                     f"{'tee' if tee else 'redirect'} {n} x {mib} MiB",
                     "throughput",
-                    {"n": n, "mib": mib, "tee": tee},
+                    {"n": n, "mib": mib, "tee": tee, "measure": "writers"},
                     {"aiolaunch": k, "torch-p0.1": k, "raw": k},
-                    ["MB_per_s", "cpu_ms_per_MB"],
+                    ["MB_per_s", "wait_ms", "cpu_ms_per_MB"]
+                    + (["console_MB_per_s"] if tee else []),
                     higher_better=True,
-                    warmup=1 if n == 1 else 0,
                     targets=[
                         Target(
                             "MB_per_s", "median", ">=", vs="torch-p0.1", factor=3.0 if tee else 1.0
                         )
                     ],
                     timeout=300,
+                    runner="_writers:writers_trial",
                 )
             )
-    # idle CPU --------------------------------------------------------------
+    return cases
+
+
+@rows
+def idle_rows(q: bool) -> list[Case]:
+    """Supervisor CPU while sleeping workers run, tee off, once start-up settled."""
     secs = 3 if q else 10
     k = 1 if q else 2
-    cases.append(
-        Case(
-            "idle_cpu",
-            f"64 sleeping workers, wait(timeout={secs})",
-            "idle_cpu",
-            {"n": 64, "secs": secs},
-            {"aiolaunch": k, "torch": k, "raw": k}
-            if q
-            else {"aiolaunch": k, "torch": k, "torch-p0.1": k, "raw": k},
-            ["cpu_ms_per_s"],
-            targets=[
-                Target("cpu_ms_per_s", "median", "<=", 1.0),
-                Target("cpu_ms_per_s", "median", "<=", vs="torch", factor=1.0),
-            ],
+    cases = []
+    for n in (4, 64):
+        trials = {"aiolaunch": k, "torch": k, "raw": k}
+        if not q:
+            trials["torch-p0.1"] = k
+        cases.append(
+            Case(
+                "idle_cpu",
+                f"{n} sleeping workers, wait(timeout={secs})",
+                "idle_cpu",
+                {"n": n, "secs": secs},
+                trials,
+                ["cpu_ms_per_s"],
+                targets=[
+                    Target("cpu_ms_per_s", "median", "<=", 1.0),
+                    Target("cpu_ms_per_s", "median", "<=", vs="torch", factor=1.0),
+                ],
+            )
         )
-    )
-    # scale: launched -> released -> reaped --------------------------------------
+    return cases
+
+
+@rows
+def scale_rows(q: bool) -> list[Case]:
+    cases = []
     for n in (64,) if q else (64, 256):
         k = 1 if q else 3
         cases.append(
@@ -237,9 +304,14 @@ def plan(quick: bool) -> list[Case]:
                 timeout=300,
             )
         )
-    # startup: `import aiolaunch` and `aiolaunch --help` (fresh interpreters) -
+    return cases
+
+
+@rows
+def startup_rows(q: bool) -> list[Case]:
+    """`import aiolaunch` and `aiolaunch --help` in fresh interpreters."""
     k = 3 if q else 10
-    cases.append(
+    return [
         Case(
             "startup",
             "import, --help (fresh interpreter)",
@@ -248,11 +320,16 @@ def plan(quick: bool) -> list[Case]:
             {"aiolaunch": k, "torch": 1 if q else 3},  # torch imports for seconds
             ["import_ms", "help_ms"],
             targets=[Target("import_ms", "median", "<=", 1000.0)],
+            runner=lambda variant, params, env, tmp: startup_trial(variant, env),
+            baseline=False,
         )
-    )
-    # end to end ------------------------------------------------------------
+    ]
+
+
+@rows
+def e2e_rows(q: bool) -> list[Case]:
     k = 1 if q else 5
-    cases.append(
+    return [
         Case(
             "e2e",
             "CLI, 4 workers, trivial script",
@@ -261,9 +338,10 @@ def plan(quick: bool) -> list[Case]:
             {"aiolaunch": k, "torchrun": k},
             ["wall_ms"],
             targets=[Target("wall_ms", "median", ">=", vs="torchrun", factor=2.0)],
-        )
-    )
-    cases.append(
+            runner=e2e_trial_safe,
+            needs_cli=True,
+            baseline=False,
+        ),
         Case(
             "e2e",
             "CLI restart turnaround (--max-restarts 1)",
@@ -272,9 +350,11 @@ def plan(quick: bool) -> list[Case]:
             {"aiolaunch": k, "torchrun": k},
             ["turnaround_ms", "wall_ms"],
             targets=[Target("turnaround_ms", "median", ">=", vs="torchrun", factor=2.0)],
-        )
-    )
-    return cases
+            runner=e2e_trial_safe,
+            needs_cli=True,
+            baseline=False,
+        ),
+    ]
 
 
 # --------------------------------------------------------------- drivers
@@ -349,6 +429,13 @@ class Driver:
 
 
 # ------------------------------------------------------------------ e2e
+def e2e_trial_safe(variant: str, params: dict, env: dict[str, str], tmp: str) -> dict:
+    try:
+        return e2e_trial(variant, params, env, tmp)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": "timed out"}
+
+
 def e2e_trial(variant: str, params: dict, env: dict[str, str], tmp: str) -> dict:
     d = tempfile.mkdtemp(dir=tmp)
     stamp = os.path.join(d, "stamps")
@@ -496,6 +583,36 @@ def main() -> int:
         "previous commit's src/) as variant aiolaunch-base, interleaved with the others",
     )
     ap.add_argument(
+        "--match",
+        default="",
+        metavar="REGEX",
+        help="only the cases whose 'group label' matches (e.g. 'tee 16|redirect 1 ')",
+    )
+    ap.add_argument(
+        "--trials", type=int, default=0, metavar="K", help="K measured trials per variant"
+    )
+    ap.add_argument(
+        "--tmp",
+        default="",
+        metavar="DIR",
+        help="scratch and log files under DIR (default benchmarks/results/tmp; "
+        "e.g. /dev/shm: no disk writeback in the throughput rows)",
+    )
+    ap.add_argument(
+        "--profile",
+        default="",
+        metavar="FILE",
+        help="run ONE aiolaunch trial of the first selected throughput case under "
+        "cProfile into FILE, then exit",
+    )
+    ap.add_argument(
+        "--against",
+        default="",
+        metavar="RESULTS_JSON",
+        help="flag rows > 10%% slower than these results (default: the committed "
+        "benchmarks/results/results.json, i.e. git HEAD's)",
+    )
+    ap.add_argument(
         "--replot", action="store_true", help="re-render results.md/png from OUT/results.json"
     )
     ap.add_argument(
@@ -528,9 +645,18 @@ def main() -> int:
             print(f"unknown benchmark(s) {bad}; choose from {groups}", file=sys.stderr)
             return 2
         cases = [c for c in cases if c.group in want]
+    if a.match:
+        cases = [c for c in cases if re.search(a.match, f"{c.group} {c.label}")]
+        if not cases:
+            print(f"no case matches {a.match!r} (see --list)", file=sys.stderr)
+            return 2
+    if a.trials:
+        for c in cases:
+            c.trials = dict.fromkeys(c.trials, a.trials)
+    reference = load_reference(a.against)
 
     os.makedirs(a.out, exist_ok=True)
-    tmp_root = os.path.join(HERE, "results", "tmp")
+    tmp_root = a.tmp or os.path.join(HERE, "results", "tmp")
     os.makedirs(tmp_root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="run_", dir=tmp_root)
     env = dict(os.environ)
@@ -544,20 +670,23 @@ def main() -> int:
         return 2
     if vers["torch"] is None:
         # The no-torch CI job: aiolaunch against the raw floor only.
+        cases = [c for c in cases if not c.needs_torch]
         for c in cases:
             c.trials = {v: k for v, k in c.trials.items() if v not in TORCH_VARIANTS}
             c.targets = [t for t in c.targets if t.vs not in TORCH_VARIANTS]
         cases = [c for c in cases if c.trials]
     worker = build_worker(tmp)
     env["BENCH_WORKER"] = json.dumps(worker)
+    if a.profile:
+        return profile_one(cases, a.profile, env, tmp)
     base_env = dict(env)
     if a.baseline:
-        # Same harness, the other aiolaunch first on the path; only the
-        # driver benches (e2e and startup run the installed CLI).
+        # Same harness, the other aiolaunch first on the path (not for the
+        # rows that run the installed CLI: Case.baseline).
         src = os.path.abspath(a.baseline)
         base_env["PYTHONPATH"] = os.pathsep.join((HERE, src))
         for c in cases:
-            if "aiolaunch" in c.trials and c.bench not in ("e2e", "startup"):
+            if "aiolaunch" in c.trials and c.baseline:
                 c.trials["aiolaunch-base"] = c.trials["aiolaunch"]
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -582,7 +711,7 @@ def main() -> int:
     results = []
     any_fail = False
     cli_ok, cli_why = (True, "")
-    if any(c.bench == "e2e" for c in cases):
+    if any(c.needs_cli for c in cases):
         cli_ok, cli_why = cli_available(env)
         if not cli_ok:
             meta["notes"].append(
@@ -594,18 +723,17 @@ def main() -> int:
             tc = mono()
             variants = dict(case.trials)
             skipped = {}
-            if case.bench == "e2e" and not cli_ok:
-                skipped["aiolaunch"] = f"skipped: CLI not available ({cli_why})"
-                variants.pop("aiolaunch")
+            if case.needs_cli and not cli_ok:
+                for v in [v for v in variants if v.startswith("aiolaunch")]:
+                    skipped[v] = f"skipped: CLI not available ({cli_why})"
+                    variants.pop(v)
 
             def one(variant: str, case: Case = case) -> dict:
-                if case.bench == "startup":
-                    return startup_trial(variant, env)
-                if case.bench == "e2e":
-                    try:
-                        return e2e_trial(variant, case.params, env, tmp)
-                    except subprocess.TimeoutExpired:
-                        return {"ok": False, "error": "timed out"}
+                here = case.run_here()
+                if here is not None:
+                    return here(
+                        variant, case.params, base_env if variant == "aiolaunch-base" else env, tmp
+                    )
                 impl = variant.split("-")[0]
                 key = variant if variant == "aiolaunch-base" else impl
                 if key not in drivers:
@@ -708,7 +836,9 @@ def main() -> int:
             fail = any(e for v, e in errors.items() if v not in TORCH_VARIANTS)
             any_fail |= fail
             row["status"] = "FAIL" if fail else "ok"
+            row["slower"] = slower_than(reference, row)
             results.append(row)
+            main_ratios = row["ratios"].get(case.metrics[0], {})
             print(
                 f"[{mono() - t_start:6.1f}s] {case.group:11s} {case.label:42s} {row['status']:4s} "
                 + "  ".join(
@@ -716,6 +846,8 @@ def main() -> int:
                     for v in variants
                     if case.metrics[0] in row["stats"][v]
                 )
+                + "".join(f"  {x:.2f}x vs {v}" for v, x in main_ratios.items() if v != "raw")
+                + (f"\n      SLOWER: {describe_slower(row['slower'])}" if row["slower"] else "")
                 + "".join(f"\n      FAIL {v}: {e[0][-300:]}" for v, e in row["errors"].items()),
                 flush=True,
             )
@@ -744,6 +876,88 @@ def main() -> int:
     if a.readme:
         update_readme(out, md, a.out)
     return 1 if any_fail else 0
+
+
+# ------------------------------------------------------ against the committed run
+#: A row is flagged when aiolaunch's main metric is this much worse than in
+#: the reference run (the committed results.json).
+SLOWER_BY = 0.10
+
+
+def load_reference(path: str) -> dict | None:
+    """The run to compare with: ``path``, else git HEAD's results.json (the
+    committed one; the working copy may hold an earlier run of this session)."""
+    if path:
+        with open(path) as f:
+            return json.load(f)
+    committed = os.path.join(HERE, "results", "results.json")
+    p = subprocess.run(
+        ["git", "show", f"HEAD:./{os.path.relpath(committed, HERE)}"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+    )
+    try:
+        if p.returncode == 0:
+            return json.loads(p.stdout)
+        with open(committed) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def slower_than(reference: dict | None, row: dict) -> dict | None:
+    """How much slower than in ``reference`` aiolaunch's main metric is in
+    ``row``, if by more than :data:`SLOWER_BY` (same group, label, params and
+    metric); else ``None``."""
+    if reference is None or row["status"] != "ok":
+        return None
+    m = row["main_metrics"][0]
+    for old in reference.get("results", []):
+        same = (old["group"], old["label"], old["params"]) == (
+            row["group"],
+            row["label"],
+            row["params"],
+        )
+        if not same or m not in old.get("main_metrics", [])[:1]:
+            continue
+        was = old["stats"].get("aiolaunch", {}).get(m, {}).get("median")
+        now = row["stats"].get("aiolaunch", {}).get(m, {}).get("median")
+        if not was or not now:
+            return None
+        # > 1: worse now (a longer time, or a lower rate)
+        worse = was / now if row["higher_better"] else now / was
+        if worse > 1 + SLOWER_BY:
+            return {
+                "metric": m,
+                "now": now,
+                "committed": was,
+                "worse": worse,
+                "committed_date": reference["meta"].get("date", "?"),
+            }
+        return None
+    return None
+
+
+def describe_slower(s: dict) -> str:
+    return (
+        f"{s['metric']} {fmt(s['now'])} vs {fmt(s['committed'])} in the committed run of "
+        f"{s['committed_date'][:16]} ({(s['worse'] - 1) * 100:.0f}% slower)"
+    )
+
+
+def profile_one(cases: list[Case], path: str, env: dict[str, str], tmp: str) -> int:
+    """``--profile``: one aiolaunch trial of the first selected throughput case."""
+    from _writers import writers_trial
+
+    for c in cases:
+        if c.runner == "_writers:writers_trial":
+            r = writers_trial("aiolaunch", c.params, env, tmp, profile=os.path.abspath(path))
+            print(f"profiled aiolaunch {c.group} {c.label}: {r} -> {path}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            return 0 if r.get("ok") else 1
+    print("--profile needs a throughput case (--only throughput)", file=sys.stderr)
+    return 2
 
 
 def update_readme(out: dict, md: str, out_dir: str) -> None:
@@ -813,7 +1027,13 @@ def render_md(out: dict) -> str:
         for mi, m in enumerate(r["main_metrics"]):
             cells = [
                 r["group"] if mi == 0 else "",
-                (r["label"] + (" **FAIL**" if r["status"] == "FAIL" else "")) if mi == 0 else "",
+                (
+                    r["label"]
+                    + (" **FAIL**" if r["status"] == "FAIL" else "")
+                    + (" **slower than committed**" if r.get("slower") else "")
+                )
+                if mi == 0
+                else "",
                 m,
             ]
             for v in variants:
@@ -847,6 +1067,10 @@ def render_md(out: dict) -> str:
                 )
             )
             lines.append("| " + " | ".join(cells) + " |")
+    slower = [r for r in out["results"] if r.get("slower")]
+    if slower:
+        lines.append(f"\n## More than {SLOWER_BY:.0%} slower than the committed results\n")
+        lines += [f"- {r['group']} / {r['label']}: {describe_slower(r['slower'])}" for r in slower]
     errs = [(r, v, e) for r in out["results"] for v, es in r["errors"].items() for e in es[:1]]
     if errs:
         lines.append("\n## Failures\n")
@@ -883,7 +1107,7 @@ def render_png(out: dict, path: str) -> None:
         ("exit_fn", "detect_ms", "functions: process gone → wait() returns (ms)", True),
         ("shutdown", "close_ms", "close() duration (ms)", True),
         ("tee_latency", "line_ms", "tee line latency (ms)", True),
-        ("throughput", "MB_per_s", "log throughput (MB/s, higher is better)", False),
+        ("throughput", "MB_per_s", "writers' rate (MB/s, higher is better)", False),
         ("throughput", "cpu_ms_per_MB", "supervisor CPU per MB (ms)", True),
         ("idle_cpu", "cpu_ms_per_s", "idle supervisor CPU (ms per s)", True),
         ("scale", "wall_ms", "scale: launch + reap wall (ms)", True),
