@@ -9,12 +9,16 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import aiolaunch
 from _helpers import alive
 from aiolaunch import Std
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 SH = "/bin/sh"
 
@@ -491,3 +495,46 @@ def test_guardian_kills_only_the_groups_still_registered_after_many_changes() ->
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+async def test_close_scans_for_escaped_daemons_only_where_one_may_have_escaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token scan (one read of ``/proc/<pid>/environ`` per process born
+    since the first worker, machine-wide) runs in ``close()`` only where a
+    descendant may have left the workers' trees (#26): not for workers that
+    never lost a child, yes once one of them reaped one."""
+    from aiolaunch import _terminate
+
+    scans: list[str] = []
+    real = _terminate._scan_tagged
+
+    async def spy(token: str, since: int, exclude: Sequence[int]) -> set[int]:
+        scans.append(token)
+        return await real(token, since, exclude)
+
+    monkeypatch.setattr(_terminate, "_scan_tagged", spy)
+    quiet = ("-c", "echo ready; exec sleep 30")
+    reaper = ("-c", "sh -c true; echo ready; sleep 30")  # reaps a child, then waits
+    for args, scanned in (({0: quiet, 1: quiet}, False), ({0: quiet, 1: reaper}, True)):
+        scans.clear()
+        async with aiolaunch.start_processes(
+            "s", "/bin/sh", args, {0: {}, 1: {}}, log_dir=tmp_path / str(scanned),
+            redirects=Std.OUT,
+        ) as ctx:  # fmt: skip
+            for rank in (0, 1):
+                await _wait_for_text(ctx.stdouts[rank], "ready")
+            pids = ctx.pids()
+            await ctx.close(timeout=5)
+        assert bool(scans) is scanned, (args, scans)
+        assert all(not alive(pid) for pid in pids.values())
+
+
+async def _wait_for_text(path: str, text: str, timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with open(path) as f:
+            if text in f.read():
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{text!r} never appeared in {path}")

@@ -300,3 +300,46 @@ def test_environ_data_follows_os_environ(monkeypatch: pytest.MonkeyPatch) -> Non
     assert os.fsencode("AIOLAUNCH_COMPAT_PROBE") in data
     monkeypatch.delenv("AIOLAUNCH_COMPAT_PROBE")
     assert _compat.environ_data() == before
+
+
+async def test_add_and_remove_loop_signal_handler_skip_valid_signals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wrappers install and remove a real handler (a real signal reaches it)
+    without asyncio's per-call ``signal.valid_signals()`` (~65 enum members
+    built each call, 8 calls per ``wait()``), and still refuse bad numbers."""
+    loop = asyncio.get_running_loop()
+    calls: list[int] = []
+    real = signal.valid_signals
+    _compat._valid_signals()  # computed once, before the count starts
+
+    def counted() -> set[signal.Signals]:
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(signal, "valid_signals", counted)
+    got: list[str] = []
+    _compat.add_loop_signal_handler(loop, signal.SIGUSR2, got.append, "handled")
+    try:
+        assert _compat.loop_signal_handler(loop, signal.SIGUSR2) is not None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        for _ in range(1000):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == ["handled"]
+    finally:
+        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR2)
+    assert _compat.loop_signal_handler(loop, signal.SIGUSR2) is None
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    assert calls == [], "asyncio's check ran signal.valid_signals()"
+    assert "_check_signal" not in vars(loop), "the loop keeps its own check afterwards"
+    with pytest.raises(ValueError, match="invalid signal number"):
+        _compat.add_loop_signal_handler(loop, 0, got.append)
+    with pytest.raises(TypeError):
+        _compat.add_loop_signal_handler(loop, "SIGUSR2", got.append)  # type: ignore[arg-type]
+    assert "_check_signal" not in vars(loop)
+    # the loop's own methods check as before
+    with pytest.raises(ValueError, match="invalid signal number"):
+        loop.add_signal_handler(0, lambda: None)
+    assert calls, "the loop's own add_signal_handler still uses signal.valid_signals()"

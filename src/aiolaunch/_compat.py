@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
 __all__ = [
+    "add_loop_signal_handler",
     "call_handle_soon",
     "clear_running_loop",
     "dup_fd_for_child",
@@ -41,6 +42,7 @@ __all__ = [
     "multiprocessing_helpers",
     "process_popen",
     "reinstall_loop_signal_handler",
+    "remove_loop_signal_handler",
     "spawn_without_main",
     "task_cancelling",
     "task_uncancel",
@@ -77,10 +79,60 @@ def reinstall_loop_signal_handler(
         return False
     callback, args = found
     try:
-        loop.add_signal_handler(sig, callback, *args)
+        add_loop_signal_handler(loop, sig, callback, *args)
     except (NotImplementedError, RuntimeError, ValueError):
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def _valid_signals() -> frozenset[int]:
+    return frozenset(signal.valid_signals())
+
+
+def _check_signal(sig: int) -> None:
+    # asyncio's BaseSelectorEventLoop._check_signal, with the valid signals
+    # computed once (they are fixed for the life of the process).
+    if not isinstance(sig, int):
+        raise TypeError(f"sig must be an int, not {sig!r}")
+    if sig not in _valid_signals():
+        raise ValueError(f"invalid signal number {sig}")
+
+
+@contextlib.contextmanager
+def _cheap_signal_check(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    # CPython's unix loop checks every signal number of add_signal_handler
+    # and remove_signal_handler against signal.valid_signals(), which builds
+    # a set of ~65 Signals members on each call: 60-400 us, twice per signal
+    # that wait() takes over and gives back (8 calls per wait()). For the
+    # duration of our own call, the loop instance's _check_signal is the same
+    # check against a set computed once. Other loops (uvloop: no __dict__)
+    # are called as they are.
+    if not hasattr(type(loop), "_check_signal") or not hasattr(loop, "__dict__"):
+        yield
+        return
+    loop._check_signal = _check_signal  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            del loop._check_signal  # type: ignore[attr-defined]
+
+
+def add_loop_signal_handler(
+    loop: asyncio.AbstractEventLoop, sig: int, callback: Callable[..., Any], *args: Any
+) -> None:
+    """``loop.add_signal_handler(sig, callback, *args)``, without its per-call
+    ``signal.valid_signals()`` (see :func:`_cheap_signal_check`)."""
+    with _cheap_signal_check(loop):
+        loop.add_signal_handler(sig, callback, *args)
+
+
+def remove_loop_signal_handler(loop: asyncio.AbstractEventLoop, sig: int) -> bool:
+    """``loop.remove_signal_handler(sig)``, without its per-call
+    ``signal.valid_signals()`` (see :func:`_cheap_signal_check`)."""
+    with _cheap_signal_check(loop):
+        return loop.remove_signal_handler(sig)
 
 
 def call_handle_soon(loop: asyncio.AbstractEventLoop, handle: asyncio.Handle) -> bool:

@@ -43,6 +43,10 @@ class StopDeadline:
         self.path = os.path.join(folder, _NAME)
         self.grace = float(grace)
         self._removed = False
+        # The empty file made by make(), kept open: the first set() is one
+        # pwrite on the group's stop path (empty -> whole line: a reader sees
+        # one or the other), not a create + write + rename.
+        self._fd = -1
 
     def env(self) -> dict[str, str]:
         """What every worker's environment gets."""
@@ -53,10 +57,10 @@ class StopDeadline:
 
     def make(self) -> None:
         """Make the (empty) file."""
-        if self._removed:
+        if self._removed or self._fd >= 0:
             return
         try:
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:  # the workers run on; set() tries again
             logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
 
@@ -64,6 +68,18 @@ class StopDeadline:
         """Record that survivors get SIGKILL ``grace`` seconds from now."""
         if self._removed:
             return
+        line = f"{time.time() + max(0.0, grace):.3f}\n"
+        fd, self._fd = self._fd, -1
+        if fd >= 0:  # the empty file of make(): written once in place
+            try:
+                if os.pwrite(fd, line.encode(), 0) == len(line):
+                    return
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        # Rewritten (a second signal escalates), or never made: a new file
+        # renamed over the old one - a worker never reads half of it.
         tmp = self.path + ".tmp"
         try:
             try:
@@ -73,7 +89,7 @@ class StopDeadline:
                 os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
                 f = open(tmp, "w")  # noqa: SIM115
             with f:
-                f.write(f"{time.time() + max(0.0, grace):.3f}\n")
+                f.write(line)
             os.replace(tmp, self.path)  # a worker never reads half of it
         except OSError as exc:  # e.g. /tmp full: the signal still goes out
             logger.warning("aiolaunch: could not write the stop deadline: %s", exc)
@@ -82,5 +98,8 @@ class StopDeadline:
         """Remove the file (idempotent; :meth:`set` does nothing afterwards)."""
         if not self._removed:
             self._removed = True
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
             with contextlib.suppress(OSError):
                 os.unlink(self.path)

@@ -28,9 +28,7 @@ import math
 import signal
 from typing import TYPE_CHECKING
 
-import anyio
-
-from ._cancel import shielded
+from ._cancel import move_on_after, shielded
 from ._compat import task_cancelling, task_uncancel
 from ._events import group_stopped
 from ._results import build_result
@@ -144,7 +142,8 @@ class GroupEnding:
         if self.begun:  # the outcome is known, or on its way
             return self.result or await shielded(self.begin(signal.SIGTERM, 0.0))
         state = self._state
-        deadline = math.inf if timeout is None or timeout < 0 else anyio.current_time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = math.inf if timeout is None or timeout < 0 else loop.time() + timeout
         grace = signals.shutdown_timeout
         with signals.watch(state.wakeup.notify, self.escalate, state.workers, state.name) as watch:
             while True:
@@ -153,9 +152,13 @@ class GroupEnding:
                     await watch.stop_group(self.sent, self.begin(watch.received, grace))
                 if state.decided() or self.begun:
                     return await shielded(self.begin(signal.SIGTERM, grace, decided=True))
-                if anyio.current_time() >= deadline:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
                     return None
-                with anyio.CancelScope(deadline=deadline):
+                if remaining == math.inf:
+                    await state.wakeup.changed(seen)
+                    continue
+                async with move_on_after(remaining):
                     await state.wakeup.changed(seen)
 
     def begin(
@@ -222,7 +225,8 @@ class GroupEnding:
     # -- the outcome ----------------------------------------------------------
     async def _end(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
         await self._forensics.stop()
-        await asyncio.gather(*(o.aclose() for o in self._observers))
+        for observer in self._observers:  # in turn: no task each (most have nothing to stop)
+            await observer.aclose()
         workers = self._state.workers()
         # Before the stop: workers it signals are stopped on purpose, not failed.
         failed = self._state.failed_ranks()

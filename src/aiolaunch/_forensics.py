@@ -144,12 +144,12 @@ class Forensics:
 
     async def stop(self) -> None:
         """Stop the watchdog and the control socket (the group is ending). Idempotent."""
-        if self._server_task is not None:
+        task, self._server_task = self._server_task, None
+        if task is not None and not task.done():
             # A server still being set up is stopped too (ControlServer.start
             # removes its files when cancelled).
-            self._server_task.cancel()
-            await asyncio.gather(self._server_task, return_exceptions=True)
-            self._server_task = None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         if self.watcher is not None:
             await self.watcher.stop()
         if self._server is not None:
@@ -180,7 +180,12 @@ class Forensics:
             self._server.remove()
             self._server = None
         self.sampler.close()
-        shutil.rmtree(self.stacks_dir, ignore_errors=True)
+        try:
+            os.rmdir(self.stacks_dir)  # empty, unless a dump wrote into it
+        except FileNotFoundError:
+            pass
+        except OSError:
+            shutil.rmtree(self.stacks_dir, ignore_errors=True)
         if self._own_dir and not self.dumper.count and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

@@ -28,8 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import anyio
-
+from ._cancel import move_on_after
 from ._errors import ChildFailedError
 from ._events import WorkerReady
 from ._results import not_ready_failure
@@ -353,7 +352,7 @@ class Readiness:
                 raise TimeoutError(
                     f"ranks {not_ready} of {state.name!r} not ready after {timeout}s"
                 )
-            with anyio.move_on_after(remaining):
+            async with move_on_after(remaining):
                 await state.wakeup.changed(seen)
 
     def _failure(self, rank: int) -> ProcessFailure:

@@ -40,10 +40,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._cancel import shielded
 from ._compat import (
+    add_loop_signal_handler,
     call_handle_soon,
     is_default_handler,
     loop_signal_handler,
     reinstall_loop_signal_handler,
+    remove_loop_signal_handler,
 )
 from ._errors import SignalException
 
@@ -201,7 +203,7 @@ class _Hub:
                 if prev == signal.SIG_IGN:
                     continue
                 prev_loop = loop_signal_handler(self.loop, sig)
-                self.loop.add_signal_handler(sig, self._dispatch, sig)
+                add_loop_signal_handler(self.loop, sig, self._dispatch, sig)
                 self.slots[sig] = _Slot(prev, prev_loop)
                 taken.append(sig)
         except (NotImplementedError, RuntimeError, ValueError, OSError):
@@ -222,7 +224,7 @@ class _Hub:
             ):
                 continue
             with contextlib.suppress(Exception):
-                self.loop.remove_signal_handler(sig)
+                remove_loop_signal_handler(self.loop, sig)
             with contextlib.suppress(Exception):
                 signal.signal(sig, slot.previous)
 

@@ -15,10 +15,9 @@ import logging
 import math
 import os
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import anyio
-
+from ._cancel import move_on_after
 from ._compat import task_uncancel
 from ._workers._proc import ProcTable, find_tagged, open_exit_fd, proc_pids, read_stat
 
@@ -44,9 +43,10 @@ _SCAN_SLICE = 64
 async def _wait_exited(workers: Sequence[WorkerHandle], timeout: float) -> None:
     if not workers:
         return
-    with anyio.move_on_after(timeout):
+    async with move_on_after(timeout):
         for w in workers:
-            await w.exited.wait()
+            if not w.exited.is_set():
+                await w.exited.wait()
 
 
 async def _wait_pids_gone(pids: set[int], timeout: float) -> set[int]:
@@ -80,7 +80,7 @@ async def _wait_pids_gone(pids: set[int], timeout: float) -> set[int]:
     for pid, fd in fds.items():
         loop.add_reader(fd, on_gone, pid)
     try:
-        with anyio.move_on_after(timeout):
+        async with move_on_after(timeout):
             await done.wait()
     finally:
         for pid, fd in fds.items():
@@ -150,7 +150,7 @@ async def terminate(
     since = min((w.pid for w in workers), default=0)
     table = ProcTable(since) if (alive or leftovers) else None
     extras: set[int] = set()
-    if token is not None and workers:
+    if token is not None and workers and _may_have_escaped(workers, table):
         tagged = await _tagged(token, since, workers)
         extras |= tagged
         for pid in tagged:
@@ -277,21 +277,27 @@ async def _grace_period(
 ) -> bool:
     """Await ``gone()`` for up to ``grace`` seconds, cut short once ``escalate``
     is set; ``True`` if it was cut short."""
-    escalated = False
-    with anyio.move_on_after(grace):
-        async with anyio.create_task_group() as tg:
-            if escalate is not None:
-
-                async def cut_short() -> None:
-                    nonlocal escalated
-                    await escalate.wait()
-                    escalated = True
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(cut_short)
-            await gone()
-            tg.cancel_scope.cancel()
-    return escalated
+    if escalate is not None and escalate.is_set():
+        return True
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(gone())
+    tasks = {waiter}
+    cut: asyncio.Future[Any] | None = None
+    if escalate is not None:
+        cut = asyncio.ensure_future(escalate.wait())
+        tasks.add(cut)
+    try:
+        await asyncio.wait(tasks, timeout=None if grace == math.inf else grace,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    finally:
+        for t in tasks:
+            t.cancel()
+        # Let the cancelled ones unwind (they hold no resources but the
+        # pidfd readers of _wait_pids_gone, released in its finally).
+        await asyncio.wait(tasks)
+    if waiter.done() and not waiter.cancelled():
+        waiter.result()  # re-raise what gone() raised
+        return False
+    return cut is not None and cut.done() and not cut.cancelled()
 
 
 async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[int]:
@@ -311,6 +317,20 @@ async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[in
             await asyncio.sleep(0)  # allowed: one loop turn between slices
         found |= find_tagged(token, exclude=exclude, pids=pids[i : i + _SCAN_SLICE])
     return found
+
+
+def _may_have_escaped(workers: Sequence[WorkerHandle], table: ProcTable | None) -> bool:
+    """Whether a descendant of the workers may live outside their trees, so
+    that only the token scan (``/proc/*/environ``) would find it.
+
+    Not when every worker is alive and nothing in its tree ever lost a child
+    (:meth:`ProcTable.may_have_escaped`): then the trees and process groups
+    reach everything the workers started, and the scan - one read per
+    process on the machine born since the first worker - is skipped.
+    """
+    if table is None or not all(w.alive for w in workers):
+        return True
+    return any(table.may_have_escaped(w.pid) for w in workers)
 
 
 def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:

@@ -182,11 +182,11 @@ class ConsoleWriter:
     async def settle(self, stall: float) -> bool:
         """Wait until everything queued so far is written, as long as the console
         keeps making progress: ``False`` if it wrote nothing for ``stall`` seconds."""
-        import anyio
+        from .._cancel import move_on_after
 
         while True:
             before = self.written
-            with anyio.move_on_after(stall):
+            async with move_on_after(stall):
                 await self.flush()
                 return True
             if self.written == before:

@@ -23,8 +23,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-import anyio
-
+from .._cancel import move_on_after
 from ._console import CONSOLE_FLUSH_TIMEOUT, console
 
 if TYPE_CHECKING:
@@ -216,7 +215,7 @@ class FileFollower:
             before = writer.written
             room = asyncio.Event()
             sink.when_room(room.set)
-            with anyio.move_on_after(stall):
+            async with move_on_after(stall):
                 await room.wait()
                 continue
             if writer.written == before:

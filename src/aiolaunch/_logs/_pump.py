@@ -7,7 +7,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-import anyio
+from .._cancel import move_on_after
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -166,7 +166,7 @@ class StreamPump(asyncio.Protocol):
             if not transport.is_closing():
                 transport.resume_reading()
             if timeout > 0:
-                with anyio.move_on_after(timeout):
+                async with move_on_after(timeout):
                     await self.eof.wait()
             if not self.eof.is_set():
                 # A descendant still holds the pipe: take what is buffered, then
