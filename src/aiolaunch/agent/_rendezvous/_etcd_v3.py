@@ -59,7 +59,6 @@ def _create(params: Any) -> Any:
 import base64  # noqa: E402
 import http.client  # noqa: E402
 import json  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
@@ -111,18 +110,13 @@ class EtcdError(ConnectionError):
 
 
 class EtcdV3Client:
-    """The few calls of etcd's v3 JSON gateway the rendezvous needs; thread-safe.
-
-    One kept-alive connection for requests (a lock: the handler's heartbeat
-    thread and the agent's thread share it), one connection per watch.
-    """
+    """The few calls of etcd's v3 JSON gateway the rendezvous needs; thread-safe
+    (each call its own connection: the handler's heartbeat thread calls too)."""
 
     def __init__(self, host: str, port: int, *, timeout: float, ttl: int) -> None:
         self.host, self.port = host, port
         self._timeout = timeout
         self._ttl = ttl
-        self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
         self._lease = 0
         self._lease_at = 0.0
 
@@ -130,24 +124,18 @@ class EtcdV3Client:
         return f"EtcdV3Client({self.host}:{self.port})"
 
     def _request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        payload = json.dumps(body)
-        with self._lock:
-            for attempt in (1, 2):  # a kept-alive connection the server closed: once more
-                if self._conn is None:
-                    self._conn = http.client.HTTPConnection(
-                        self.host, self.port, timeout=self._timeout
-                    )
-                try:
-                    self._conn.request("POST", path, payload, {"Content-Type": "application/json"})
-                    resp = self._conn.getresponse()
-                    data = resp.read()
-                except (OSError, http.client.HTTPException) as exc:
-                    self._conn.close()
-                    self._conn = None
-                    if attempt == 2 or isinstance(exc, TimeoutError):
-                        raise EtcdError(f"etcd at {self.host}:{self.port}: {exc}") from exc
-                    continue
-                break
+        # A connection per request: the rendezvous makes a few requests a
+        # second at most, and nothing stays open between them (no fd, no
+        # lock between the heartbeat thread and the agent's).
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self._timeout)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise EtcdError(f"etcd at {self.host}:{self.port}: {exc}") from exc
+        finally:
+            conn.close()
         try:
             answer: dict[str, Any] = json.loads(data)
         except ValueError:
@@ -258,13 +246,6 @@ class EtcdV3Client:
             raise EtcdError(f"etcd at {self.host}:{self.port} /v3/watch: {exc}") from exc
         finally:
             conn.close()
-
-    def close(self) -> None:
-        """Close the kept-alive connection (the lease stays: its keys expire by themselves)."""
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
 
 
 def _prefix_end(key: bytes) -> bytes:
