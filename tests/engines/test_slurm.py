@@ -142,8 +142,8 @@ def test_the_sbatch_recipe_retries_only_what_can_be_fixed(
     code, attempts = RECIPE_EXPECTED[name]
     assert info["ExitCode"] == code, out
     # one line per srun: what aiolaunch took from Slurm, or why it did not start
-    runs = out.count("aiolaunch: under Slurm job") + out.count("aiolaunch: error:")
-    assert runs == attempts, out
+    started = out.count("aiolaunch: under Slurm job") + out.count("aiolaunch: error:")
+    assert started == attempts, out
     if name == "no script":
         assert "not retried" in out
     if name == "fails":
