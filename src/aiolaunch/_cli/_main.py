@@ -8,6 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
+from ._client import VERBS
 from ._config import LaunchConfig, config_from_args
 from ._parser import get_args_parser
 from ._preflight import check_entrypoint
@@ -73,12 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     is also written as the termination message.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("status", "stacks"):
+    if argv and argv[0] in VERBS:
         # `aiolaunch status|stacks LOG_DIR`: talk to a running job's control
         # socket (a script named "status" still runs as `aiolaunch ./status`).
-        from .._control import stacks_main, status_main
-
-        return (status_main if argv[0] == "status" else stacks_main)(argv[1:])
+        return VERBS[argv[0]](argv[1:])
     from ._init import run_as_init
 
     init_status = run_as_init()  # PID 1 (a container without an init): reap orphans
