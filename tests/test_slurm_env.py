@@ -61,11 +61,14 @@ def _args(*argv: str) -> object:
     return parse_args([*argv, "train.py"])
 
 
+# an srun step on every node of the allocation (what srun writes)
 SLURM = {
     "SLURM_JOB_ID": "42",
     "SLURM_NNODES": "3",
     "SLURM_NODEID": "2",
     "SLURM_JOB_NODELIST": "gpu[07-09]",
+    "SLURM_STEP_NUM_NODES": "3",
+    "SLURM_STEP_NODELIST": "gpu[07-09]",
 }
 
 
@@ -74,9 +77,27 @@ def test_slurm_fills_what_was_not_given() -> None:
     notice = apply_slurm(args, SLURM)
     assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == ("3", 2, "gpu07:29500")
     assert notice == (
-        "under Slurm job 42: --nnodes 3 (SLURM_NNODES), --node-rank 2 (SLURM_NODEID), "
-        "--rdzv-endpoint gpu07:29500 (first host of SLURM_JOB_NODELIST=gpu[07-09])"
+        "under Slurm job 42: --nnodes 3 (SLURM_STEP_NUM_NODES), --node-rank 2 (SLURM_NODEID), "
+        "--rdzv-endpoint gpu07:29500 (first host of SLURM_STEP_NODELIST=gpu[07-09])"
     )
+
+
+def test_a_step_on_part_of_the_allocation_is_its_own_world() -> None:
+    env = {**SLURM, "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[08-09]"}
+    env["SLURMD_NODENAME"] = "gpu09"  # SLURM_NODEID=2 counts in the job, not the step
+    args = parse_args(["train.py"])
+    notice = apply_slurm(args, env)
+    assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == ("2", 1, "gpu08:29500")
+    assert "--node-rank 1 (SLURMD_NODENAME=gpu09 in SLURM_STEP_NODELIST)" in (notice or "")
+
+
+def test_several_nodes_outside_srun_is_refused() -> None:
+    batch = {k: v for k, v in SLURM.items() if not k.startswith("SLURM_STEP_")}
+    with pytest.raises(ValueError, match=r"srun aiolaunch.*--nnodes 1"):
+        apply_slurm(parse_args(["train.py"]), batch)
+    args = parse_args(["--nnodes", "1", "train.py"])  # what the message says: fine
+    apply_slurm(args, batch)
+    assert args.nnodes == "1"
 
 
 def test_c10d_gets_the_endpoint_but_no_node_rank() -> None:
@@ -101,14 +122,14 @@ def test_one_node_and_outside_slurm_take_nothing_but_the_count() -> None:
     args = parse_args(["train.py"])
     assert apply_slurm(args, {k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}) is None
     assert args.nnodes == "1:1"
-    one = {**SLURM, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "gpu07"}
-    notice = apply_slurm(args, one)
+    one = {"SLURM_JOB_ID": "42", "SLURM_NNODES": "1", "SLURM_NODEID": "0"}
+    notice = apply_slurm(args, {**one, "SLURM_JOB_NODELIST": "gpu07"})  # the batch script
     assert notice == "under Slurm job 42: --nnodes 1 (SLURM_NNODES)"
     assert (args.node_rank, args.rdzv_endpoint) == (0, "")
 
 
 @pytest.mark.parametrize(("var", "value"), [
-    ("SLURM_NNODES", "two"), ("SLURM_NODEID", "x"), ("SLURM_JOB_NODELIST", "n[1-"),
+    ("SLURM_STEP_NUM_NODES", "two"), ("SLURM_NODEID", "x"), ("SLURM_STEP_NODELIST", "n[1-"),
 ])  # fmt: skip
 def test_bad_slurm_values_name_the_variable(var: str, value: str) -> None:
     with pytest.raises(ValueError, match=var):

@@ -4,12 +4,15 @@
 needs no ``--nnodes/--node-rank/--rdzv-endpoint``: when ``SLURM_JOB_ID`` is
 set and neither the command line nor ``PET_*`` gave them, they come from
 
-- ``--nnodes``: ``SLURM_NNODES`` (the nodes of the job step, or of the job);
-- ``--node-rank``: ``SLURM_NODEID`` (static rendezvous only: a torch
-  rendezvous assigns node ranks itself);
-- ``--rdzv-endpoint``: the first host of ``SLURM_JOB_NODELIST`` (static and
-  c10d; the port is ``--master-port`` or the backend's default), in
-  Slurm's hostlist syntax (:func:`expand_hostlist`).
+- ``--nnodes``: ``SLURM_STEP_NUM_NODES`` in an ``srun`` step, else
+  ``SLURM_NNODES`` (several nodes outside a step is an error: the batch
+  script runs on the first node only);
+- ``--node-rank`` (static rendezvous only: a torch rendezvous assigns node
+  ranks itself): this node's (``SLURMD_NODENAME``) place in the node list,
+  else ``SLURM_NODEID``;
+- ``--rdzv-endpoint``: the first host of ``SLURM_STEP_NODELIST`` (else
+  ``SLURM_JOB_NODELIST``; static and c10d; the port is ``--master-port`` or
+  the backend's default), in Slurm's hostlist syntax (:func:`expand_hostlist`).
 
 One line on stderr says what was taken from where. One node needs nothing
 (a local rendezvous on a free port, no torch).
@@ -116,50 +119,92 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> str | N
     """Fill ``args`` from ``SLURM_*`` where the user gave nothing; return the one-line notice.
 
     ``None`` outside Slurm (no ``SLURM_JOB_ID``), or when nothing was taken.
+    In an ``srun`` step the step's own variables count (``SLURM_STEP_NUM_NODES``,
+    ``SLURM_STEP_NODELIST``; the node rank is this node's place in that list),
+    so a step on part of the allocation forms its own world.
 
-    :raises ValueError: ``SLURM_NNODES``/``SLURM_NODEID`` are not numbers, or
-        the node list cannot be read (the message names the variable).
+    :raises ValueError: the variables are not what Slurm writes (the message
+        names the variable), or the allocation has several nodes but this is
+        the batch script (no ``srun``: it runs on the first node only).
     """
     if not environ.get("SLURM_JOB_ID"):
         return None
+    step = "SLURM_STEP_NUM_NODES" in environ
     taken: list[str] = []
-    nnodes_var = "SLURM_NNODES" if "SLURM_NNODES" in environ else "SLURM_JOB_NUM_NODES"
+    nnodes_var = next(
+        (
+            v
+            for v in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+            if v in environ
+        ),
+        None,
+    )
     nnodes = args.nnodes
-    if not _given(args, "nnodes", environ) and environ.get(nnodes_var):
+    if not _given(args, "nnodes", environ) and nnodes_var:
         value = environ[nnodes_var]
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{nnodes_var}={value!r} is not a node count; pass --nnodes")
+        if int(value) > 1 and not step:
+            raise ValueError(
+                f"{nnodes_var}={value}, but this is not an srun step (the batch script runs "
+                "on the first node only): start one aiolaunch per node with `srun aiolaunch "
+                "...`, or pass --nnodes 1 for one node"
+            )
         nnodes = args.nnodes = value
         taken.append(f"--nnodes {value} ({nnodes_var})")
-    several = nnodes.split(":")[-1] != "1"
+    if nnodes.split(":")[-1] == "1":
+        return _notice(environ, taken)
+    list_var = next(
+        (
+            v
+            for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+            if v in environ
+        ),
+        None,
+    )
+    hosts: list[str] = []
+    if list_var:
+        try:
+            hosts = expand_hostlist(environ[list_var])
+        except ValueError as exc:
+            raise ValueError(f"{list_var}: {exc}; pass --rdzv-endpoint HOST:PORT") from None
     backend = args.rdzv_backend
-    if several and backend == "static" and not _given(args, "node_rank", environ):
-        value = environ.get("SLURM_NODEID", "")
-        if value:
+    if backend == "static" and not _given(args, "node_rank", environ):
+        me = environ.get("SLURMD_NODENAME", "")
+        if me and me in hosts:
+            args.node_rank = hosts.index(me)
+            taken.append(f"--node-rank {args.node_rank} (SLURMD_NODENAME={me} in {list_var})")
+        elif environ.get("SLURM_NODEID"):
+            value = environ["SLURM_NODEID"]
             if not value.isdigit():
                 raise ValueError(f"SLURM_NODEID={value!r} is not a node index; pass --node-rank")
             args.node_rank = int(value)
             taken.append(f"--node-rank {value} (SLURM_NODEID)")
     if (
-        several
+        hosts
+        and list_var
         and backend in _ENDPOINT_BACKENDS
         and not _given(args, "rdzv_endpoint", environ)
         and not _given(args, "master_addr", environ)
     ):
-        var = "SLURM_JOB_NODELIST" if "SLURM_JOB_NODELIST" in environ else "SLURM_NODELIST"
-        nodelist = environ.get(var, "")
-        if nodelist:
-            try:
-                first = expand_hostlist(nodelist)[0]
-            except ValueError as exc:
-                raise ValueError(f"{var}: {exc}; pass --rdzv-endpoint HOST:PORT") from None
-            port = args.master_port
-            if port is None and backend == "static":
-                from ._parser import DEFAULT_MASTER_PORT
+        port = args.master_port
+        if port is None and backend == "static":
+            from ._parser import DEFAULT_MASTER_PORT
 
-                port = DEFAULT_MASTER_PORT
-            args.rdzv_endpoint = first if port is None else f"{first}:{port}"
-            taken.append(f"--rdzv-endpoint {args.rdzv_endpoint} (first host of {var}={nodelist})")
+            port = DEFAULT_MASTER_PORT
+        args.rdzv_endpoint = hosts[0] if port is None else f"{hosts[0]}:{port}"
+        taken.append(
+            f"--rdzv-endpoint {args.rdzv_endpoint} (first host of {list_var}={environ[list_var]})"
+        )
+    return _notice(environ, taken)
+
+
+def _first(environ: Mapping[str, str], *names: str) -> str | None:
+    """The first of ``names`` that is set."""
+    return next((n for n in names if n in environ), None)
+
+
+def _notice(environ: Mapping[str, str], taken: list[str]) -> str | None:
     if not taken:
         return None
     return f"under Slurm job {environ['SLURM_JOB_ID']}: " + ", ".join(taken)
