@@ -10,6 +10,7 @@ rendezvous, success.
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 import textwrap
@@ -108,6 +109,29 @@ def test_store_waits_on_a_watch_and_counts_atomically(etcd: str) -> None:
     for t in threads:
         t.join(60)
     assert store.add("n", 0) == 40  # no lost update under contention
+
+
+def test_keys_go_with_their_lease_and_a_lost_lease_is_replaced(etcd: str) -> None:
+    from aiolaunch.agent._rendezvous._etcd_v3 import EtcdV3Client
+
+    host, port = etcd.split(":")
+    client = EtcdV3Client(host, int(port), timeout=10, ttl=2)
+    key = f"/t/lease/{uuid.uuid4().hex}".encode()
+    client.put(key, b"1")
+    first = client.lease()
+    deadline = time.monotonic() + 30  # etcd expires a 2 s lease within a few seconds
+    while client.range(key)[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.range(key)[0] == []  # what a job leaves in etcd goes by itself
+    client.put(key, b"2")  # a fresh lease: the old one is gone
+    assert client.lease() != first
+    assert [kv["value"] for kv in client.range(key)[0]] == ["Mg=="]
+    # revoked behind the client's back (its clock says the lease is fresh):
+    # the write is refused once, then made with a new lease
+    body = json.dumps({"ID": str(client.lease())}).encode()
+    urllib.request.urlopen(f"http://{etcd}/v3/lease/revoke", body, timeout=10).close()
+    client.put(key, b"3")
+    assert [kv["value"] for kv in client.range(key)[0]] == ["Mw=="]
 
 
 def test_unreachable_etcd_is_a_clear_error() -> None:
