@@ -88,8 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     _setup_logging()
     try:
-        check_entrypoint(args)  # first: nothing (not even a rendezvous store) starts
-        cfg = config_from_args(args)
+        cfg = config_from_args(args)  # bad options first, then what to run
+        check_entrypoint(args)
     except (ValueError, TypeError, ImportError, NotADirectoryError, FileNotFoundError) as exc:
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
         write_termination_message(f"aiolaunch: error: {exc}")
