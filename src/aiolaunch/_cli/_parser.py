@@ -364,6 +364,22 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="Every worker gets LOCAL_RANK=0 and sees only its own GPU through "
         "CUDA_VISIBLE_DEVICES (torchrun's virtual local rank mode).",
     )
+    # -- warm start (aiolaunch's own) --
+    add(
+        "--preload",
+        action=_Env,
+        default=None,
+        metavar="MOD[,MOD...]",
+        help="Warm start: fork the Python workers from a zygote process that imported these "
+        "modules once (the first start and every restart skip those imports). Default: torch, "
+        "when torch is installed and the workers are Python scripts or modules.",
+    )
+    add(
+        "--no-preload",
+        "--no_preload",
+        action=_CheckEnv,
+        help="Start every worker afresh, without a zygote (as torchrun does).",
+    )
     add(
         "training_script",
         type=str,

@@ -19,11 +19,13 @@ from .._logs_specs import attempt_dir_path, make_run_dir, prune_empty_dirs
 from .._results import root_cause
 from .._signames import describe_signal
 from .._validate import START_METHODS, check_log_dir_not_file, log_dir_error
+from .._workers._preload import resolve_preload
 from ._elastic_events import EventRecorder
 from ._env import omp_notice, substitute_local_rank, worker_envs
 from ._numa import numa_cpus, wrap_for_numa
 from ._rendezvous import GroupAssignment, Rendezvous, resolve
 from ._spec import RunResult, WorkerSpec, WorkerState
+from ._warm import WarmStart
 
 if TYPE_CHECKING:
     from .._context import PContext
@@ -72,6 +74,10 @@ class LocalElasticAgent:
         for each further one (capped at ``restart_backoff_max``); ``0``
         (default, like torch): restart at once.
     :param restart_backoff_max: the cap of that delay.
+    :param preload: warm start: Python workers forked from a zygote that
+        imported these modules once (``True``: torch), kept across attempts;
+        on one node each attempt also gets a fresh store of the agent's own
+        (see ``agent/_warm.py``). ``None``/``False``: off.
 
     *Signals*: while the workers run, SIGTERM, SIGINT, SIGHUP and SIGQUIT to
     this process are forwarded to them and :meth:`run` raises
@@ -93,6 +99,7 @@ class LocalElasticAgent:
         shutdown_timeout: float = 30.0,
         restart_backoff: float = 0.0,
         restart_backoff_max: float = 30.0,
+        preload: bool | list[str] | tuple[str, ...] | None = None,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec={spec!r} must be an aiolaunch.agent.WorkerSpec")
@@ -123,6 +130,7 @@ class LocalElasticAgent:
         self._shutdown_timeout = float(shutdown_timeout)
         self._backoff = float(restart_backoff)
         self._backoff_max = float(restart_backoff_max)
+        self._warm = WarmStart(resolve_preload(preload), spec.local_world_size)
         self._rdzv: Rendezvous = resolve(spec.rdzv_handler, local_addr=spec.local_addr)
         self._state = WorkerState.INIT
         self._run_log_dir: str | None = None
@@ -224,6 +232,7 @@ class LocalElasticAgent:
                 master_addr=spec.master_addr,
                 master_port=spec.master_port,
             )
+            assignment = await self._warm.assignment(assignment)
             # torch records both before the group learns its new size
             ev = self._events
             ev.run_id, ev.restart_count = assignment.run_id, self._restart_count
@@ -374,9 +383,11 @@ class LocalElasticAgent:
             duplicate_stdout_filters=spec.duplicate_stdout_filters,
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
             watchdog=spec.watchdog,
+            preload=self._warm.names,
             **logs,
         )
         self._state = WorkerState.HEALTHY
+        await self._warm.started()
         pids = ctx.pids()
         self._last = (assignment, pids)
         for r, pid in pids.items():
@@ -397,6 +408,7 @@ class LocalElasticAgent:
             # run() cannot leave workers behind.
             with anyio.CancelScope(shield=True):
                 await ctx.close(timeout=self._shutdown_timeout)
+                await self._warm.attempt_ended()
 
     def _attempt_dir(self, run_id: str, membership_round: int) -> str:
         if self._run_log_dir is None:
