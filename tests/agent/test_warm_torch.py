@@ -118,7 +118,9 @@ async def test_a_dataloader_with_worker_processes(tmp_path: Path) -> None:
         log_dir=str(tmp_path / "logs"), redirects=aiolaunch.Std.ALL, preload=["torch"],
     ) as ctx:  # fmt: skip
         result = await ctx.wait()
-    assert result is not None and not result.is_failed(), (tmp_path / "logs/0/stderr.log").read_text()
+    assert result is not None and not result.is_failed(), (
+        tmp_path / "logs/0/stderr.log"
+    ).read_text()
     assert (tmp_path / "logs/0/stdout.log").read_text() == f"total {float(sum(range(64)))}\n"
 
 
@@ -135,7 +137,9 @@ async def test_a_preload_that_runs_an_op_is_refused(
     write_script(tmp_path, "warm_op_mod.py", RUNS_AN_OP)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a pool of two threads, even on one CPU
-    script = write_script(tmp_path, "w.py", "import os, torch; print(os.getppid(), torch.ones(64, 64).sum().item())")
+    script = write_script(
+        tmp_path, "w.py", "import os, torch; print(os.getppid(), torch.ones(64, 64).sum().item())"
+    )
     async with aiolaunch.start_processes(
         name="w", entrypoint=sys.executable,
         args={0: ("-u", "-m", "aiolaunch._bootstrap", str(script))}, envs={0: {}},

@@ -25,7 +25,7 @@ from ._guardian import GUARDIAN_ENV, current_guardian, guardian
 from ._handle import WorkerHandle, close_fd
 
 if TYPE_CHECKING:
-    from ._function import _ResultReader
+    from ._function import ResultReader
     from ._warm import Zygote
 
 __all__ = ["ZygoteWorker", "fork_function", "script_form", "spawn_script", "start_store"]
@@ -36,15 +36,18 @@ BOOTSTRAP = "aiolaunch._bootstrap"
 class ZygoteWorker(WorkerHandle):
     """A worker forked from a zygote (whose child it is: the zygote reports its exit)."""
 
-    def __init__(self, local_rank: int, *, function: bool = False, session: bool = True) -> None:
+    def __init__(
+        self, local_rank: int, *, result: ResultReader | None = None, session: bool = True
+    ) -> None:
         super().__init__(local_rank)
-        self.records_exceptions = function
+        #: a function worker (its return value on ``result``) records its exceptions
+        self.records_exceptions = result is not None
         self._session = session  # leads its own session: watched by the guardian
         self._zygote_pid = 0
         # Opened at the fork: read only if the zygote dies before the worker.
         self._pidfd: int | None = None
         self._watching = False
-        self._result: _ResultReader | None = None
+        self._result = result
         self._zygote: Zygote | None = None
 
     def forked(self, zygote: Zygote) -> None:
@@ -212,7 +215,7 @@ async def fork_function(
     error_file: str,
 ) -> ZygoteWorker | None:
     """Fork a function worker from ``zygote``; ``None``: start it the ordinary way."""
-    from ._function import _ResultReader
+    from ._function import ResultReader
 
     if not await zygote.ready():
         return None
@@ -222,16 +225,15 @@ async def fork_function(
         zygote.warn(f"rank {local_rank} starts the ordinary way: {why}")
         return None
     loop = asyncio.get_running_loop()
-    handle = ZygoteWorker(local_rank, function=True, session=False)
     with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
         result_r, result_w = os.pipe()
         always_cleanup.callback(close_fd, result_w)
         pipe = os.fdopen(result_r, "rb", buffering=0)
         cleanup_on_fail.callback(pipe.close)
-        reader = _ResultReader()
+        reader = ResultReader()
         await loop.connect_read_pipe(lambda: reader, pipe)  # the transport owns result_r
         cleanup_on_fail.callback(reader.close)
-        handle._result = reader
+        handle = ZygoteWorker(local_rank, result=reader, session=False)
         req = {
             "job": "function",
             **_common(full),

@@ -19,6 +19,7 @@ import multiprocessing.process
 import os
 import signal
 import warnings
+from typing import Any
 
 from .._compat import forget_child, process_popen, spawn_without_main
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
@@ -27,12 +28,12 @@ from ._handle import WorkerHandle, close_fd
 from ._lifeline import lifeline_fds
 from ._proc import open_exit_fd
 
-__all__ = ["FunctionWorker", "settle_result", "spawn_function"]
+__all__ = ["FunctionWorker", "ResultReader", "settle_result", "spawn_function"]
 
 _READ_SIZE = 1 << 20
 
 
-class _ResultReader(asyncio.Protocol):
+class ResultReader(asyncio.Protocol):
     """Collects the worker's length-prefixed return record from the result pipe.
 
     Fd ownership: from ``connect_read_pipe`` on, the read end belongs to the
@@ -107,7 +108,7 @@ class _ResultReader(asyncio.Protocol):
         self.buf = bytearray()
 
 
-def settle_result(handle: WorkerHandle, reader: _ResultReader | None, rc: int) -> None:
+def settle_result(handle: WorkerHandle, reader: ResultReader | None, rc: int) -> None:
     """At a function worker's exit: its return value, or why a clean exit still failed.
 
     Reads what the result pipe still buffers, then closes ``reader``.
@@ -147,7 +148,33 @@ class FunctionWorker(WorkerHandle):
         # it. The result pipe's read end is owned by _result's transport.
         self._exit_fd: int | None = None
         self._own_exit_fd = False
-        self._result: _ResultReader | None = None
+        self._result: ResultReader | None = None
+
+    async def follow(
+        self, proc: multiprocessing.process.BaseProcess, pipe: Any, *, forkserver: bool
+    ) -> None:
+        """Watch ``proc`` (just started) for its exit and ``pipe`` for its return value.
+
+        ``pipe`` is the result pipe's read end (a binary file object); its
+        transport owns it from here on (see :class:`ResultReader`).
+        """
+        loop = asyncio.get_running_loop()
+        self.process = proc
+        assert proc.pid is not None
+        self.pid = proc.pid
+        exit_fd = None
+        if not forkserver:
+            with contextlib.suppress(OSError):
+                os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own setpgid
+            exit_fd = open_exit_fd(proc.pid)
+        if exit_fd is None:
+            self._exit_fd = proc.sentinel
+        else:
+            self._exit_fd, self._own_exit_fd = exit_fd, True
+        reader = self._result = ResultReader()
+        await loop.connect_read_pipe(lambda: reader, pipe)
+        # Level-triggered: an exit that happened meanwhile is still reported.
+        loop.add_reader(self._exit_fd, self._on_exit_readable)
 
     def _on_exit_readable(self) -> None:
         loop = asyncio.get_running_loop()
@@ -208,7 +235,6 @@ async def spawn_function(
     and closes its copies) or ``None`` to inherit the supervisor's. (Forked
     from a zygote instead: :func:`._forks.fork_function`.)
     """
-    loop = asyncio.get_running_loop()
     handle = FunctionWorker(local_rank)
     g = guardian()
     if g is not None:
@@ -253,25 +279,7 @@ async def spawn_function(
         # We reap our workers ourselves; multiprocessing must neither reap them
         # in its _cleanup() nor join them at interpreter exit.
         forget_child(proc)
-        handle.process = proc
-        assert proc.pid is not None
-        handle.pid = proc.pid
-        exit_fd = None
-        if start_method != "forkserver":
-            with contextlib.suppress(OSError):
-                os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own setpgid
-            exit_fd = open_exit_fd(proc.pid)
-        if exit_fd is None:
-            handle._exit_fd = proc.sentinel
-        else:
-            handle._exit_fd = exit_fd
-            handle._own_exit_fd = True
-        reader = _ResultReader()
-        handle._result = reader
-        # From here on the transport owns result_r (see _ResultReader).
-        await loop.connect_read_pipe(lambda: reader, pipe)
-        # Level-triggered: an exit that happened meanwhile is still reported.
-        loop.add_reader(handle._exit_fd, handle._on_exit_readable)
+        await handle.follow(proc, pipe, forkserver=start_method == "forkserver")
         cleanup_on_fail.pop_all()
     return handle
 

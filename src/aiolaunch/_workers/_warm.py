@@ -140,6 +140,8 @@ class Zygote:
         #: live forked workers by pid, and the exit codes they reported themselves
         self.workers: dict[int, ZygoteWorker] = {}
         self.reported: dict[int, int] = {}
+        #: children forked ahead, waiting for a request (long-lived, as the zygote)
+        self.spares: set[int] = set()
         self._warned: set[str] = set()
         self._pending: list[tuple[asyncio.Future[int | None], ZygoteWorker | None]] = []
         self._ready: asyncio.Future[None] | None = None
@@ -244,7 +246,11 @@ class Zygote:
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
-        if op == "exited":
+        log.debug("zygote %d: %s", self.pid, msg)
+        if op == "spare":
+            self.spares.add(msg["pid"])
+        elif op == "exited":
+            self.spares.discard(msg["pid"])
             worker = self.workers.pop(msg["pid"], None)
             self.reported.pop(msg["pid"], None)
             if worker is not None:
@@ -252,6 +258,7 @@ class Zygote:
         elif op in ("forked", "refused"):
             fut, worker = self._pending.pop(0)
             pid = msg.get("pid")
+            self.spares.discard(pid)
             if worker is not None and pid is not None:
                 worker.pid = pid
                 self.workers[pid] = worker
@@ -415,6 +422,14 @@ def zygote_for(preload: Preload, extra_env: Mapping[str, str] | None = None) -> 
     return z
 
 
+def _children(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return {int(p) for p in f.read().split()}
+    except (OSError, ValueError):
+        return set()
+
+
 def close_zygotes() -> None:
     """Stop every zygote of this process (the CLI, once its run is over)."""
     zygotes = _ZYGOTES.peek()
@@ -431,5 +446,8 @@ def zygote_helpers() -> tuple[set[int], set[int]]:
     for z in (_ZYGOTES.peek() or {}).values():
         if z.pidfd >= 0:
             pids.add(z.pid)
+            # Its spares: the children that are no worker (the zygote may have
+            # forked one the supervisor has not heard of yet).
+            pids |= (_children(z.pid) or z.spares) - set(z.workers)
         fds |= z.fds()
     return pids, fds

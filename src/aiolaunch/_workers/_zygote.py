@@ -6,8 +6,9 @@ separated), says ``ready``, and serves fork requests on the ``CTL`` socket
 until its EOF (the supervisor closed it, or died: even a SIGKILLed
 supervisor takes its zygote along). Between requests, once it has forked at
 least once and sat idle for a moment (or when the supervisor says its
-workers all started: ``later``), it imports the modules of ``LATER`` one at
-a time (torch's lazily imported parts: a restart then skips them too).
+workers all started: ``later``), it imports the modules of ``LATER``
+(torch's lazily imported parts: a restart then skips them too), then forks
+spare children that wait for the next requests (:class:`_Server`).
 
 What it must never do, and checks before every fork (:func:`fork_hazard`):
 run a second thread (an OpenMP pool: the first parallel op of a forked child
@@ -18,8 +19,9 @@ refuse to fork, and the supervisor starts those workers the ordinary way.
 The wire format (:func:`send_frame` / :func:`recv_frame`): a 4-byte length
 and a pickled dict; the supervisor's requests carry their fds as SCM_RIGHTS.
 Replies: ``ready``, ``failed`` (a preload import), ``loaded`` (a later
-import), ``forked``/``refused`` (one per request, in order) and ``exited``
-(a child's raw wait status; the zygote is the parent and reaps it).
+import), ``forked``/``refused`` (one per request, in order), ``spare`` (a
+child forked ahead) and ``exited`` (a child's raw wait status; the zygote is
+the parent and reaps it).
 
 Imports only the standard library and aiolaunch's light modules: the
 workers inherit every module it holds.
@@ -53,8 +55,10 @@ __all__ = [
 _HEADER = struct.Struct("!I")
 #: most fds one request carries (stdin, stdout, stderr, and one job fd)
 MAX_FDS = 8
-#: idle time (seconds) after a fork before the next LATER import starts
-LATER_AFTER_IDLE = 0.3
+#: idle time (seconds) after a request before a LATER import or a spare fork
+IDLE = 0.1
+#: the most spares a zygote keeps
+MAX_SPARES = 16
 
 #: Environment variables read when the interpreter starts or a preloaded
 #: library loads (the interpreter's, glibc's, OpenMP's, BLAS's, torch's). A
@@ -219,7 +223,15 @@ def _signal_state() -> dict[int, Any]:
 
 
 class _Server:
-    """The zygote's request loop. :meth:`serve` returns only in a forked child."""
+    """The zygote's request loop. :meth:`serve` returns only in a forked child.
+
+    *Spares*: once idle, the zygote forks (while it is safe to) as many
+    children as the largest burst of requests so far (at most
+    :data:`MAX_SPARES`); each waits on a socket of its own for its request.
+    A restart then hands its ranks to spares instead of forking them one
+    after the other (a fork of a torch-sized process takes 10-25 ms). Spares
+    made before a LATER import are dropped: they lack the module.
+    """
 
     def __init__(self, ctl: socket.socket, status_fd: int, lifeline_fd: int) -> None:
         self.ctl = ctl
@@ -227,18 +239,23 @@ class _Server:
         self.lifeline_fd = lifeline_fd
         self.signals = _signal_state()
         self.children: dict[int, int] = {}  # pidfd -> pid
+        self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
+        self.want = 0  # spares to keep: the largest burst so far
+        self.burst = 0  # requests since the zygote was last idle
+        self.later: list[str] = []
         self.poll = select.poll()
         self.poll.register(ctl, select.POLLIN)
         self.forked = False
 
     def serve(self, later: list[str]) -> Callable[[], None]:
+        self.later = later
         while True:
-            timeout = None
-            if later and self.forked:
-                timeout = int(LATER_AFTER_IDLE * 1000)
-            events = self.poll.poll(timeout)
+            idle = self.forked and (self.later or len(self.spares) < self.want)
+            events = self.poll.poll(int(IDLE * 1000) if idle else None)
             if not events:
-                self._import_later(later.pop(0))
+                job = self._idle()
+                if job is not None:
+                    return job
                 continue
             for fd, _ in events:
                 if fd == self.ctl.fileno():
@@ -246,8 +263,7 @@ class _Server:
                     if got is None:
                         os._exit(0)  # the supervisor closed the zygote, or died
                     if got[0].get("op") == "later":  # the workers started: import now
-                        while later:
-                            self._import_later(later.pop(0))
+                        self._import_later()
                         continue
                     job = self._request(*got)
                     if job is not None:
@@ -255,16 +271,52 @@ class _Server:
                 else:
                     self._reap(fd)
 
-    def _import_later(self, name: str) -> None:
+    def _idle(self) -> Callable[[], None] | None:
+        self.burst = 0
+        if self.later:
+            self._import_later()
+            return None
+        return self._spare()
+
+    def _import_later(self) -> None:
         import importlib
 
-        error = None
-        try:
-            importlib.import_module(name)
-        except BaseException as exc:
-            error = _import_error(exc)
-        gc.freeze()
-        send_frame(self.ctl, {"op": "loaded", "module": name, "error": error})
+        while self.later:
+            name = self.later.pop(0)
+            error = None
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:
+                error = _import_error(exc)
+            gc.freeze()
+            send_frame(self.ctl, {"op": "loaded", "module": name, "error": error})
+        for pid, sock in self.spares:  # made without the module
+            sock.close()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # pragma: no cover
+                pass
+        self.spares.clear()
+
+    def _spare(self) -> Callable[[], None] | None:
+        if fork_hazard() is not None:
+            self.want = 0  # the next request is refused, with the reason
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            self._forget()
+            got = recv_frame(theirs)  # blocks until it is handed a worker
+            if got is None:
+                os._exit(0)  # dropped, or the zygote is gone
+            theirs.close()
+            return self._become(*got)
+        theirs.close()
+        self._watch(pid)
+        self.spares.append((pid, ours))
+        send_frame(self.ctl, {"op": "spare", "pid": pid})
+        return None
 
     def _reap(self, pidfd: int) -> None:
         pid = self.children[pidfd]
@@ -279,35 +331,65 @@ class _Server:
         del self.children[pidfd]
         send_frame(self.ctl, {"op": "exited", "pid": pid, "status": status})
 
+    def _watch(self, pid: int) -> None:
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = pid
+        self.poll.register(pidfd, select.POLLIN)
+
     def _request(self, req: dict[str, Any], fds: list[int]) -> Callable[[], None] | None:
         if req.get("op") != "fork":
             for fd in fds:
                 os.close(fd)
             return None
-        hazard = fork_hazard()
-        if hazard is not None:
-            for fd in fds:
-                os.close(fd)
-            send_frame(self.ctl, {"op": "refused", "reason": hazard})
-            return None
-        pid = os.fork()
-        if pid == 0:
-            return self._child(req, fds)
+        self.burst += 1
+        self.want = min(max(self.want, self.burst), MAX_SPARES)
+        pid = self._hand_to_spare(req, fds)
+        if pid is None:
+            hazard = fork_hazard()
+            if hazard is not None:
+                for fd in fds:
+                    os.close(fd)
+                send_frame(self.ctl, {"op": "refused", "reason": hazard})
+                return None
+            pid = os.fork()
+            if pid == 0:
+                self._forget()
+                return self._become(req, fds)
+            self._watch(pid)
         self.forked = True
+        if req["job"] == "function":
+            try:
+                os.setpgid(pid, pid)  # as the child will: no window where it shares ours
+            except OSError:
+                pass
         for fd in fds:
             os.close(fd)
-        pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = pid
-        self.poll.register(pidfd, select.POLLIN)
         send_frame(self.ctl, {"op": "forked", "pid": pid})
         return None
 
-    def _child(self, req: dict[str, Any], fds: list[int]) -> Callable[[], None]:
-        from ._forked import ChildContext, become
+    def _hand_to_spare(self, req: dict[str, Any], fds: list[int]) -> int | None:
+        while self.spares:
+            pid, sock = self.spares.pop(0)
+            try:
+                send_frame(sock, req, fds)  # checked for safety when it was forked
+            except OSError:
+                continue  # it died: the next one, or a fork
+            finally:
+                sock.close()
+            return pid
+        return None
 
+    def _forget(self) -> None:
+        """In a new child: close what only the zygote may hold."""
         for pidfd in self.children:
             os.close(pidfd)
+        for _, sock in self.spares:
+            sock.close()
         self.ctl.close()
+
+    def _become(self, req: dict[str, Any], fds: list[int]) -> Callable[[], None]:
+        from ._forked import ChildContext, become
+
         ctx = ChildContext(
             status_fd=self.status_fd, lifeline_fd=self.lifeline_fd, signals=self.signals
         )

@@ -130,8 +130,12 @@ class LocalElasticAgent:
         self._shutdown_timeout = float(shutdown_timeout)
         self._backoff = float(restart_backoff)
         self._backoff_max = float(restart_backoff_max)
-        self._warm = WarmStart(resolve_preload(preload), spec.local_world_size)
         self._rdzv: Rendezvous = resolve(spec.rdzv_handler, local_addr=spec.local_addr)
+        self._warm = WarmStart(
+            resolve_preload(preload),
+            spec.local_world_size,
+            auto_port=lambda: spec.master_port is None and getattr(self._rdzv, "auto_port", False),
+        )
         self._state = WorkerState.INIT
         self._run_log_dir: str | None = None
         self._restart_count = 0
@@ -202,6 +206,7 @@ class LocalElasticAgent:
             raise
         finally:
             self._running = False
+            await self._warm.aclose()
             self._prune_temp_logs()
 
     def _prune_temp_logs(self) -> None:
@@ -387,7 +392,7 @@ class LocalElasticAgent:
             **logs,
         )
         self._state = WorkerState.HEALTHY
-        await self._warm.started()
+        await self._warm.started(assignment.master_addr)
         pids = ctx.pids()
         self._last = (assignment, pids)
         for r, pid in pids.items():

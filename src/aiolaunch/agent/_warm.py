@@ -8,9 +8,12 @@ torchrun's agent does), but unlike torchrun's it is a new store for every
 attempt - no key of a failed attempt (gloo's peer addresses) is read by the
 next one - and its listening socket is bound by the agent *before* any worker
 starts: a worker's connect never meets a closed port, so torch's connect
-retry (and its back-off, 0.25 s and more) never runs. The store itself is a
-process forked from the zygote (torch is imported there), started before the
-workers and stopped when the attempt ends.
+retry (and its back-off, 0.25 s and more) never runs.
+
+The store is a process forked from the zygote (torch is imported there).
+Where the port is the agent's to choose (no ``--master-port``), the next
+attempt's store is started while the current attempt runs, on a port the
+kernel picks: a restart neither forks a store nor waits for the old one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import TYPE_CHECKING
 from ._env import shared_env
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._workers._forks import ZygoteWorker
     from .._workers._preload import Preload
     from .._workers._warm import Zygote
@@ -51,13 +56,30 @@ def _listen(port: int) -> socket.socket:
     return socket.create_server(("", port), backlog=socket.SOMAXCONN)
 
 
-class WarmStart:
-    """One agent's zygote (``preload``) and the store of its current attempt."""
+@dataclasses.dataclass
+class _Store:
+    handle: ZygoteWorker
+    stop: int  # closing it stops the store
+    port: int
 
-    def __init__(self, preload: Preload | None, local_world_size: int) -> None:
+
+class WarmStart:
+    """One agent's zygote (``preload``) and the stores of its attempts.
+
+    :param auto_port: whether the master port is the agent's to choose (the
+        static rendezvous without a fixed port): then the next store waits
+        ready on a port of its own.
+    """
+
+    def __init__(
+        self, preload: Preload | None, local_world_size: int, auto_port: Callable[[], bool]
+    ) -> None:
         self.preload = preload
         self._nproc = local_world_size
-        self._store: tuple[ZygoteWorker, int] | None = None
+        self._auto_port = auto_port
+        self._store: _Store | None = None  # the current attempt's
+        self._next: _Store | None = None  # ready for the next attempt
+        self._stopping: list[_Store] = []
         self._stores = True  # off after a store failed
 
     @property
@@ -73,56 +95,91 @@ class WarmStart:
 
         return zygote_for(self.preload, shared_env(self._nproc, os.environ))
 
-    async def assignment(self, a: GroupAssignment) -> GroupAssignment:
-        """``a``, with a fresh store of the agent's own where the workers' rank 0 would host one."""
-        if a.use_agent_store or a.group_world_size != 1 or not self._stores:
-            return a
+    async def _start_store(self, host: str, port: int) -> _Store | None:
         z = self.zygote()
-        if z is None or not await z.ready() or not z.torch_distributed:
-            return a
+        if z is None or not self._stores or not await z.ready() or not z.torch_distributed:
+            return None
         from .._workers._forks import start_store
 
         try:
-            sock = _listen(a.master_port)
+            sock = _listen(port)
         except OSError as exc:
-            log.info("store: port %d not bound (%s); rank 0 hosts it", a.master_port, exc)
-            return a
+            log.info("store: port %d not bound (%s); worker rank 0 hosts it", port, exc)
+            return None
         with sock:
-            got = await start_store(z, sock.fileno(), a.master_addr, a.master_port, STORE_TIMEOUT)
-        if got is None:
-            return a
-        self._store = got
-        return dataclasses.replace(a, use_agent_store=True)
+            port = sock.getsockname()[1]
+            got = await start_store(z, sock.fileno(), host, port, STORE_TIMEOUT)
+        return None if got is None else _Store(got[0], got[1], port)
 
-    async def started(self) -> None:
-        """The attempt's workers all run: the zygote may import its later modules now."""
-        z = self.zygote() if self.preload is not None and self.preload.later else None
-        if z is not None:
-            await z.import_later()
+    async def assignment(self, a: GroupAssignment) -> GroupAssignment:
+        """``a``, with a fresh store of the agent's own where worker rank 0 would host one."""
+        if a.use_agent_store or a.group_world_size != 1:
+            return a
+        store, self._next = self._next, None
+        if store is not None and (not self._auto_port() or not store.handle.alive):
+            self._stopping.append(store)  # not usable: the port is fixed, or it died
+            store = None
+        if store is None:
+            await self._reap(wait=True)  # a fixed port is free again once they are gone
+            store = await self._start_store(a.master_addr, a.master_port)
+        if store is None:
+            return a
+        self._store = store
+        return dataclasses.replace(a, master_port=store.port, use_agent_store=True)
+
+    async def started(self, master_addr: str) -> None:
+        """The attempt's workers all run: start the next store, then the later imports."""
+        z = self.zygote()
+        if z is None:
+            return
+        if self._store is not None and self._next is None and self._auto_port():
+            self._next = await self._start_store(master_addr, 0)
+        await z.import_later()
 
     async def attempt_ended(self) -> None:
         """Stop the attempt's store (its keys go with it)."""
-        got, self._store = self._store, None
-        if got is None:
+        store, self._store = self._store, None
+        if store is None:
             return
-        import anyio
-
-        handle, stop = got
-        died_early = not handle.alive
-        os.close(stop)
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(STORE_STOP_GRACE) as scope:
-                await handle.exited.wait()
-            if scope.cancelled_caught:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(handle.pid, signal.SIGKILL)
-                await handle.exited.wait()
-        handle.release()
-        if died_early:
+        if not store.handle.alive:
             self._stores = False
             log.warning(
                 "the attempt's store (pid %d) ended early (exit status %s); later attempts "
                 "let worker rank 0 host it",
-                handle.pid,
-                handle.returncode,
+                store.handle.pid,
+                store.handle.returncode,
             )
+        self._stopping.append(store)
+        await self._reap(wait=not self._auto_port())
+
+    async def aclose(self) -> None:
+        """Stop every store (the run is over)."""
+        for store in (self._store, self._next):
+            if store is not None:
+                self._stopping.append(store)
+        self._store = self._next = None
+        await self._reap(wait=True)
+
+    async def _reap(self, *, wait: bool) -> None:
+        """Stop the stores of :attr:`_stopping`; with ``wait``, until they are gone."""
+        import anyio
+
+        for store in self._stopping:
+            if store.stop >= 0:
+                os.close(store.stop)  # EOF: the store exits
+                store.stop = -1
+        if not wait:
+            for store in [s for s in self._stopping if not s.handle.alive]:
+                store.handle.release()
+                self._stopping.remove(store)
+            return
+        stopping, self._stopping = self._stopping, []
+        with anyio.CancelScope(shield=True):
+            for store in stopping:
+                with anyio.move_on_after(STORE_STOP_GRACE) as scope:
+                    await store.handle.exited.wait()
+                if scope.cancelled_caught:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(store.handle.pid, signal.SIGKILL)
+                    await store.handle.exited.wait()
+                store.handle.release()
