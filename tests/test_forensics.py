@@ -558,7 +558,7 @@ async def test_control_socket_with_a_path_too_long_for_af_unix(tmp_path: Path) -
         await _wait_lines(deep, 1, "up")
         link = deep / "control.sock"
         assert link.is_symlink()
-        from aiolaunch._control import request
+        from aiolaunch._cli._client import request
 
         answer = await asyncio.to_thread(request, str(link), {"cmd": "status"})
         assert answer["ok"] and answer["workers"][0]["pid"] == ctx.pids()[0]

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from ._client import VERBS
 from ._config import LaunchConfig, config_from_args
 from ._parser import parse_args
 
@@ -79,12 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     were stopped first), as with torchrun. 2: bad options.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("status", "stacks"):
-        # `aiolaunch status|stacks LOG_DIR`: talk to a running job's control
+    if argv and argv[0] in VERBS:
+        # `aiolaunch status|stacks|top`: talk to a running job's control
         # socket (a script named "status" still runs as `aiolaunch ./status`).
-        from .._control import stacks_main, status_main
-
-        return (status_main if argv[0] == "status" else stacks_main)(argv[1:])
+        return VERBS[argv[0]](argv[1:])
     args = parse_args(argv)
     _setup_logging()
     try:
