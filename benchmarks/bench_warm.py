@@ -46,6 +46,30 @@ def read_stamps(path: str) -> dict[tuple[int, int, str], float]:
     return out
 
 
+def kill_job(p: subprocess.Popen[bytes], stamp: str) -> None:
+    """Stop a job for good: the launcher's session, then every process of the job.
+
+    torchrun starts each worker in a session of its own, so a hung torchrun's
+    workers outlive a kill of its session: they are found by the job's own
+    ``BENCH_STAMP`` in their environment.
+    """
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+    needle = f"BENCH_STAMP={stamp}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def run_launcher(
     variant: str, opts: list[str], args: list[str], env: dict[str, str], cwd: str, timeout: float
 ) -> tuple[int | None, float, str]:
@@ -62,11 +86,7 @@ def run_launcher(
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+            kill_job(p, env["BENCH_STAMP"])
     with open(err_path, "rb") as f:
         tail = f.read()[-800:].decode(errors="replace")
     return rc, t0, tail

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_warm import LAUNCHERS, SCRIPT, read_stamps  # noqa: E402
+from bench_warm import LAUNCHERS, SCRIPT, kill_job, read_stamps  # noqa: E402
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -79,11 +78,8 @@ def run_job(args: argparse.Namespace, restarts: int, folder: str) -> dict:
             elif time.monotonic() - last > args.hang_after:
                 hung = True
                 break
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        rc = p.wait()
+        kill_job(p, stamp)
+        rc = p.returncode
     st = read_stamps(stamp)
     attempts = sorted({a for a, _, _ in st})
     status: list[float | str] = []  # per restart: its turnaround, or "failed" / "hung"
@@ -118,12 +114,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--hang-after", type=float, default=60.0)
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=0.0,
+        help="start no new job after this long (0: no limit); the summary says what was owed",
+    )
     args = ap.parse_args()
     load0, t0 = os.getloadavg(), time.monotonic()
     total = {"ok": [], "failed": 0, "hung": 0, "jobs": 0, "job_rcs": []}
     owed = args.restarts
     with tempfile.TemporaryDirectory(prefix="warm_soak_") as tmp:
-        while owed > 0:
+        while owed > 0 and not (args.max_seconds and time.monotonic() - t0 > args.max_seconds):
             folder = os.path.join(tmp, f"job{total['jobs']}")
             os.makedirs(folder)
             got = run_job(args, owed, folder)
@@ -142,6 +144,16 @@ def main() -> int:
                 f"{got['hung']} hung (exit {got['rc']}); {owed} restarts owed",
                 flush=True,
             )
+            _summary(args, total, owed, load0, t0, write=True)
+    summary = _summary(args, total, owed, load0, t0, write=True)
+    print(json.dumps(summary, indent=1))
+    ok = total["ok"]
+    return 0 if not total["failed"] and not total["hung"] and len(ok) == args.restarts else 1
+
+
+def _summary(
+    args: argparse.Namespace, total: dict, owed: int, load0: tuple, t0: float, *, write: bool
+) -> dict:
     ok = total["ok"]
     summary = {
         "launcher": args.launcher,
@@ -152,15 +164,15 @@ def main() -> int:
         "jobs": total["jobs"],
         "job_exit_statuses": total["job_rcs"],
         "turnaround_ms": {"p50": percentile(ok, 50), "p99": percentile(ok, 99), "n": len(ok)},
+        "not_run": owed,
         "seconds": round(time.monotonic() - t0, 1),
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),
     }
-    print(json.dumps(summary, indent=1))
-    if args.json:
+    if write and args.json:
         with open(args.json, "w") as f:
             json.dump({**summary, "samples_ms": ok}, f, indent=1)
-    return 0 if not total["failed"] and not total["hung"] and len(ok) == args.restarts else 1
+    return summary
 
 
 if __name__ == "__main__":

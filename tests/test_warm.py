@@ -176,6 +176,17 @@ EXITS = {
     "exception": ("def f():\n    raise ValueError('boom')\nf()", 1, "ValueError: boom\n"),
     "SIGTERM": ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -15, ""),
     "os._exit": ("import os; print('x', flush=True); os._exit(7)", 7, ""),
+    "SIGINT caught": (
+        "import os, signal, sys\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    import time; time.sleep(10)\nexcept KeyboardInterrupt:\n    sys.exit(5)",
+        5,
+        "",
+    ),
+    "SIGINT": (
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(10)",
+        -2,
+        "KeyboardInterrupt\n",
+    ),
     "atexit": (
         "import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\n"
         "f = open(sys.argv[1], 'w')\nf.write('unflushed')",
@@ -311,6 +322,31 @@ async def test_sigterm_from_close_stops_it(mode: str, tmp_path: Path) -> None:
         pid = ctx.pids()[0]
         await ctx.close(timeout=10)
     assert not alive(pid)
+
+
+STUCK = """
+import time
+
+def stuck_in_here():
+    print("up", flush=True)
+    time.sleep(60)
+
+stuck_in_here()
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_stacks_of_a_worker(mode: str, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "stuck.py", STUCK)
+    ctx = await aiolaunch.start_processes(
+        name="w", entrypoint=sys.executable, args={0: (*BOOT, str(script))}, envs={0: {}},
+        log_dir=str(tmp_path / "logs"), redirects=Std.ALL, preload=preload(mode),
+        ready=aiolaunch.ReadyLine("up"),
+    )  # fmt: skip
+    async with ctx:
+        await ctx.wait_ready(timeout=60)
+        stacks = await ctx.dump_stacks(timeout=30)
+    assert "stuck_in_here" in stacks[0], stacks[0]
 
 
 # -- what only a zygote has ------------------------------------------------------
@@ -511,6 +547,18 @@ def test_cli_preload_flags(tmp_path: Path) -> None:
         with driver([*base, *flags, str(script)]) as proc:
             _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and words in err, err
+
+
+def test_cli_run_path_function_workers_fork_too(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path, "s.py", "import os, sys; print('json' in sys.modules, os.getppid(), flush=True)"
+    )
+    argv = [sys.executable, "-m", "aiolaunch", "--nproc-per-node", "2", "--tee", "3"]
+    with driver([*argv, "--run-path", "--preload", "json", str(script)]) as proc:
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    lines = [line.split(":", 1)[1].split() for line in out.splitlines() if ":" in line]
+    assert len(lines) == 2 and all(w == "True" and int(p) != proc.pid for w, p in lines)
 
 
 def test_cli_preload_that_fails_exits_2_before_any_worker(tmp_path: Path) -> None:

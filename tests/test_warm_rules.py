@@ -9,7 +9,7 @@ from argparse import Namespace
 from typing import TYPE_CHECKING
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiolaunch._cli._config import _IMPORTS_TORCH, _imports_torch
@@ -58,6 +58,7 @@ def test_load_time_items_are_what_libraries_read_as_they_load() -> None:
 values = st.sampled_from([None, "1", "2", "4"])
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a loaded host
 @given(st.lists(st.tuples(values, values), min_size=1, max_size=8))
 def test_the_zygote_takes_each_load_time_variable_as_most_ranks_set_it(
     ranks: list[tuple[str | None, str | None]],
