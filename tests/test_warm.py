@@ -549,6 +549,47 @@ def test_cli_preload_flags(tmp_path: Path) -> None:
         assert proc.returncode == 2 and words in err, err
 
 
+AGENT_RESTART = """
+import os, sys, time
+attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["LOCAL_RANK"]
+print("up", attempt, rank, os.getpid(), os.getppid(), flush=True)
+if attempt == "0":
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    if rank == "1":
+        sys.exit(1)
+    time.sleep(60)
+"""
+
+
+def test_cli_zygote_killed_mid_run_the_next_attempt_still_starts(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "s.py", AGENT_RESTART)
+    go = tmp_path / "go"
+    argv = [sys.executable, "-m", "aiolaunch", "--nproc-per-node", "2", "--max-restarts", "1"]
+    with driver([*argv, "--tee", "3", "--preload", "json", str(script), str(go)]) as proc:
+        assert proc.stdout is not None
+        first: list[list[str]] = []
+        for line in proc.stdout:
+            if ":up 0 " in line:
+                first.append(line.split(":", 1)[1].split())
+                if len(first) == 2:
+                    break
+        zygote = {int(f[4]) for f in first}
+        assert len(zygote) == 1 and proc.pid not in zygote  # both forked, from one zygote
+        (zpid,) = zygote
+        os.kill(zpid, signal.SIGKILL)
+        assert not wait_dead(zpid)
+        assert all(alive(int(f[3])) for f in first)  # its workers run on
+        go.touch()
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    again = [line.split(":", 1)[1].split() for line in out.splitlines() if ":up 1 " in line]
+    assert len(again) == 2
+    # the ordinary way (children of the agent) or from a new zygote, never the dead one
+    assert all(int(f[4]) != zpid for f in again)
+    assert not wait_dead([int(f[3]) for f in first])
+
+
 def test_cli_run_path_function_workers_fork_too(tmp_path: Path) -> None:
     script = write_script(
         tmp_path, "s.py", "import os, sys; print('json' in sys.modules, os.getppid(), flush=True)"

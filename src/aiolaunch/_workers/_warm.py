@@ -22,103 +22,37 @@ import contextlib
 import fcntl
 import logging
 import os
-import pickle
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._types import PerProcess
+from ._channel import Channel, frame
 from ._guardian import GUARDIAN_ENV, current_guardian, guardian
 from ._preload import Preload, supported
 from ._zygote import load_time_items
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
-    from ._forks import ZygoteWorker
+
+class Forked(Protocol):
+    """What a zygote needs of a worker handle (``_forks.Forked``)."""
+
+    pid: int
+
+    def forked(self, zygote: Zygote) -> None: ...
+    def exited_with(self, rc: int) -> None: ...
+    def orphaned(self) -> None: ...
+    def rebind(self) -> None: ...
+
 
 __all__ = ["Zygote", "close_zygotes", "zygote_for", "zygote_helpers"]
 
 log = logging.getLogger("aiolaunch.warm")
 
 _CODE = "from aiolaunch._workers._zygote import main; main()"
-
-
-def _frame(obj: object) -> memoryview:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return memoryview(len(data).to_bytes(4, "big") + data)
-
-
-class _Channel:
-    """The supervisor's end of a zygote's control socket, on the running loop.
-
-    Frames in (``on_message``, in order; ``on_eof`` once) and out (:meth:`send`,
-    one at a time, fds with the first byte). Rebound when the loop changes
-    (another ``asyncio.run``); unread frames wait in the socket meanwhile.
-    """
-
-    def __init__(self, sock: socket.socket, on_message: Callable[[Any], None]) -> None:
-        sock.setblocking(False)
-        self.sock = sock
-        self.on_message = on_message
-        self.on_eof: Callable[[], None] = lambda: None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.lock: asyncio.Lock | None = None
-        self._buf = bytearray()
-
-    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = asyncio.Lock()
-        if self.sock.fileno() >= 0:
-            loop.add_reader(self.sock.fileno(), self._on_readable)
-
-    def unbind(self) -> None:
-        loop, self.loop = self.loop, None
-        if loop is not None and not loop.is_closed() and self.sock.fileno() >= 0:
-            loop.remove_reader(self.sock.fileno())
-
-    def close(self) -> None:
-        self.unbind()
-        self.sock.close()
-
-    def _on_readable(self) -> None:
-        try:
-            data = self.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.unbind()
-            self.on_eof()
-            return
-        self._buf += data
-        while len(self._buf) >= 4:
-            size = int.from_bytes(self._buf[:4], "big")
-            if len(self._buf) < 4 + size:
-                break
-            msg = pickle.loads(self._buf[4 : 4 + size])
-            del self._buf[: 4 + size]
-            self.on_message(msg)
-
-    async def send(self, frame: memoryview, fds: list[int]) -> None:
-        """Write one whole frame (the caller holds :attr:`lock`)."""
-        assert self.loop is not None
-        sent = 0
-        while sent < len(frame):
-            try:
-                if sent == 0 and fds:
-                    sent += socket.send_fds(self.sock, [frame], fds)
-                else:
-                    sent += self.sock.send(frame[sent:])
-            except (BlockingIOError, InterruptedError):
-                writable = self.loop.create_future()
-                self.loop.add_writer(self.sock.fileno(), writable.set_result, None)
-                try:
-                    await writable
-                finally:
-                    self.loop.remove_writer(self.sock.fileno())
 
 
 class Zygote:
@@ -138,58 +72,16 @@ class Zygote:
         self.failed_module: str | None = None
         self.torch_distributed = False
         #: live forked workers by pid, and the exit codes they reported themselves
-        self.workers: dict[int, ZygoteWorker] = {}
+        self.workers: dict[int, Forked] = {}
         self.reported: dict[int, int] = {}
         #: children forked ahead, waiting for a request (long-lived, as the zygote)
         self.spares: set[int] = set()
         self._warned: set[str] = set()
-        self._pending: list[tuple[asyncio.Future[int | None], ZygoteWorker | None]] = []
+        self._pending: list[tuple[asyncio.Future[int | None], Forked | None]] = []
         self._ready: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._spawn(dict(env))
-
-    def _spawn(self, env: dict[str, str]) -> None:
-        from ._lifeline import lifeline_fds
-
-        ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        status, status_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        g = guardian()
-        if g is not None:
-            env[GUARDIAN_ENV] = g.token
-        # The zygote must never initialise CUDA; this keeps a preloaded
-        # module's torch.cuda.is_available() from doing it (NVML instead).
-        env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        # fds 3, 4, 5 of the zygote, from copies above any of those numbers
-        sources = (ctl_child.fileno(), status_child.fileno(), lifeline_fds()[0])
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in sources]
-        code = _CODE
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        if here not in sys.path[1:]:  # aiolaunch was put on sys.path, not in the environment
-            code = f"import sys; sys.path.insert(0, {here!r}); {_CODE}"
-        now, later = ",".join(self.preload.now), ",".join(self.preload.later)
-        argv = [sys.executable, "-c", code, "3", "4", "5", now, later]
-        try:
-            self.pid = os.posix_spawn(
-                sys.executable,
-                argv,
-                env,
-                file_actions=[
-                    (os.POSIX_SPAWN_DUP2, fd, n) for n, fd in zip((3, 4, 5), high, strict=True)
-                ],
-                setsid=True,  # as workers: no terminal, not in our group
-                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),  # as Popen(restore_signals)
-            )
-        finally:
-            for fd in high:
-                os.close(fd)
-            ctl_child.close()
-            status_child.close()
-        if g is not None:
-            g.watch(self.pid)
-        self.pidfd = os.pidfd_open(self.pid)
-        status.setblocking(False)
-        self.status = status
-        self.ctl = _Channel(ctl, self._dispatch)
+        self.pid, self.pidfd, ctl, self.status = _start(preload, dict(env))
+        self.ctl = Channel(ctl, self._dispatch)
         self.ctl.on_eof = lambda: self._died("its control socket closed")
 
     def fds(self) -> set[int]:
@@ -359,20 +251,20 @@ class Zygote:
         return None
 
     async def fork(
-        self, req: dict[str, Any], fds: dict[str, int], worker: ZygoteWorker | None
+        self, req: dict[str, Any], fds: dict[str, int], worker: Forked | None
     ) -> int | None:
         """Ask for a fork; the pid, or ``None`` (refused, or the zygote is gone)."""
         if not await self.ready():
             return None
         assert self._loop is not None and self.ctl.lock is not None
-        frame = _frame({**req, "op": "fork", "fds": list(fds)})
+        request = frame({**req, "op": "fork", "fds": list(fds)})
         fut: asyncio.Future[int | None] = self._loop.create_future()
         async with self.ctl.lock:
             if self.state != "ready":
                 return None
             self._pending.append((fut, worker))
             try:
-                await self.ctl.send(frame, list(fds.values()))
+                await self.ctl.send(request, list(fds.values()))
             except OSError:
                 self._died("its control socket broke")
         return await fut
@@ -384,7 +276,7 @@ class Zygote:
         assert self.ctl.lock is not None
         async with self.ctl.lock:
             try:
-                await self.ctl.send(_frame({"op": "later"}), [])
+                await self.ctl.send(frame({"op": "later"}), [])
             except OSError:
                 self._died("its control socket broke")
 
@@ -393,6 +285,51 @@ class Zygote:
             f"<Zygote pid={self.pid} preload={','.join(self.preload.now)} state={self.state}"
             f" workers={len(self.workers)}>"
         )
+
+
+def _start(preload: Preload, env: dict[str, str]) -> tuple[int, int, socket.socket, socket.socket]:
+    """Start a zygote process: ``(pid, pidfd, control socket, status socket)``."""
+    from ._lifeline import lifeline_fds
+
+    g = guardian()
+    if g is not None:
+        env[GUARDIAN_ENV] = g.token
+    # The zygote must never initialise CUDA; this keeps a preloaded
+    # module's torch.cuda.is_available() from doing it (NVML instead).
+    env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    code = _CODE
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if here not in sys.path[1:]:  # aiolaunch was put on sys.path, not in the environment
+        code = f"import sys; sys.path.insert(0, {here!r}); {_CODE}"
+    now, later = ",".join(preload.now), ",".join(preload.later)
+    argv = [sys.executable, "-c", code, "3", "4", "5", now, later]
+    with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
+        ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        status, status_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for sock in (ctl, status):
+            cleanup_on_fail.callback(sock.close)
+        for sock in (ctl_child, status_child):
+            always_cleanup.callback(sock.close)
+        # fds 3, 4, 5 of the zygote, from copies above any of those numbers
+        sources = (ctl_child.fileno(), status_child.fileno(), lifeline_fds()[0])
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in sources]
+        for fd in high:
+            always_cleanup.callback(os.close, fd)
+        pid = os.posix_spawn(
+            sys.executable,
+            argv,
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, fd, n) for n, fd in zip((3, 4, 5), high, strict=True)
+            ],
+            setsid=True,  # as workers: no terminal, not in our group
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),  # as Popen(restore_signals)
+        )
+        cleanup_on_fail.pop_all()
+    if g is not None:
+        g.watch(pid)
+    status.setblocking(False)
+    return pid, os.pidfd_open(pid), ctl, status
 
 
 _ZYGOTES: PerProcess[dict[tuple[Preload, frozenset[tuple[str, str]]], Zygote]] = PerProcess(dict)
