@@ -68,7 +68,7 @@ class ZygoteWorker(WorkerHandle):
 
             settle_result(self, self._result, rc)
             self._result = None
-        self._set_exited(rc)
+        self.set_exited(rc)
         self._close_pidfd()
 
     def orphaned(self) -> None:

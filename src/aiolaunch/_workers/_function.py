@@ -186,7 +186,7 @@ class FunctionWorker(WorkerHandle):
             return
         settle_result(self, self._result, rc)
         self._result = None
-        self._set_exited(rc)
+        self.set_exited(rc)
         self.release()
 
     def release(self) -> None:

@@ -18,6 +18,7 @@ kernel picks: a restart neither forks a store nor waits for the old one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -81,6 +82,7 @@ class WarmStart:
         self._next: _Store | None = None  # ready for the next attempt
         self._stopping: list[_Store] = []
         self._stores = True  # off after a store failed
+        self._task: asyncio.Future[None] | None = None  # started()'s work
 
     @property
     def names(self) -> list[str] | None:
@@ -127,8 +129,15 @@ class WarmStart:
         self._store = store
         return dataclasses.replace(a, master_port=store.port, use_agent_store=True)
 
-    async def started(self, master_addr: str) -> None:
-        """The attempt's workers all run: start the next store, then the later imports."""
+    def started(self, master_addr: str) -> None:
+        """The attempt's workers all run: start the next store, then the later imports.
+
+        Returns at once; the work runs in a task that :meth:`attempt_ended` awaits.
+        """
+        if self.preload is not None:
+            self._task = asyncio.ensure_future(self._prepare(master_addr))
+
+    async def _prepare(self, master_addr: str) -> None:
         z = self.zygote()
         if z is None:
             return
@@ -138,6 +147,12 @@ class WarmStart:
 
     async def attempt_ended(self) -> None:
         """Stop the attempt's store (its keys go with it)."""
+        task, self._task = self._task, None
+        if task is not None:
+            import anyio
+
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
         store, self._store = self._store, None
         if store is None:
             return
@@ -154,6 +169,7 @@ class WarmStart:
 
     async def aclose(self) -> None:
         """Stop every store (the run is over)."""
+        await self.attempt_ended()
         for store in (self._store, self._next):
             if store is not None:
                 self._stopping.append(store)
