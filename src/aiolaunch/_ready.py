@@ -177,6 +177,10 @@ def _check_interval(cls: str, interval: object) -> None:
         )
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Lines:
     """The lines of one worker incarnation, from the log pipeline to its probe.
 
@@ -236,6 +240,9 @@ class Readiness:
         self._errors: dict[int, BaseException] = {}
         self._exited = exited  # the group's record: ranks that exited for good
         self._closed = False
+        #: set by the group to its line tap's notifier: a probe starts waiting
+        #: for lines (the log pipeline reads the stream again)
+        self.lines_wanted: Callable[[], None] = _nothing
 
     # -- wiring -------------------------------------------------------------
     def reads(self, rank: int, stream: str) -> bool:
@@ -271,6 +278,7 @@ class Readiness:
         lines = None
         if probe.reads("stdout") or probe.reads("stderr"):
             lines = self._lines[rank] = _Lines()
+            self.lines_wanted()
         self._tasks[rank] = asyncio.ensure_future(self._probe(rank, probe, handle, lines))
 
     def reset(self, rank: int) -> None:

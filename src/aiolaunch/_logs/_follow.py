@@ -4,9 +4,11 @@ A redirected stream's fd 1/2 *is* its log file (``O_APPEND``), as in torch:
 the worker's bytes go straight to the page cache, nothing is copied through
 the supervisor, and every byte written before a SIGKILL is in the file.
 :class:`FileFollower` reads what the worker appends only when a sink wants
-it - the tee console, the line tap (a readiness probe, ``LogLine``
-consumers, the progress regex) - woken by inotify (``_inotify``), never by a
-timer.
+it - the tee console, the line tap (a readiness probe that waits,
+``LogLine`` consumers, the progress regex) - woken by inotify (``_inotify``),
+never by a timer. The file is watched only while a sink wants its bytes:
+otherwise the worker's writes wake nothing here, and the output age is the
+file's mtime, read on demand.
 
 Each sink has its own position in the file (a cursor): a sink without room
 (:meth:`Sink.room`: the console, behind) falls behind and catches up from the
@@ -30,8 +32,9 @@ from ._console import CONSOLE_FLUSH_TIMEOUT, console
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ._inotify import Inotify
+    from ._inotify import Watches
     from ._sink import Sink
+    from ._tap import LineTap
 
 __all__ = ["FileFollower"]
 
@@ -64,9 +67,13 @@ class FileFollower:
 
     :param fd: our fd of the log file (the worker gets a copy); the follower
         reads through its own read-only fd of the same inode.
+    :param tap: the group's line tap: its demand rising (a probe starts
+        waiting, a ``LogLine`` consumer arrives) restarts the watch.
     """
 
-    def __init__(self, fd: int, sinks: Sequence[Sink], rank: int, inotify: Inotify) -> None:
+    def __init__(
+        self, fd: int, sinks: Sequence[Sink], rank: int, watches: Watches, tap: LineTap
+    ) -> None:
         # Re-open the same inode (not the path: it may have been replaced).
         self._fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -75,18 +82,31 @@ class FileFollower:
             os.close(self._fd)
             raise
         self._cursors = [_Cursor(s, self._start) for s in sinks]
-        self._inotify = inotify
+        self._watches = watches
+        self._tap = tap
         self._wd: int | None = None
         self.rank = rank
         self._scheduled = False
         self._closed = False
 
     def start(self) -> None:
-        """Begin following (the worker runs): watch the file, read what is there."""
-        if self._closed or self._wd is not None:
+        """Begin following (the worker runs): from now on, while a sink wants
+        the bytes, the file is watched and read."""
+        if not self._closed:
+            self._tap.on_demand(self._demand)
+            self._demand()
+
+    def _wanted(self) -> bool:
+        return any(c.sink.wanted() for c in self._cursors)
+
+    def _demand(self) -> None:
+        """A sink may want bytes now: watch the file (if not yet) and read it."""
+        if self._closed or not self._wanted():
             return
-        self._wd = self._inotify.watch(f"/proc/self/fd/{self._fd}", self._modified)
-        self._pump()
+        if self._wd is None:
+            self._wd = self._watches.watch(f"/proc/self/fd/{self._fd}", self._modified)
+        if not self._scheduled:
+            self._pump()
 
     # -- following --------------------------------------------------------
     def _modified(self) -> None:
@@ -97,6 +117,10 @@ class FileFollower:
         self._scheduled = False
         if self._closed:
             return
+        if self._wd is not None and not self._wanted():
+            # Nobody needs the bytes any more: no wakeup per write from now on.
+            self._watches.unwatch(self._wd, self._modified)
+            self._wd = None
         budget = _BUDGET
         while budget > 0:
             n = self._feed_next(None)
@@ -169,8 +193,9 @@ class FileFollower:
     # -- finishing --------------------------------------------------------
     def _unwatch(self) -> None:
         self._closed = True
+        self._tap.off_demand(self._demand)
         if self._wd is not None:
-            self._inotify.unwatch(self._wd, self._modified)
+            self._watches.unwatch(self._wd, self._modified)
             self._wd = None
 
     async def drain(self, stall: float = CONSOLE_FLUSH_TIMEOUT) -> None:
