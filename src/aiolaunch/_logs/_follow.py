@@ -25,9 +25,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-import anyio
-
-from ._console import CONSOLE_FLUSH_TIMEOUT, console
+from ._sink import FileRest
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -198,11 +196,13 @@ class FileFollower:
             self._watches.unwatch(self._wd, self._modified)
             self._wd = None
 
-    async def drain(self, stall: float = CONSOLE_FLUSH_TIMEOUT) -> None:
+    async def drain(self) -> None:
         """The writer is gone: feed what it appended, then close the sinks.
 
-        A sink that takes nothing for ``stall`` seconds (a stuck console) is
-        given up on, with a marker; the file keeps every byte. Idempotent.
+        A sink without room (a stuck console) is handed the rest of the file
+        (:meth:`Sink.hand_over`) so that the others - and ``wait()`` - need
+        not wait for it; one that cannot take it is waited for. Nothing is
+        given up on. Idempotent.
         """
         if self._closed:
             return
@@ -218,44 +218,27 @@ class FileFollower:
                         fed = 0
                         await asyncio.sleep(0)  # allowed: a yield between chunks, not a poll
                     continue
-                behind = [
-                    c
-                    for c in self._cursors
-                    if c.waiting and not c.done and c.offset is not None and c.offset < end
-                ]
+                behind = [c for c in self._cursors if self._behind(c, end)]
                 if not behind:
                     break
                 c = behind[0]
-                if await self._wait_room(c.sink, stall):
-                    c.waiting = False
+                assert c.offset is not None
+                rest = FileRest(os.dup(self._fd), c.offset, end)
+                if c.sink.hand_over(rest):
+                    c.done = True  # the sink finishes itself
                 else:
-                    self._give_up(c, end, stall)
+                    rest.close()
+                    await _room(c.sink)
+                    c.waiting = False
             for c in self._cursors:
-                await c.sink.aclose()
+                if not c.done:
+                    await c.sink.aclose()
         finally:
             os.close(self._fd)
 
-    async def _wait_room(self, sink: Sink, stall: float) -> bool:
-        writer = console()
-        while not sink.room():
-            before = writer.written
-            room = asyncio.Event()
-            sink.when_room(room.set)
-            with anyio.move_on_after(stall):
-                await room.wait()
-                continue
-            if writer.written == before:
-                return False
-        return True
-
-    def _give_up(self, c: _Cursor, end: int, stall: float) -> None:
-        console().write(
-            "stderr",
-            f"[aiolaunch]: the console took nothing for {stall:g}s; "
-            f"{end - (c.offset or 0)} bytes of rank {self.rank}'s log "
-            "are not shown (the log file has them)\n",
-        )
-        c.done = True
+    def _behind(self, c: _Cursor, end: int) -> bool:
+        """A sink that wants bytes it has no room for."""
+        return c.waiting and not c.done and c.offset is not None and c.offset < end
 
     async def abandon(self) -> None:
         """Stop without reading (the worker never started); close the sinks. Idempotent."""
@@ -265,3 +248,11 @@ class FileFollower:
         os.close(self._fd)
         for c in self._cursors:
             await c.sink.aclose()
+
+
+async def _room(sink: Sink) -> None:
+    """Wait until ``sink`` has room."""
+    while not sink.room():
+        room = asyncio.Event()
+        sink.when_room(room.set)
+        await room.wait()
