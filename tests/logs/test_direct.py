@@ -266,3 +266,39 @@ async def test_a_waiting_probe_watches_its_log_file_until_ready(tmp_path: Path) 
         await _until(lambda: _inotify_watches() == 0, "the watch to end")
         await ctx.close(timeout=5)
     assert Path(ctx.stdouts[0]).read_text() == "server listening on 1234\nmore output\n"
+
+
+@pytest.mark.parametrize(
+    ("redirect", "log"),
+    [
+        # `>` reopens /proc/self/fd/1 - the log file itself - with O_TRUNC, as
+        # under torchrun or `cmd > file` in a shell: a documented limit
+        (">", "second\nthird\n"),
+        # `>>` appends (the README's advice): nothing is lost
+        (">>", "first\nsecond\nthird\n"),
+    ],
+)
+async def test_echo_to_dev_stdout_in_a_redirected_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redirect: str, log: str
+) -> None:
+    """#27.9: ``echo ... > /dev/stdout`` in a worker truncates its log file (a
+    limit of the worker writing its file directly, README *Known limits*);
+    the tee goes on after the truncation instead of falling silent."""
+    script = (
+        f"echo first; while [ ! -e {tmp_path}/go ]; do sleep 0.01; done; "
+        f"echo second {redirect} /dev/stdout; echo third"
+    )
+    async with aiolaunch.start_processes(
+        name="t",
+        entrypoint="/bin/sh",
+        args={0: ("-c", script)},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        tee=Std.OUT,
+    ) as ctx:
+        await _until(lambda: "first" in capsys.readouterr().out, "the first line on the console")
+        (tmp_path / "go").touch()
+        result = await ctx.wait()
+    assert result is not None and not result.is_failed()
+    assert Path(result.stdouts[0]).read_text() == log
+    assert capsys.readouterr().out.splitlines()[-2:] == ["[t0]:second", "[t0]:third"]

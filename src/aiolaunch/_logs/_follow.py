@@ -41,12 +41,14 @@ _CHUNK = 1 << 20
 _BUDGET = 8 << 20
 # A listener that starts mid-stream begins at most this far back.
 _RESUME_BACK = 64 * 1024
+# Bytes kept per sink to see that the file was rewritten under us.
+_TAIL = 16
 
 
 class _Cursor:
     """One sink's position in the followed file."""
 
-    __slots__ = ("done", "known", "offset", "sink", "waiting")
+    __slots__ = ("done", "known", "offset", "sink", "tail", "waiting")
 
     def __init__(self, sink: Sink, offset: int) -> None:
         self.sink = sink
@@ -56,8 +58,11 @@ class _Cursor:
         self.known = offset
         #: a when_room callback is pending
         self.waiting = False
-        #: given up on (fed nothing more)
+        #: finished (handed over)
         self.done = False
+        #: the last bytes fed: still there before ``offset`` unless the file
+        #: was truncated and rewritten under us
+        self.tail = b""
 
 
 class FileFollower:
@@ -146,11 +151,34 @@ class FileFollower:
         if offset is None:
             return 0
         size = _CHUNK if end is None else min(_CHUNK, end - offset)
+        tail = group[0].tail
+        if tail and os.pread(self._fd, len(tail), offset - len(tail)) != tail:
+            self._truncated()  # rewritten since our last read
+            return self._feed_next(end)
         data = os.pread(self._fd, size, offset) if size > 0 else b""
+        if not data:
+            if os.fstat(self._fd).st_size < offset:
+                self._truncated()
+                return self._feed_next(end)
+            return 0
+        tail = data[-_TAIL:]
         for c in group:
             c.sink.feed(data)
             c.offset = offset + len(data)
+            c.tail = tail
         return len(data)
+
+    def _truncated(self) -> None:
+        """The file was truncated under us: a worker's ``echo x > /dev/stdout``
+        reopens its log file with ``O_TRUNC`` (README, *Known limits*). What it
+        holds now was written since: every sink follows it from its start
+        (``tail -F``'s rule), so the tee does not fall silent."""
+        for c in self._cursors:
+            if c.offset is not None:
+                c.offset = 0
+            c.known = 0
+            c.tail = b""
+        self._start = 0
 
     def _ready(self, c: _Cursor) -> bool:
         """Whether ``c``'s sink takes bytes now (else it is skipped or waits for room)."""
@@ -171,6 +199,7 @@ class FileFollower:
             c.offset = max(c.known, end - _RESUME_BACK)
             if c.offset > c.known:
                 sink.skip()  # bytes went by unread: resume at a line boundary
+                c.tail = b""
         return True
 
     def _room(self, c: _Cursor) -> None:
