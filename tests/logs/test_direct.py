@@ -106,15 +106,17 @@ async def test_output_age_per_rank(tmp_path: Path) -> None:
         await ctx.close(timeout=5)
 
 
-def _inotify_fds() -> int:
-    fds = os.listdir("/proc/self/fd")
-    targets = []
-    for fd in fds:
+def _inotify_fds() -> set[str]:
+    """This process's inotify instances (fd numbers). An instance is closed
+    off the loop, in the log thread pool: a group's may outlive it briefly."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
         try:
-            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify":
+                out.add(fd)
         except OSError:  # the listing's own fd, closed by now
             pass
-    return sum(t == "anon_inode:inotify" for t in targets)
+    return out
 
 
 @pytest.mark.parametrize(
@@ -131,20 +133,19 @@ async def test_an_inotify_instance_only_where_a_file_is_followed(
         "i", "/bin/sh", {r: ("-c", "sleep 30") for r in range(2)}, {0: {}, 1: {}},
         log_dir=tmp_path, redirects=redirects, tee=tee,
     ):  # fmt: skip
-        assert _inotify_fds() - before == made
-    assert _inotify_fds() == before
+        assert len(_inotify_fds() - before) == made
+    await _until(lambda: not _inotify_fds() - before, "the group's inotify fd to be closed")
 
 
-def _inotify_watches() -> int:
-    """Watches of this process's inotify instances (``inotify wd:`` lines of fdinfo)."""
+def _inotify_watches(besides: set[str]) -> int:
+    """Watches of this process's inotify instances (``inotify wd:`` lines of
+    fdinfo), not counting the instances in ``besides``."""
     count = 0
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in _inotify_fds() - besides:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:inotify":
-                continue
             with open(f"/proc/self/fdinfo/{fd}") as info:
                 count += sum(line.startswith("inotify wd:") for line in info)
-        except OSError:  # closed meanwhile (the listing's own fd)
+        except OSError:  # closed meanwhile
             pass
     return count
 
@@ -188,7 +189,7 @@ async def test_a_redirect_only_group_watches_nothing_and_knows_its_output_age(
     ) as ctx:
         log = Path(ctx.stdouts[0])
         await _until(lambda: log.stat().st_size >= 8 << 20, "the 8 MiB")
-        assert _inotify_fds() == before and _inotify_watches() == 0
+        assert not _inotify_fds() - before and _inotify_watches(before) == 0
         age = ctx._logs.last_output(0)
         assert age is not None and 0 <= age < 30
         await asyncio.sleep(0.3)
@@ -198,7 +199,7 @@ async def test_a_redirect_only_group_watches_nothing_and_knows_its_output_age(
         await _until(lambda: log.stat().st_size > 8 << 20, "the late lines")
         fresh = ctx._logs.last_output(0)
         assert fresh is not None and fresh < later
-        assert _inotify_watches() == 0
+        assert _inotify_watches(before) == 0
         await ctx.close(timeout=5)
 
 
@@ -206,6 +207,7 @@ async def test_a_late_lines_consumer_watches_only_while_it_listens(tmp_path: Pat
     """An ``events(lines=True)`` consumer that arrives later starts the watch
     and gets the lines written from then on; once it stops, the next write
     ends the watch."""
+    before = _inotify_fds()
     async with aiolaunch.start_processes(
         name="l",
         entrypoint=sys.executable,
@@ -216,12 +218,12 @@ async def test_a_late_lines_consumer_watches_only_while_it_listens(tmp_path: Pat
     ) as ctx:
         log = Path(ctx.stdouts[0])
         await _until(lambda: log.stat().st_size >= 8 << 20, "the 8 MiB")
-        assert _inotify_watches() == 0
+        assert _inotify_watches(before) == 0
         events = ctx.events(lines=True)
         got: list[str] = []
         async for event in events:
             if not isinstance(event, aiolaunch.LogLine):
-                if _inotify_watches() == 1 and not (tmp_path / "go").exists():
+                if _inotify_watches(before) == 1 and not (tmp_path / "go").exists():
                     (tmp_path / "go").touch()  # watched now: let the worker go on
                 continue
             if event.text.startswith("late"):
@@ -230,7 +232,7 @@ async def test_a_late_lines_consumer_watches_only_while_it_listens(tmp_path: Pat
                     break
         assert got == ["late 1", "late 2"]
         await events.aclose()  # type: ignore[attr-defined]
-        assert _inotify_watches() == 1  # no write since: the watch ends at the next one
+        assert _inotify_watches(before) == 1  # no write since: the watch ends at the next one
         await ctx.close(timeout=5)
 
 
@@ -250,6 +252,7 @@ time.sleep(60)
 async def test_a_waiting_probe_watches_its_log_file_until_ready(tmp_path: Path) -> None:
     """A ``ReadyLine`` on a redirected stream: the file is watched while the
     probe waits (it sees its line), and not once it is ready."""
+    before = _inotify_fds()
     async with aiolaunch.start_processes(
         name="p",
         entrypoint=sys.executable,
@@ -259,11 +262,11 @@ async def test_a_waiting_probe_watches_its_log_file_until_ready(tmp_path: Path) 
         redirects=Std.ALL,
         ready=aiolaunch.ReadyLine(r"listening on \d+", stream="stdout"),
     ) as ctx:
-        assert _inotify_watches() == 1  # stdout, for the probe; stderr: nobody
+        assert _inotify_watches(before) == 1  # stdout, for the probe; stderr: nobody
         (tmp_path / "go").touch()
         await ctx.wait_ready(timeout=30)
         (tmp_path / "more").touch()
-        await _until(lambda: _inotify_watches() == 0, "the watch to end")
+        await _until(lambda: _inotify_watches(before) == 0, "the watch to end")
         await ctx.close(timeout=5)
     assert Path(ctx.stdouts[0]).read_text() == "server listening on 1234\nmore output\n"
 
