@@ -39,6 +39,7 @@ VARIANT_LABEL = {
     "raw": "raw asyncio/mp floor",
     "torchrun": "torchrun",
     "aiolaunch-base": "baseline aiolaunch (--baseline)",
+    "aiolaunch-cold": "aiolaunch --no-preload",
 }
 
 #: Variants that need torch: dropped (with their targets) when it is not installed.
@@ -351,6 +352,52 @@ def e2e_rows(q: bool) -> list[Case]:
             ["turnaround_ms", "wall_ms"],
             targets=[Target("turnaround_ms", "median", ">=", vs="torchrun", factor=2.0)],
             runner=e2e_trial_safe,
+            needs_cli=True,
+            baseline=False,
+        ),
+    ]
+
+
+@rows
+def warm_rows(q: bool) -> list[Case]:
+    """Warm start (#23): first start and restart, side by side with torchrun (bench_warm.py)."""
+    k = 2 if q else 7
+    three = {"aiolaunch": k, "aiolaunch-cold": k, "torchrun": k}
+    return [
+        Case(
+            "warm_start",
+            "first start: 8 torch workers past import torch",
+            "warm",
+            {"mode": "start", "n": 8, "timeout": 300},
+            three,
+            ["all_imported_ms"],
+            warmup=1,
+            # <= 0.3x the time of a plain start (aiolaunch --no-preload, and torchrun)
+            targets=[
+                Target("all_imported_ms", "median", ">=", vs="aiolaunch-cold", factor=1 / 0.3),
+                Target("all_imported_ms", "median", ">=", vs="torchrun", factor=1 / 0.3),
+            ],
+            timeout=400,
+            runner="bench_warm:warm_trial",
+            needs_torch=True,
+            needs_cli=True,
+            baseline=False,
+        ),
+        Case(
+            "warm_restart",
+            "restart: gloo DDP, failure -> first all_reduce",
+            "warm",
+            {"mode": "restart", "n": 2, "timeout": 180},
+            {v: (3 if q else 9) for v in three},
+            ["turnaround_ms"],
+            warmup=1,
+            targets=[
+                Target("turnaround_ms", "median", "<=", 150.0),
+                Target("turnaround_ms", "median", ">=", vs="torchrun", factor=1 / 0.15),
+            ],
+            timeout=400,
+            runner="bench_warm:warm_trial",
+            needs_torch=True,
             needs_cli=True,
             baseline=False,
         ),
@@ -995,6 +1042,8 @@ def caption(meta: dict) -> str:
 def render_md(out: dict) -> str:
     meta = out["meta"]
     variants = ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]
+    if any("aiolaunch-cold" in r["stats"] for r in out["results"]):
+        variants.insert(1, "aiolaunch-cold")
     if any("aiolaunch-base" in r["stats"] for r in out["results"]):
         variants.append("aiolaunch-base")
     load = ""
