@@ -26,7 +26,24 @@ if TYPE_CHECKING:
 
 
 def _tree(root: Path) -> list[str]:
-    """Every path under ``root``, relative, sorted (folders end with '/')."""
+    """Every path under ``root``, relative, sorted (folders end with '/').
+
+    The per-user list of running groups (``aiolaunch-<uid>/``, the control
+    socket's registry) is left out while it is empty: it lives as long as the
+    process (removed at exit, see test_the_registry_folder_goes_at_exit).
+    """
+    registry = root / f"aiolaunch-{os.getuid()}"
+    if registry.is_dir() and not any(registry.iterdir()):
+        return [p for p in _tree_all(root) if p != f"{registry.name}/"]
+    return _tree_all(root)
+
+
+def _roots(tmp: Path) -> list[Path]:
+    """The folders in ``tmp`` but the (empty) registry of running groups."""
+    return [p for p in tmp.iterdir() if f"{p.name}/" in _tree(tmp)]
+
+
+def _tree_all(root: Path) -> list[str]:
     out = []
     for dirpath, dirs, files in os.walk(root):
         rel = os.path.relpath(dirpath, root)
@@ -98,13 +115,13 @@ async def test_failing_run_keeps_only_the_error_file(private_tmp: Path) -> None:
     assert result is not None and set(result.failures) == {1}
     error_file = result.failures[1].error_file
     assert os.path.isfile(error_file), "the kept folder holds the error file"
-    (root,) = private_tmp.iterdir()
+    (root,) = _roots(private_tmp)
     assert root.name.startswith("aiolaunch_bad_")
     assert f"aiolaunch: logs of bad kept in {root}" in records.messages
-    # rank 0 wrote nothing: its folder is gone (the failure report stays beside)
-    tree = _tree(root)
-    assert "1/error.json" in tree
-    assert [p for p in tree if p.endswith("/")] == ["1/"]
+    # No rank has a log file: no rank folder at all (#26), the error file of
+    # rank 1 beside the failure report; rank 0 wrote nothing.
+    assert _tree(root) == ["error-1.json", "report.json", "report.txt"]
+    assert error_file == str(root / "error-1.json")
 
 
 async def test_redirected_logs_are_kept_even_when_empty(private_tmp: Path) -> None:
@@ -121,7 +138,7 @@ async def test_redirected_logs_are_kept_even_when_empty(private_tmp: Path) -> No
     with open(result.stdouts[0]) as f:
         assert f.read() == "hi\n"
     assert os.path.getsize(result.stdouts[1]) == 0
-    (root,) = private_tmp.iterdir()
+    (root,) = _roots(private_tmp)
     assert _tree(root) == [
         "0/",
         "0/stderr.log",
@@ -154,10 +171,10 @@ async def test_launch_leaves_nothing_on_success(private_tmp: Path) -> None:
 async def test_launch_keeps_the_error_file_on_failure(private_tmp: Path) -> None:
     with pytest.raises(aiolaunch.WorkerError):
         await aiolaunch.launch(aiolaunch.record(fail_launched), None, 2)
-    (root,) = private_tmp.iterdir()
+    (root,) = _roots(private_tmp)
     tree = _tree(root)
-    assert "1/error.json" in tree
-    assert [p for p in tree if p.endswith("/")] == ["1/"]
+    assert "error-1.json" in tree
+    assert [p for p in tree if p.endswith("/")] == []
 
 
 async def test_default_logs_specs_temp_folder_is_removed_and_reusable(
@@ -187,7 +204,7 @@ async def test_default_logs_specs_keeps_what_holds_logs(private_tmp: Path) -> No
     assert result is not None
     with open(result.stdouts[1]) as f:
         assert f.read() == "b\n"
-    (root,) = private_tmp.iterdir()
+    (root,) = _roots(private_tmp)
     (run,) = _tree(root)[:1]
     assert _tree(root) == [
         run,
@@ -250,3 +267,27 @@ def test_prune_removes_every_empty_folder_and_never_follows_a_symlink(tmp_path: 
         (top / p).unlink()
     assert prune_empty_dirs([str(top)], "t") is None
     assert not top.exists()
+
+
+def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
+    """The per-user list of running groups stays while the process lives (an
+    rmdir and a mkdir per group cost milliseconds where the filesystem
+    discards a freed block synchronously) and goes when it exits."""
+    code = (
+        "import asyncio, aiolaunch, os, tempfile\n"
+        "async def main():\n"
+        "    for _ in range(2):\n"
+        "        async with aiolaunch.start_processes('r', '/bin/true', {0: ()}, {0: {}}) as c:\n"
+        "            await c.wait()\n"
+        "        print(sorted(os.listdir(tempfile.gettempdir())))\n"
+        "asyncio.run(main())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env["TMPDIR"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    registry = f"aiolaunch-{os.getuid()}"
+    assert out.stdout.splitlines() == [str([registry])] * 2
+    assert list(tmp_path.iterdir()) == []

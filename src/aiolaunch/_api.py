@@ -171,8 +171,10 @@ def start_processes(
     :param log_dir: folder for ``{rank}/stdout.log|stderr.log|error.json``;
         must be empty or missing; ``None``: a fresh temporary folder, from
         which what holds nothing is removed when the group ends (the folder
-        too if it ends empty; log files are kept even when empty). (torch's
-        positional ``logs_specs`` is accepted here too.)
+        too if it ends empty; log files are kept even when empty); there a
+        rank without log files has no folder, its error file is
+        ``error-{rank}.json``. (torch's positional ``logs_specs`` is accepted
+        here too.)
     :param start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (function
         workers; checked for binaries too).
     :param redirects: streams written to log files (``Std`` or ``{rank: Std}``).
@@ -303,7 +305,9 @@ def start_processes(
         elif log_dir is None:
             folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
             try:
-                dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
+                dest = plain_logs_dest(
+                    folder, envs_, redirects, tee, background=True, flat_errors=True
+                )
             except BaseException:
                 prune_empty_dirs([folder])
                 raise

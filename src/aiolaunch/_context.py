@@ -105,8 +105,8 @@ class PContext:
             forensics=self._forensics,
             observers=(self._readiness, self._restarts),
             bus=self._bus,
-            # The group's private folder: a supervisor killed by SIGKILL leaves it there.
-            deadline=StopDeadline(self._forensics.stacks_dir, signal_plan.shutdown_timeout),
+            # The group's folder: a supervisor killed by SIGKILL leaves it there.
+            deadline=StopDeadline(self._forensics.private_dir, signal_plan.shutdown_timeout),
             token=new_context_token(),
         )
         # The line consumers of the log pipeline: probes, LogLine events, progress.

@@ -17,6 +17,7 @@ folder and ``control.sock`` is a symlink to it; clients follow the link.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import json
@@ -123,11 +124,27 @@ class ControlServer:
         if self._entry is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._entry)
-            # The per-user folder goes with its last entry: nothing is left in
-            # /tmp once no group runs (fails harmlessly while others are listed).
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self._entry))
+            # The per-user folder goes when this process exits (if no other
+            # group is listed then), not with each group's last entry: that
+            # was an rmdir and a mkdir per group, and some filesystems
+            # discard a freed block synchronously (ext4 -o discard: ms) (#26).
+            _remove_at_exit(os.path.dirname(self._entry))
             self._entry = None
+
+
+_folders_at_exit: set[str] = set()
+
+
+def _remove_at_exit(folder: str) -> None:
+    if not _folders_at_exit:
+        atexit.register(_remove_folders)
+    _folders_at_exit.add(folder)
+
+
+def _remove_folders() -> None:
+    for folder in _folders_at_exit:
+        with contextlib.suppress(OSError):  # fails harmlessly while others are listed
+            os.rmdir(folder)
 
 
 def _fits(path: str) -> bool:

@@ -26,17 +26,17 @@ SHUTDOWN_TIMEOUT_ENV = "AIOLAUNCH_SHUTDOWN_TIMEOUT"
 #: In every worker's environment: a file that holds, once the group is being
 #: stopped, the wall-clock time (Unix seconds) at which survivors get SIGKILL.
 STOP_DEADLINE_FILE_ENV = "AIOLAUNCH_STOP_DEADLINE_FILE"
-_NAME = "stop_deadline"
+_NAME = ".aiolaunch-stop_deadline"
 
 
 class StopDeadline:
-    """The deadline file ``{folder}/stop_deadline`` of one group.
+    """The deadline file ``{folder}/.aiolaunch-stop_deadline`` of one group.
 
-    ``folder`` is the group's private folder (so a supervisor killed by
-    SIGKILL leaves the file there, not in the temp folder); it may not exist
-    yet when workers start: :meth:`make` creates the empty file as
-    ``start_processes`` returns, off the launch path. No method raises: a
-    worker without a deadline file still gets its death signal.
+    ``folder`` is the group's folder (so a supervisor killed by SIGKILL
+    leaves the file there, not loose in the temp folder); :meth:`make`
+    creates the empty file as ``start_processes`` returns, off the launch
+    path. No method raises: a worker without a deadline file still gets its
+    death signal.
     """
 
     def __init__(self, folder: str, grace: float) -> None:
@@ -60,7 +60,8 @@ class StopDeadline:
         if self._removed or self._fd >= 0:
             return
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._fd = os.open(self.path, flags, 0o600)
         except OSError as exc:  # the workers run on; set() tries again
             logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
 

@@ -50,6 +50,9 @@ __all__ = ["Forensics"]
 
 logger = logging.getLogger("aiolaunch")
 
+#: Seconds between the last spawn and the group's files and control socket (#26).
+SERVE_DELAY = 0.02
+
 
 class Forensics:
     """Stacks, watchdog, status, control socket and reports of one group.
@@ -74,16 +77,19 @@ class Forensics:
         self._state = state
         self._error_files = dict(logs.dest.error_files)
         self._stderrs = dict(logs.dest.stderrs)
-        log_dir, self._own_dir = _group_dir(self._error_files)
+        log_dir, self._own_dir = _group_dir(getattr(logs.dest, "root", ""), self._error_files)
         self.log_dir = os.path.abspath(log_dir)
-        # Made as start_processes returns (start), not before the first spawn:
-        # a mkdir costs as much as a spawn. A worker's bootstrap that gets
-        # there first makes it itself (_dump_handler.register).
+        # Made by the first worker whose bootstrap registers for dumps
+        # (_dump_handler.register), not by the supervisor: a folder costs a
+        # mkdir at the start and an rmdir at the end, and some filesystems
+        # discard the freed block synchronously (ext4 -o discard: ms) (#26).
         self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
+        #: where the group's own small files go (the stop-deadline file)
+        self.private_dir = self.log_dir
         if not os.access(self.log_dir, os.W_OK | os.X_OK):
             # A LogsSpecs with an unusual layout may leave no writable group
             # folder: dumps still work from a private one.
-            self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
+            self.stacks_dir = self.private_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
         self.sampler = Sampler(logs.last_output)
         self.dumper = StackDumper(state, self.stacks_dir, self._rank_dir, self.sampler.rebase)
         self.watcher: StallWatcher | None = None
@@ -117,13 +123,14 @@ class Forensics:
 
     # -- lifetime -----------------------------------------------------------
     def start(self, make_files: Callable[[], None] = lambda: None) -> None:
-        """Start the watchdog and, in a task of its own, the stacks folder,
-        ``make_files()`` (the group's other files) and the control socket.
+        """Start the watchdog and, in a task of its own, ``make_files()`` (the
+        group's files) and the control socket.
 
-        Called once every rank started; the task runs as soon as the caller
-        yields to the loop (together ~0.7 ms: off the path to
-        ``start_processes`` returning); ``status``/``stacks`` clients are
-        separate processes, which take far longer to start than that.
+        Called once every rank started; the task does its work
+        :data:`SERVE_DELAY` later (together ~0.5 ms of CPU, and a wake-up of
+        the guardian): not beside the workers just spawned, which on a small
+        host share the supervisor's CPU until they run. ``status``/``stacks``
+        clients are separate processes, which take far longer to start.
         """
         self._server_task = asyncio.ensure_future(self._serve(make_files))
         if self.watcher is not None:
@@ -132,10 +139,7 @@ class Forensics:
     async def _serve(self, make_files: Callable[[], None]) -> None:
         from ._control import ControlServer
 
-        try:
-            os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
-        except OSError as exc:  # dumps are impossible; the job runs on
-            logger.warning("aiolaunch: no stacks folder %s: %s", self.stacks_dir, exc)
+        await asyncio.sleep(SERVE_DELAY)  # allowed: a deferral (see start), not a wait
         make_files()
         try:
             self._server = await ControlServer.start(self.log_dir, lambda r: dispatch(self, r))
@@ -230,16 +234,20 @@ class Forensics:
     # -- files --------------------------------------------------------------
     def _rank_dir(self, rank: int) -> str:
         path = self._error_files.get(rank, "")
-        if path and path != os.devnull:
-            return os.path.dirname(os.path.abspath(path))
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and path != os.devnull and folder != self.log_dir:
+            return folder
+        # no rank folder (logs to /dev/null, or a flat error file): made now
         d = os.path.join(self.log_dir, str(rank))
         os.makedirs(d, exist_ok=True)
         return d
 
 
-def _group_dir(error_files: Mapping[int, str]) -> tuple[str, bool]:
+def _group_dir(root: str, error_files: Mapping[int, str]) -> tuple[str, bool]:
     # The folder holding the rank folders: {log_dir} in aiolaunch's layout,
     # {run}/attempt_N in torch's. Without one (logs to /dev/null), our own.
+    if root:
+        return root, False
     for path in error_files.values():
         if path and path != os.devnull:
             return os.path.dirname(os.path.dirname(path)), False

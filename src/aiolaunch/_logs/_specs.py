@@ -13,11 +13,8 @@ In a :class:`LogsDest`, a stream path of ``""`` means "the console" and
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-import stat
 import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -25,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._types import Std, StdSpec, to_map
 from .._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
+from ._rank_dirs import BACKGROUND_MIN, RankDirs, mkdir_nofollow
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -75,6 +73,8 @@ class LogsDest:
     #: Rank folders still being made in the background (``start_processes``
     #: with ``log_dir``): wait for a rank's before spawning it.
     rank_dirs: RankDirs | None = None
+    #: The folder holding the rank folders (``""``: not known, e.g. torch's own specs).
+    root: str = ""
 
 
 class LogsSpecs(ABC):
@@ -292,6 +292,7 @@ def _layout(
     tee: StdSpec,
     local_ranks_filter: set[int] | None,
     background: bool = False,
+    flat_errors: bool = False,
 ) -> LogsDest:
     redirs = to_map(redirects, nprocs)
     tees = to_map(tee, nprocs)
@@ -299,15 +300,19 @@ def _layout(
     dest = LogsDest(
         filtered_stdout=os.path.join(base, "filtered_stdout.log"),
         filtered_stderr=os.path.join(base, "filtered_stderr.log"),
+        root=base,
     )
-    later: list[str] = []
+    later: dict[int, str] = {}
     for rank in range(nprocs):
         rank_dir = os.path.join(base, str(rank))
-        if rank == 0 or not background or nprocs < _BACKGROUND_MIN:
-            _mkdir_nofollow(rank_dir)
-        else:
-            later.append(rank_dir)
         rd = redirs[rank] | tees[rank]  # tee implies redirect
+        flat = flat_errors and not rd  # no folder: its error file beside the others
+        if flat:
+            pass
+        elif rank == 0 or not background or nprocs < BACKGROUND_MIN:
+            mkdir_nofollow(rank_dir)
+        else:
+            later[rank] = rank_dir
         dest.stdouts[rank] = os.path.join(rank_dir, "stdout.log") if rd & Std.OUT else ""
         dest.stderrs[rank] = os.path.join(rank_dir, "stderr.log") if rd & Std.ERR else ""
         if tees[rank] & Std.OUT:
@@ -321,23 +326,12 @@ def _layout(
                 dest.stdouts[rank] = os.devnull
             if dest.stderrs[rank] == "":
                 dest.stderrs[rank] = os.devnull
-        dest.error_files[rank] = os.path.join(rank_dir, "error.json")
+        error = f"error-{rank}.json" if flat else os.path.join(str(rank), "error.json")
+        dest.error_files[rank] = os.path.join(base, error)
         envs[rank]["TORCHELASTIC_ERROR_FILE"] = dest.error_files[rank]
     if later:
-        dest.rank_dirs = RankDirs(later, first_rank=1)
+        dest.rank_dirs = RankDirs(later)
     return dest
-
-
-def _mkdir_nofollow(path: str) -> None:
-    # mkdir fails on an existing entry (a planted symlink included); an
-    # existing real directory of ours is fine.
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        if os.path.islink(path) or not os.path.isdir(path):
-            raise FileExistsError(
-                f"{path!r} exists and is not a directory aiolaunch created; refusing to follow it"
-            ) from None
 
 
 def plain_logs_dest(
@@ -348,100 +342,18 @@ def plain_logs_dest(
     local_ranks_filter: set[int] | None = None,
     *,
     background: bool = False,
+    flat_errors: bool = False,
 ) -> LogsDest:
     """aiolaunch's own layout: ``{log_dir}/{rank}/...`` (``log_dir`` must exist).
 
     ``background``: rank 0's folder is made now (a bad ``log_dir`` fails
     before anything starts), the others in the background (:class:`RankDirs`,
     ``dest.rank_dirs``): the caller must ``wait(rank)`` before spawning a
-    rank and ``close()`` it when the group ends.
+    rank and ``close()`` it when the group ends. ``flat_errors`` (a temporary
+    ``log_dir``): a rank with no log file gets no folder, its error file is
+    ``{log_dir}/error-{rank}.json`` - a folder costs a block, whose removal
+    some filesystems discard synchronously (#26).
     """
     return _layout(
-        log_dir, envs, len(envs), redirects, tee, local_ranks_filter, background=background
+        log_dir, envs, len(envs), redirects, tee, local_ranks_filter, background, flat_errors
     )
-
-
-#: From this many ranks on, start_processes makes rank folders 1.. in the background.
-_BACKGROUND_MIN = 8
-
-_MKDIR = "/bin/mkdir"
-
-
-class RankDirs:
-    """Makes rank folders with one ``mkdir`` process while workers are spawned.
-
-    Why: on ext4 a ``mkdir`` costs ~0.12 ms of CPU and more of wall time,
-    about as much as spawning a worker; made one after the other before the
-    first spawn they were a third to a half of a 64-256 worker launch. One
-    ``/bin/mkdir -- dir1 dir2 ...`` (spawned once, ~0.3 ms) makes them in
-    rank order on another CPU while the loop thread forks workers. Not a
-    thread: on Python < 3.12 the GIL is held across ``vfork``, so a thread
-    between two ``mkdir`` calls waits for the spawner and falls behind.
-
-    Guarantee kept: a rank's folder exists before its worker is spawned
-    (:meth:`wait` checks it with ``lstat``, and makes it itself if the
-    process has not got there yet), so ``TORCHELASTIC_ERROR_FILE`` can be
-    written from the worker's first instruction, and every folder exists
-    once ``start_processes`` returned. A planted symlink or any other
-    non-directory is refused with the same error as before (``mkdir`` never
-    follows one); the ranks already started are then stopped.
-    """
-
-    def __init__(self, paths: list[str], first_rank: int) -> None:
-        self._paths = paths
-        self._first = first_rank
-        self._pid = 0
-        self._pidfd = -1
-        try:
-            self._pid = os.posix_spawn(
-                _MKDIR,
-                [_MKDIR, "--", *paths],
-                {},
-                file_actions=[
-                    (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                    (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
-                ],
-            )
-        except OSError:  # no /bin/mkdir: wait() makes each folder itself
-            return
-        try:
-            # Killed through a pidfd only: never a recycled pid.
-            self._pidfd = os.pidfd_open(self._pid)
-        except (AttributeError, OSError):
-            self._pidfd = -1
-
-    def wait(self, rank: int) -> None:
-        """Return once ``rank``'s folder exists (at once for a rank not in the batch).
-
-        :raises FileExistsError: something other than a directory is there.
-        :raises OSError: the folder could not be made.
-        """
-        index = rank - self._first
-        if not 0 <= index < len(self._paths):
-            return
-        path = self._paths[index]
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            _mkdir_nofollow(path)  # the process is not there yet (or failed)
-            return
-        if not stat.S_ISDIR(st.st_mode):
-            _mkdir_nofollow(path)  # raises the refusal (a symlink, a file)
-        if index == len(self._paths) - 1:
-            self.close()  # ranks start in order: every folder exists; reap it now
-
-    def close(self) -> None:
-        """Stop the ``mkdir`` process and reap it: no folder appears after
-        this (called when the group ends, and when its start failed).
-        Idempotent. Once every rank was waited for, every folder exists and
-        stopping it changes nothing."""
-        if not self._pid:
-            return
-        if self._pidfd >= 0:
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            os.close(self._pidfd)
-            self._pidfd = -1
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self._pid, 0)
-        self._pid = 0

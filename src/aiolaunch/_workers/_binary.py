@@ -1,8 +1,8 @@
 """Binary workers: subprocesses in their own process group, reaped through a pidfd.
 
-Exit detection: on Linux >= 5.3 each worker is a ``subprocess.Popen`` whose
-pidfd is registered with ``loop.add_reader``; it becomes readable when the
-worker exits, and ``Popen.poll()`` then reaps it on the loop. asyncio's own
+Exit detection: on Linux >= 5.3 each worker is started with ``os.posix_spawn``
+and its pidfd is registered with ``loop.add_reader``; it becomes readable when
+the worker exits, and ``waitpid`` then reaps it on the loop. asyncio's own
 subprocess machinery would instead reap through its child watcher, which on
 Python 3.8-3.11 (and on 3.12/3.13 without a pidfd watcher set) is
 ``ThreadedChildWatcher``: one thread blocked in ``waitpid`` per child - 256
@@ -10,11 +10,16 @@ threads for 256 workers. 3.12+ may use ``PidfdChildWatcher`` and 3.14 uses
 pidfds itself; ours behaves the same on every version. Where there is no
 pidfd (older kernels, not Linux) the asyncio subprocess path is used.
 
-No ``preexec_fn``: that would force CPython's slow ``fork()`` path (and run
-Python in the child), costing milliseconds per worker in a large supervisor.
-Process groups come from ``start_new_session`` (setsid: a session and group
-per worker, as with torch) and supervisor-death protection from the guardian
-(``_guardian``), so spawning stays on the ``vfork`` path.
+No code runs in the child between fork and exec (no ``preexec_fn``, which
+would force CPython's slow ``fork()`` path): process groups come from
+``setsid`` (a session and group per worker, as with torch) and
+supervisor-death protection from the guardian (``_guardian``). ``posix_spawn``
+(glibc: ``clone(CLONE_VM|CLONE_VFORK)``, the same vfork path as
+``subprocess.Popen``) does what ``Popen(start_new_session=True,
+close_fds=True)`` does - setsid, the stdout/stderr fds, SIGPIPE and SIGXFSZ
+back to their default, inheritable fds closed (the others are close-on-exec),
+the program found on the worker's ``PATH`` - in C: ~80 us less CPU on the
+loop per worker than Popen's Python (~170 us) (#26).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import subprocess
+import signal
+import stat
 from typing import TYPE_CHECKING, Any
 
 from ._guardian import GUARDIAN_ENV, guardian
@@ -55,25 +61,26 @@ class _ExitProtocol(asyncio.SubprocessProtocol):
 class BinaryWorker(WorkerHandle):
     def __init__(self, local_rank: int) -> None:
         super().__init__(local_rank)
-        # One of the two: asyncio's transport (no pidfd), or our Popen + pidfd.
+        # One of the two: asyncio's transport (no pidfd), or our child + pidfd.
         self.transport: asyncio.SubprocessTransport | None = None
-        self._popen: subprocess.Popen[bytes] | None = None
+        self._child = False
         self._pidfd: int | None = None
 
-    def follow_popen(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop) -> None:
-        """Own ``popen``: its exit is read from a pidfd on ``loop``.
+    def follow_pid(self, pid: int, loop: asyncio.AbstractEventLoop) -> None:
+        """Own child ``pid``: its exit is read from a pidfd on ``loop``, and it
+        is reaped there.
 
         :raises OSError: no pidfd could be opened (the process is killed and
             reaped first: nothing is left behind).
         """
-        self._popen = popen
-        self.pid = popen.pid
+        self._child = True
+        self.pid = pid
         try:
-            self._pidfd = os.pidfd_open(popen.pid)
+            self._pidfd = os.pidfd_open(pid)
         except OSError:  # pragma: no cover - our own unreaped child
-            popen.kill()
             with contextlib.suppress(OSError):
-                popen.wait()
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
             raise
         loop.add_reader(self._pidfd, self._on_exit_readable)
 
@@ -83,8 +90,8 @@ class BinaryWorker(WorkerHandle):
         self.pid = transport.get_pid()
 
     def _on_exit_readable(self) -> None:
-        assert self._popen is not None and self._pidfd is not None
-        rc = self._popen.poll()
+        assert self._child and self._pidfd is not None
+        rc = _reap(self.pid)
         if rc is None:  # pragma: no cover - a readable pidfd means it exited
             return
         asyncio.get_running_loop().remove_reader(self._pidfd)
@@ -98,15 +105,16 @@ class BinaryWorker(WorkerHandle):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
-        elif self._popen is None:
+        elif not self._child:
             return
-        self._popen = None
+        self._child = False
         g = guardian()
         if g is not None:
             g.unwatch(self.pid)
 
 
 _pidfd_ok: bool | None = None
+_posix_spawn_ok = True
 
 
 def _pidfds_work() -> bool:
@@ -143,21 +151,18 @@ async def spawn_binary(
         # Set before the fork: a worker the supervisor dies too early to
         # register (or its setsid'd descendant) is still found by the guardian.
         env = {**env, GUARDIAN_ENV: g.token}
-    if _pidfds_work():
-        # Popen runs fork/exec on the loop thread, as asyncio's subprocess_exec does.
-        popen = subprocess.Popen(  # noqa: ASYNC220 - same blocking fork as asyncio
-            list(argv),
-            stdin=None,
-            stdout=stdout,
-            stderr=stderr,
-            env=env,
-            close_fds=True,
-            **group,
-        )
-        if g is not None:
-            g.watch(popen.pid)
-        handle.follow_popen(popen, loop)
-        return handle
+    global _posix_spawn_ok
+    if _pidfds_work() and _posix_spawn_ok:
+        # fork/exec on the loop thread, as asyncio's subprocess_exec does
+        try:
+            pid = _spawn(argv, env, stdout, stderr, loop)
+        except NotImplementedError:  # pragma: no cover - glibc < 2.26: no POSIX_SPAWN_SETSID
+            _posix_spawn_ok = False
+        else:
+            if g is not None:
+                g.watch(pid)
+            handle.follow_pid(pid, loop)
+            return handle
     transport, _ = await loop.subprocess_exec(
         lambda: _ExitProtocol(handle),
         *argv,
@@ -172,3 +177,95 @@ async def spawn_binary(
     if g is not None:
         g.watch(handle.pid)
     return handle
+
+
+#: What ``Popen(restore_signals=True)`` sets back to the default in the child
+#: (CPython ignores them).
+_DEFAULT_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)
+)
+
+
+def _spawn(
+    argv: Sequence[str],
+    env: dict[str, str],
+    stdout: int | None,
+    stderr: int | None,
+    loop: asyncio.AbstractEventLoop,
+) -> int:
+    """``Popen(argv, env=env, stdout=, stderr=, start_new_session=True,
+    close_fds=True).pid``, in C (see the module docstring)."""
+    actions: list[tuple[Any, ...]] = []
+    if stdout is not None:
+        actions.append((os.POSIX_SPAWN_DUP2, stdout, 1))
+    if stderr is not None:
+        actions.append((os.POSIX_SPAWN_DUP2, stderr, 2))
+    keep = {0, 1, 2}
+    actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds(loop) if fd not in keep]
+    return os.posix_spawn(
+        _executable(argv[0], env.get("PATH")),
+        list(argv),
+        env,
+        file_actions=actions,
+        setsid=True,
+        setsigdef=_DEFAULT_SIGNALS,
+    )
+
+
+def _executable(name: str, path: str | None) -> str:
+    """``name`` as ``Popen`` finds it: as given when it holds a ``/``, else the
+    first executable file of that name on the worker's ``PATH``.
+
+    :raises FileNotFoundError: none there.
+    """
+    if os.sep in name:
+        return name
+    for folder in os.get_exec_path({"PATH": path} if path is not None else {}):
+        candidate = os.path.join(folder, name)
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError(2, f"No such file or directory: {name!r}")
+
+
+_inheritable: list[int] | None = None
+
+
+def _inheritable_fds(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """This process's inheritable fds (``close_fds`` closes them in the child;
+    every other fd is close-on-exec). Read once per loop iteration: a start's
+    spawns run in one, and only open close-on-exec fds of their own."""
+    global _inheritable
+    if _inheritable is None:
+        try:
+            fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+        except OSError:  # pragma: no cover - no /proc
+            fds = list(range(3, 256))
+        found = []
+        for fd in fds:
+            with contextlib.suppress(OSError):  # the listing's own fd is closed by now
+                if fd > 2 and os.get_inheritable(fd):
+                    found.append(fd)
+        _inheritable = found
+        loop.call_soon(_forget_inheritable)
+    return _inheritable
+
+
+def _forget_inheritable() -> None:
+    global _inheritable
+    _inheritable = None
+
+
+def _reap(pid: int) -> int | None:
+    """Reap child ``pid`` if it exited: its return code as ``Popen`` gives it
+    (``-N`` for signal N; 0 when someone else reaped it, as ``Popen.poll()``)."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return 0
+    if done == 0:
+        return None
+    return os.waitstatus_to_exitcode(status)

@@ -34,6 +34,9 @@ GUARDIAN_ENV = "AIOLAUNCH_GUARDIAN"
 
 GUARDIAN_NAME = "aiolaunch-guardian"
 
+#: Seconds a registration waits to be sent (see Guardian._queue; #26).
+WATCH_DELAY = 0.02
+
 _SCRIPT = r"""
 trap '' INT HUP QUIT TERM
 # One variable per registered group (g_PGID), so +/- cost O(1): removing a
@@ -102,6 +105,8 @@ class Guardian:
         self.pid = 0
         self._pending: list[str] = []
         self._flush_loop: asyncio.AbstractEventLoop | None = None
+        self._flush: asyncio.Handle | None = None
+        self._flush_timed = False
         self._start()
 
     def _start(self) -> None:
@@ -142,37 +147,46 @@ class Guardian:
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies."""
         self.groups.add(pgid)
-        self._queue(f"+{pgid}\n")
+        self._queue(f"+{pgid}\n", WATCH_DELAY)
 
     def unwatch(self, pgid: int) -> None:
         """Forget ``pgid`` (its processes are gone)."""
         if pgid in self.groups:
             self.groups.discard(pgid)
-            self._queue(f"-{pgid}\n")
+            self._queue(f"-{pgid}\n", 0.0)
 
-    def _queue(self, line: str) -> None:
-        # On an event loop, lines are sent once per loop iteration: starting
-        # 256 workers is one write (and one wakeup of the shell, which would
-        # otherwise preempt the supervisor between spawns), not 256. Safe: a
-        # worker not yet registered carries the token in its environment and
-        # is found by the guardian's /proc scan if the supervisor dies now.
+    def _queue(self, line: str, delay: float) -> None:
+        # On an event loop, lines are sent in batches: starting 256 workers is
+        # one write (and one wake-up of the shell, which would otherwise
+        # preempt the supervisor between spawns), not 256. Registrations wait
+        # ``delay`` more: the shell then runs once the workers just spawned
+        # got going, not beside them on a small host's CPUs. Safe: a worker not
+        # yet registered carries the token in its environment and is found by
+        # the guardian's /proc scan if the supervisor dies now. Removals go
+        # with the next loop iteration: a stale group number could be reused.
         self._pending.append(line)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.flush()
             return
-        if self._flush_loop is loop:
-            return  # already scheduled
-        if self._flush_loop is not None:
+        if self._flush_loop is not None and self._flush_loop is not loop:
             # Scheduled on a loop that is gone (or another thread's): send now.
             self.flush()
             return
+        if self._flush is not None:
+            if delay or not self._flush_timed:
+                return  # already scheduled, as soon as this one needs
+            self._flush.cancel()  # a timed flush pending: sooner now
         self._flush_loop = loop
-        loop.call_soon(self.flush)
+        self._flush_timed = bool(delay)
+        self._flush = loop.call_later(delay, self.flush) if delay else loop.call_soon(self.flush)
 
     def flush(self) -> None:
         """Send the queued registrations now."""
+        if self._flush is not None:
+            self._flush.cancel()
+        self._flush = None
         self._flush_loop = None
         if self._pending:
             text, self._pending = "".join(self._pending), []
