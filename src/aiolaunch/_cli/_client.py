@@ -1,4 +1,4 @@
-"""The control socket's clients: ``aiolaunch status|stacks|top [LOG_DIR]``.
+"""The control socket's clients: ``aiolaunch status|stacks|top|events|attach [LOG_DIR]``.
 
 One function per verb (``status_main``, ``stacks_main``), each listed in
 :data:`VERBS`: a new verb is one function here and its entry there. They share
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VERBS",
+    "attach_main",
+    "events_main",
     "find_socket",
     "format_status",
     "request",
@@ -227,9 +229,25 @@ def top_main(argv: Sequence[str]) -> int:
     return top_main(argv)
 
 
+def events_main(argv: Sequence[str]) -> int:
+    """``aiolaunch events [LOG_DIR] [--json]``: lifecycle events, live (``_events.py``)."""
+    from ._events import events_main
+
+    return events_main(argv)
+
+
+def attach_main(argv: Sequence[str]) -> int:
+    """``aiolaunch attach RANK [LOG_DIR]``: pdb inside a running rank (``_attach.py``)."""
+    from ._attach import attach_main
+
+    return attach_main(argv)
+
+
 VERBS: dict[str, Callable[[Sequence[str]], int]] = {
     "status": status_main,
     "stacks": stacks_main,
     "top": top_main,
+    "events": events_main,
+    "attach": attach_main,
 }
 """``aiolaunch VERB ...``: the client verbs, each its own ``main(argv) -> status``."""
