@@ -1,9 +1,10 @@
 """The control socket's clients: ``aiolaunch status|stacks|top|events|attach [LOG_DIR]``.
 
-One function per verb (``status_main``, ``stacks_main``), each listed in
-:data:`VERBS`: a new verb is one function here and its entry there. They share
-finding the socket (:func:`find_socket`), one request (:func:`request`) and
-the error handling (:func:`_ask`). The server, the registry's writer side and
+One function per verb (``status_main``, ``stacks_main``, and the entry points
+of ``top``, ``events``, ``attach``, whose code has a module each), each listed
+in :data:`VERBS`: a new verb is one function here and its entry there. They
+share finding the socket (``_live.find_socket``), one request
+(:func:`request`) and the error handling (:func:`_ask`). The server, the registry's writer side and
 the wire format are in ``_control.py``, imported when a verb runs (so that
 ``aiolaunch --help`` and a launch do not pay for it).
 """
@@ -11,7 +12,6 @@ the wire format are in ``_control.py``, imported when a verb runs (so that
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -24,86 +24,12 @@ __all__ = [
     "VERBS",
     "attach_main",
     "events_main",
-    "find_socket",
     "format_status",
     "request",
-    "running_jobs",
     "stacks_main",
     "status_main",
     "top_main",
 ]
-
-
-# -- finding the job ----------------------------------------------------------
-
-
-def running_jobs() -> list[str]:
-    """Control sockets of this user's running groups (stale entries are removed)."""
-    from .._control import registry_dir
-
-    folder = registry_dir()
-    if folder is None:
-        return []
-    out: list[str] = []
-    for name in sorted(os.listdir(folder)):
-        entry = os.path.join(folder, name)
-        try:
-            pid = int(name.split("-", 1)[0])
-            target = os.readlink(entry)
-        except (ValueError, OSError):
-            continue
-        alive = True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            pass
-        if alive and os.path.exists(target):
-            out.append(target)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(entry)
-    if not out:
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)  # only if empty: stale entries were all removed
-    return out
-
-
-def find_socket(log_dir: str | None) -> str:
-    """The newest ``control.sock`` in ``log_dir`` or up to 3 levels below it.
-
-    (torch's layout puts it in ``{log_dir}/{run_id}_xxx/attempt_N/``.) Without
-    ``log_dir``: the one group of this user that is running.
-
-    :raises FileNotFoundError: there is none: the job is not running.
-    :raises ValueError: no ``log_dir`` and several groups are running.
-    """
-    from .._control import SOCKET_NAME
-
-    if log_dir is None:
-        jobs = running_jobs()
-        if len(jobs) == 1:
-            return jobs[0]
-        if not jobs:
-            raise FileNotFoundError("no running aiolaunch job of yours was found; pass its LOG_DIR")
-        listing = "\n  ".join(os.path.dirname(j) for j in jobs)
-        raise ValueError(f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}")
-    found: list[tuple[float, str]] = []
-    base = os.path.abspath(log_dir)
-    depth0 = base.rstrip(os.sep).count(os.sep)
-    for root, dirs, files in os.walk(base):
-        if root.count(os.sep) - depth0 >= 3:
-            dirs[:] = []
-        if SOCKET_NAME in files or SOCKET_NAME in dirs:
-            path = os.path.join(root, SOCKET_NAME)
-            with contextlib.suppress(OSError):
-                found.append((os.lstat(path).st_mtime, path))
-    if not found:
-        raise FileNotFoundError(
-            f"no {SOCKET_NAME} in {log_dir!r}: no aiolaunch group is running with that log dir"
-        )
-    return max(found)[1]
 
 
 # -- one request --------------------------------------------------------------
@@ -144,6 +70,8 @@ def _parser(verb: str, description: str) -> argparse.ArgumentParser:
 
 def _ask(verb: str, log_dir: str | None, req: dict[str, Any]) -> dict[str, Any] | None:
     """The job's answer to ``req``; ``None`` once the error is printed."""
+    from ._live import find_socket
+
     try:
         answer = request(find_socket(log_dir), req, timeout=60.0)
     except (OSError, ValueError) as exc:

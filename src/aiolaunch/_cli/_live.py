@@ -1,4 +1,7 @@
-"""One client connection to a group's control socket, kept open (``top``, ``events``, ``attach``).
+"""Finding a running job's control socket, and one connection to it kept open.
+
+:func:`find_socket` is how every client verb finds the job (``LOG_DIR``, or
+this user's one running job from the registry).
 
 ``aiolaunch status`` sends one request and leaves; ``top`` asks for the status
 once a second on one connection (a connect per poll would cost the
@@ -9,14 +12,86 @@ debugger after the first answer. All three share this blocking client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ControlConnection", "ProtocolError"]
+if TYPE_CHECKING:
+    import socket
+
+__all__ = ["ControlConnection", "ProtocolError", "find_socket", "running_jobs"]
 
 _MAX_LINE = 1 << 24
+
+
+def running_jobs() -> list[str]:
+    """Control sockets of this user's running groups (stale entries are removed)."""
+    from .._control import registry_dir
+
+    folder = registry_dir()
+    if folder is None:
+        return []
+    out: list[str] = []
+    for name in sorted(os.listdir(folder)):
+        entry = os.path.join(folder, name)
+        try:
+            pid = int(name.split("-", 1)[0])
+            target = os.readlink(entry)
+        except (ValueError, OSError):
+            continue
+        alive = True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            pass
+        if alive and os.path.exists(target):
+            out.append(target)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry)
+    if not out:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if empty: stale entries were all removed
+    return out
+
+
+def find_socket(log_dir: str | None) -> str:
+    """The newest ``control.sock`` in ``log_dir`` or up to 3 levels below it.
+
+    (torch's layout puts it in ``{log_dir}/{run_id}_xxx/attempt_N/``.) Without
+    ``log_dir``: the one group of this user that is running.
+
+    :raises FileNotFoundError: there is none: the job is not running.
+    :raises ValueError: no ``log_dir`` and several groups are running.
+    """
+    from .._control import SOCKET_NAME
+
+    if log_dir is None:
+        jobs = running_jobs()
+        if len(jobs) == 1:
+            return jobs[0]
+        if not jobs:
+            raise FileNotFoundError("no running aiolaunch job of yours was found; pass its LOG_DIR")
+        listing = "\n  ".join(os.path.dirname(j) for j in jobs)
+        raise ValueError(f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}")
+    found: list[tuple[float, str]] = []
+    base = os.path.abspath(log_dir)
+    depth0 = base.rstrip(os.sep).count(os.sep)
+    for root, dirs, files in os.walk(base):
+        if root.count(os.sep) - depth0 >= 3:
+            dirs[:] = []
+        if SOCKET_NAME in files or SOCKET_NAME in dirs:
+            path = os.path.join(root, SOCKET_NAME)
+            with contextlib.suppress(OSError):
+                found.append((os.lstat(path).st_mtime, path))
+    if not found:
+        raise FileNotFoundError(
+            f"no {SOCKET_NAME} in {log_dir!r}: no aiolaunch group is running with that log dir"
+        )
+    return max(found)[1]
 
 
 class ProtocolError(OSError):
@@ -42,7 +117,7 @@ class ControlConnection:
         :raises ValueError: no ``log_dir`` and several jobs are running.
         :raises PermissionError: the socket belongs to another user.
         """
-        from ._client import find_socket
+        import socket
 
         self.close()
         path = find_socket(self.log_dir)
