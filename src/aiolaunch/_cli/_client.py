@@ -3,8 +3,8 @@
 One function per verb (``status_main``, ``stacks_main``, and the entry points
 of ``top``, ``events``, ``attach``, whose code has a module each), each listed
 in :data:`VERBS`: a new verb is one function here and its entry there. They
-share finding the socket (``_live.find_socket``), one request
-(:func:`request`) and the error handling (:func:`_ask`). The server, the registry's writer side and
+share finding the socket (``_live.find_socket``), one request (:func:`request`)
+and the error handling (:func:`_ask`). The server, the registry's writer side and
 the wire format are in ``_control.py``, imported when a verb runs (so that
 ``aiolaunch --help`` and a launch do not pay for it).
 """
