@@ -154,6 +154,8 @@ def start_processes(
     watchdog: Watchdog | None = None,
     signals_to_handle: str | Iterable[str | int] | None = None,
     forward_signals: str | Iterable[str | int] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -217,6 +219,13 @@ def start_processes(
         SIGKILL when ``wait()`` stops the group) and
         ``AIOLAUNCH_STOP_DEADLINE_FILE``: empty while the group runs; once it
         is being stopped, the Unix time at which survivors get SIGKILL.
+    :param metrics_port: serve Prometheus metrics of the group (per-rank
+        samples labelled ``rank``) at ``http://metrics_host:PORT/metrics``
+        while it runs; ``0``: any free port (``ctx.metrics_url`` says which).
+        ``None``: no metrics. The port is bound when the call is awaited,
+        before any worker starts.
+    :param metrics_host: the address to serve on; ``127.0.0.1`` keeps it on
+        this machine (``0.0.0.0``: every interface).
     Every argument is checked before anything starts or any folder is made;
     each message names the argument and the fix.
 
@@ -226,6 +235,8 @@ def start_processes(
         with ``/`` when ``log_dir=None``, a ``Std`` outside 0-3.
     :raises TypeError: a bad entrypoint, env key or value, or an unpicklable
         function or argument.
+    :raises OSError: ``metrics_port`` cannot be bound (in use, say), at the
+        ``await``, before any worker starts.
     :raises FileNotFoundError: a binary not on ``PATH`` (or a command line
         given as ``entrypoint``: its arguments go in ``args``).
     :raises IsADirectoryError: an ``entrypoint`` path that is a directory.
@@ -260,6 +271,10 @@ def start_processes(
     dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
     if watchdog is not None and not isinstance(watchdog, Watchdog):
         raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
+    if metrics_port is not None:
+        check_port("metrics_port", metrics_port, zero=True)
+    if not isinstance(metrics_host, str) or not metrics_host:
+        raise TypeError(f"metrics_host={metrics_host!r} must be a host name or address (a str)")
     stop_signals = resolve_signals(
         signals_to_handle,
         what="signals_to_handle",
@@ -282,6 +297,20 @@ def start_processes(
         args_ = {rank: tuple(str(a) for a in a_) for rank, a_ in args_.items()}
 
     def make() -> PContext:
+        # The metrics port first: a port in use fails the call before any
+        # folder is made or any worker started.
+        if metrics_port is None:
+            return build(None)
+        from ._metrics import bind_metrics
+
+        sock = bind_metrics(metrics_host, metrics_port)
+        try:
+            return build(sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    def build(metrics: socket.socket | None) -> PContext:
         if logs_specs is not None:
             dest = logs_specs.reify(envs_)
         elif log_dir is None:
@@ -319,6 +348,7 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
+            "metrics": metrics,
         }
         try:
             if isinstance(entrypoint, str):

@@ -39,7 +39,7 @@ from ._workers._attach import ATTACH_SIGNAL
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ATTACH_SIGNAL", "AttachError", "Session", "open_session", "relay"]
+__all__ = ["ATTACH_SIGNAL", "AttachError", "Session", "open_session", "peer_uid", "relay"]
 
 _MAX_PATH = 107
 
@@ -89,12 +89,22 @@ class Session:
         self.writer = writer
 
 
-def _peer_pid(sock: socket.socket) -> int | None:
+def _peer(sock: socket.socket | None) -> tuple[int, int] | None:
+    """``(pid, uid)`` of the process at the other end of a unix socket (Linux)."""
+    if sock is None:
+        return None
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
         return None
-    return int(struct.unpack("3i", raw)[0])
+    pid, uid, _ = struct.unpack("3i", raw)
+    return pid, uid
+
+
+def peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    """The uid of the client of a control connection (``None``: unknown here)."""
+    peer = _peer(writer.get_extra_info("socket"))
+    return None if peer is None else peer[1]
 
 
 def _listen(stacks_dir: str, pid: int) -> tuple[socket.socket, Callable[[], None]]:
@@ -156,7 +166,8 @@ async def open_session(stacks_dir: str, pid: int, timeout: float) -> Session:
                     "running Python code now (a long C call, or stopped); try again later, "
                     "or use a longer --timeout"
                 ) from None
-            if _peer_pid(conn) == pid:
+            peer = _peer(conn)
+            if peer is not None and peer[0] == pid:
                 break
             conn.close()  # not our worker: ignore it
     finally:

@@ -36,6 +36,7 @@ from ._validate import check_seconds, check_signal
 from ._workers._proc import new_context_token
 
 if TYPE_CHECKING:
+    import socket
     from collections.abc import AsyncIterator, Callable
 
     from ._logs import LogWiring
@@ -73,6 +74,7 @@ class PContext:
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
         watchdog: Watchdog | None = None,
+        metrics: socket.socket | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -97,8 +99,9 @@ class PContext:
             self._state, ready or {}, bus=self._bus, error_files=self.error_files
         )
         self._forensics = Forensics(
-            self._state, watchdog, logs=logs, bus=self._bus, restartable=self._restarts.has_policy
-        )
+            self._state, watchdog, logs=logs, bus=self._bus,
+            restartable=self._restarts.has_policy, metrics=metrics,
+        )  # fmt: skip
         self._ending = GroupEnding(
             self._state,
             logs=logs,
@@ -174,6 +177,12 @@ class PContext:
         is measured since the previous sample (watchdog period or call).
         """
         return self._forensics.status()
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://127.0.0.1:PORT/metrics`` while the group serves Prometheus
+        metrics (``start_processes(metrics_port=...)``), else ``None``."""
+        return self._forensics.metrics_url
 
     async def dump_stacks(
         self, ranks: list[int] | None = None, timeout: float = 5.0

@@ -25,16 +25,34 @@ import shutil
 import socket
 import stat
 import tempfile
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
-__all__ = ["MAX_LINE", "SOCKET_NAME", "ControlServer", "decode", "encode", "registry_dir"]
+__all__ = [
+    "MAX_LINE",
+    "SOCKET_NAME",
+    "ControlServer",
+    "Takeover",
+    "decode",
+    "encode",
+    "registry_dir",
+]
 
 SOCKET_NAME = "control.sock"
 MAX_LINE = 1 << 20  # the longest request or answer line
 _MAX_PATH = 107  # sun_path is 108 bytes with the trailing NUL
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a command yields last when it keeps the connection (``attach``): the
+    server awaits ``run(reader, writer)``, which owns the connection until it
+    returns, then closes it. ``run`` writes its own answers."""
+
+    run: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -62,7 +80,7 @@ class ControlServer:
 
     @classmethod
     async def start(
-        cls, log_dir: str, handler: Callable[[object], AsyncIterator[dict[str, Any]]]
+        cls, log_dir: str, handler: Callable[[object], AsyncIterator[dict[str, Any] | Takeover]]
     ) -> ControlServer:
         """Listen on ``{log_dir}/control.sock``; ``handler(request)`` gives the
         answers to one request (one, or several for a streaming command) and
@@ -78,6 +96,9 @@ class ControlServer:
                         except ValueError as exc:  # a bad request must not kill the server
                             req = {"cmd": None, "error": str(exc)}
                         async for answer in handler(req):
+                            if isinstance(answer, Takeover):
+                                await answer.run(reader, writer)
+                                return
                             writer.write(encode(answer))
                             await writer.drain()
                 except (ConnectionError, asyncio.IncompleteReadError, ValueError):

@@ -41,13 +41,17 @@ def format_event(msg: dict[str, Any]) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the supervisor still runs (a zombie, not reaped yet, does not)."""
+    from .._workers._proc import read_stat
+
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    stat = read_stat(pid)
+    return stat is None or stat.alive  # no /proc (macOS): trust kill()
 
 
 def _stream(conn: ControlConnection, as_json: bool, seen: set[str]) -> tuple[bool, int | None]:
