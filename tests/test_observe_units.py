@@ -272,7 +272,7 @@ def test_screen_fits_any_terminal(
 def test_screen_80x24_one_row_per_rank() -> None:
     workers = [_worker(r, step_rate=1.25 * r) for r in range(5)]
     workers[2].update(state="stalled", stalls=1)
-    workers[3].update(straggling=True)
+    workers[3].update(straggling=True, attached=True)
     workers[4].update(state="exited", exitcode=3)
     state = tv.TopState()
     lines = tv.screen({"name": "trainer", "log_dir": "/l", "workers": workers}, state, 80, 24)
@@ -283,7 +283,7 @@ def test_screen_80x24_one_row_per_rank() -> None:
                                    "STEP/s", "MARKS"]  # fmt: skip
     rows = text[3:8]
     assert [r.split()[0] for r in rows] == ["0", "1", "2", "3", "4"]
-    assert "STALLED" in rows[2] and "STRAGGLING" in rows[3] and "exit 3" in rows[4]
+    assert "STALLED" in rows[2] and "STRAGGLING ATTACHED" in rows[3] and "exit 3" in rows[4]
     assert rows[1].split()[7] == "1.25"
     assert lines[3][1] == "selected" and lines[5][1] == "alert" and lines[6][1] == "warn"
     assert text[-1].startswith("q quit")

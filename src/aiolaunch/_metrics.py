@@ -54,7 +54,7 @@ WORKER_METRICS: tuple[tuple[str, str, str, str], ...] = (
     (
         "aiolaunch_worker_last_output_age_seconds",
         "gauge",
-        "Seconds since the rank last wrote output (a progress line with --progress-regex).",
+        "Seconds since the rank last wrote output.",
         "last_output_s",
     ),
     ("aiolaunch_worker_stalls_total", "counter", "Stalls flagged on the rank.", "stalls"),

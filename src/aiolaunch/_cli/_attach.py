@@ -127,5 +127,5 @@ def attach_main(argv: Sequence[str]) -> int:
         except OSError as exc:
             print(f"aiolaunch attach: {exc}", file=sys.stderr)
             return 1
-    print(f"aiolaunch attach: detached from rank {args.rank}", file=sys.stderr)
+    print(f"aiolaunch attach: detached from rank {args.rank}; it goes on", file=sys.stderr)
     return 0

@@ -146,7 +146,6 @@ def _session(sock: socket.socket, frame: FrameType) -> None:
             super().set_continue()
             if not self.breaks:  # pdb stops tracing: nothing more to show
                 self.detached = True
-                self.message("aiolaunch: detached; the rank goes on")
                 chan.close()
 
         def do_quit(self, arg: str) -> bool:
@@ -164,7 +163,6 @@ def _session(sock: socket.socket, frame: FrameType) -> None:
 
     io: Any = chan  # duck-typed: readline, write, flush
     p = _Remote(stdin=io, stdout=io, nosigint=True, readrc=False)
-    p.message(f"aiolaunch: attached to pid {os.getpid()}; `continue` or Ctrl-D detaches")
     # set_trace() does the frame set-up of this Python version (f_trace on every
     # frame, botframe ...) and turns tracing on; the first prompt is shown right
     # here instead, with tracing off - pdb's own code must not be traced.
