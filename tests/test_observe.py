@@ -538,3 +538,38 @@ def test_another_user_is_refused(tmp_path: Path) -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
         subprocess.run(["userdel", user], check=False, capture_output=True, timeout=60)
+
+
+async def test_at_the_end_an_idle_connection_closes_and_a_stream_gets_group_stopped(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    import aiolaunch
+
+    async with aiolaunch.start_processes(
+        name="end", entrypoint=sys.executable, args={0: ("-c", "import sys; sys.stdin.read()")},
+        envs={0: {}}, log_dir=str(tmp_path),
+    ) as ctx:  # fmt: skip
+        for _ in range(600):  # the socket is made by the loop: yield to it
+            if (tmp_path / "control.sock").exists():
+                break
+            await asyncio.sleep(0.05)
+        path = str(tmp_path / "control.sock")
+        idle_r, idle_w = await asyncio.open_unix_connection(path)
+        idle_w.write(b'{"cmd": "status"}\n')
+        assert json.loads(await idle_r.readline())["ok"] is True  # kept open, like top's
+        ev_r, ev_w = await asyncio.open_unix_connection(path)
+        ev_w.write(b'{"cmd": "events"}\n')
+        assert json.loads(await ev_r.readline())["stream"] == "events"
+        assert json.loads(await ev_r.readline())["event"] == "started"
+        await ctx.close()
+        # the idle connection ends: a client sees the group is gone
+        assert await asyncio.wait_for(idle_r.read(), 10) == b""
+        # the stream still gets the last events, then ends
+        rest = [json.loads(line) for line in (await asyncio.wait_for(ev_r.read(), 10)).splitlines()]
+        assert [m["event"] for m in rest][-1] == "group_stopped"
+        assert any(m["event"] == "exited" and m["rank"] == 0 for m in rest)
+        for w in (idle_w, ev_w):
+            w.close()
+            await w.wait_closed()
