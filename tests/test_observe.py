@@ -573,3 +573,49 @@ async def test_at_the_end_an_idle_connection_closes_and_a_stream_gets_group_stop
         for w in (idle_w, ev_w):
             w.close()
             await w.wait_closed()
+
+
+TALKERS = textwrap.dedent(
+    """
+    import os, time
+    release = os.path.join(os.path.dirname(os.path.abspath(__file__)), "release")
+
+    def talking_rank():
+        while not os.path.exists(release):
+            print("tick", flush=True)
+            time.sleep(0.2)
+
+    rank = int(os.environ["LOCAL_RANK"])
+    print(f"rank {rank} up", flush=True)
+    talking_rank()
+    """
+)
+
+
+def test_the_watchdog_leaves_an_attached_rank_alone(tmp_path: Path) -> None:
+    # Held at the prompt for twice --stall-timeout, rank 1 has no output and
+    # no CPU: a stall, but for the debugger. The job must not fail for it.
+    script = tmp_path / "job.py"
+    script.write_text(TALKERS)
+    logs = tmp_path / "logs"
+    argv = _cli("--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3",
+                "--stall-timeout", "3", "--on-stall", "fail", str(script))  # fmt: skip
+    with driver(argv, env=_env(), stdout=subprocess.DEVNULL) as job:
+        _until("the control socket", lambda: list(logs.glob("*/attempt_0/control.sock")))
+        term = _Pty(_cli("attach", "1", str(logs)))
+        try:
+            term.expect("(Pdb) ")
+            held = time.monotonic()
+            while time.monotonic() - held < 2 * 3 + 1:
+                status = {w["rank"]: w for w in _status(logs)["workers"]}
+                assert status[1]["attached"] and status[1]["state"] != "stalled"
+                assert job.poll() is None, "the job failed while rank 1 was attached"
+                time.sleep(0.5)  # allowed: holding the prompt on purpose
+            term.send("continue")
+            assert term.finish() == 0, term.out
+        finally:
+            term.close()
+        (tmp_path / "release").write_text("")
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode == 0, stderr
+        assert "stalled" not in stderr

@@ -37,6 +37,7 @@ __all__ = [
     "MetricsServer",
     "bind_metrics",
     "render_metrics",
+    "url_of",
 ]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -225,6 +226,16 @@ def bind_metrics(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://host:port/metrics`` of a socket from :func:`bind_metrics`."""
+    host, port = sock.getsockname()[:2]
+    return _url(host, port)
+
+
 class MetricsServer:
     """``GET /metrics`` on a bound socket until :meth:`aclose`; ``collect()`` gives the text."""
 
@@ -237,8 +248,7 @@ class MetricsServer:
     @property
     def url(self) -> str:
         """``http://host:port/metrics``."""
-        host, port = self.address
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+        return _url(*self.address)
 
     @classmethod
     async def start(cls, sock: socket.socket, collect: Callable[[], str]) -> MetricsServer:

@@ -40,6 +40,8 @@ class LiveView:
 
     :param metrics: the bound metrics socket (``None``: no metrics); owned
         from here on, closed by :meth:`stop` or :meth:`close`.
+    :param straggling: whether a rank is named a straggler now (the
+        straggler detection's own flag; none: never).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class LiveView:
         stacks_dir: str,
         watcher: StallWatcher | None,
         metrics: socket.socket | None = None,
+        straggling: Callable[[int], bool] | None = None,
     ) -> None:
         self._state = state
         self._stacks_dir = stacks_dir
@@ -55,6 +58,7 @@ class LiveView:
         self._metrics_sock = metrics
         self._metrics: MetricsServer | None = None
         self._attached: set[int] = set()
+        self._straggling = straggling
         #: when the group started (Unix time; set by :meth:`start`)
         self.started = time.time()
 
@@ -133,8 +137,8 @@ class LiveView:
         return None if self._watcher is None else self._watcher.steps(rank, now)
 
     def straggling(self, rank: int) -> bool:
-        """Whether ``rank`` is flagged as a straggler now (no straggler detection yet)."""
-        return False
+        """Whether ``rank`` is named a straggler now."""
+        return self._straggling is not None and self._straggling(rank)
 
     def attached(self, rank: int) -> bool:
         """Whether an attach session holds ``rank`` now."""
