@@ -619,3 +619,29 @@ def test_the_watchdog_leaves_an_attached_rank_alone(tmp_path: Path) -> None:
         _, stderr = job.communicate(timeout=60)
         assert job.returncode == 0, stderr
         assert "stalled" not in stderr
+
+
+async def test_metrics_from_python_on_any_free_port(tmp_path: Path) -> None:
+    import asyncio
+
+    import aiolaunch
+
+    async with aiolaunch.start_processes(
+        name="py", entrypoint=sys.executable, args={r: ("-c", "import sys; sys.stdin.read()")
+                                                    for r in range(2)},
+        envs={r: {} for r in range(2)}, log_dir=str(tmp_path), metrics_port=0,
+    ) as ctx:  # fmt: skip
+        url = ctx.metrics_url
+        assert url is not None and url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        host, port = url[len("http://") :].split("/")[0].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
+        response = (await asyncio.wait_for(reader.read(), 30)).decode()
+        writer.close()
+        await writer.wait_closed()
+        assert response.startswith("HTTP/1.1 200 OK")
+        assert 'aiolaunch_worker_up{rank="0"} 1' in response
+        assert 'aiolaunch_worker_up{rank="1"} 1' in response
+        await ctx.close()
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection(host, int(port))

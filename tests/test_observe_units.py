@@ -336,3 +336,35 @@ def test_pager_puts_a_frame_function_first_and_wraps() -> None:
     assert narrow[:3] == ["Current thread 0x000", "    07fad34bbbb80 (m", "    ost recent call "]
     assert all(len(line) <= 20 for line in narrow)
     assert "".join(line.strip() for line in narrow).count("load_batch") == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"metrics_port": -1}, ValueError, "metrics_port=-1"),
+        ({"metrics_port": 65536}, ValueError, "metrics_port=65536"),
+        ({"metrics_port": True}, TypeError, "metrics_port"),
+        ({"metrics_port": "9400"}, TypeError, "metrics_port"),
+        ({"metrics_port": 0, "metrics_host": ""}, TypeError, "metrics_host"),
+    ],
+)
+def test_metrics_arguments_are_checked_at_the_call(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    import aiolaunch
+    from aiolaunch.agent import WorkerSpec
+
+    with pytest.raises(error, match=match):
+        aiolaunch.start_processes("t", "true", {0: ()}, {0: {}}, **kwargs)
+    if "metrics_host" not in kwargs:
+        with pytest.raises(error, match=match):
+            WorkerSpec(role="t", local_world_size=1, entrypoint="true", **kwargs)
+
+
+def test_metrics_host_needs_metrics_port_on_the_command_line() -> None:
+    from aiolaunch._cli import config_from_args, parse_args
+
+    with pytest.raises(ValueError, match="--metrics-host needs --metrics-port"):
+        config_from_args(parse_args(["--metrics-host", "0.0.0.0", "x.py"]))
+    spec = config_from_args(parse_args(["--metrics-port", "9400", "x.py"])).spec
+    assert (spec.metrics_port, spec.metrics_host) == (9400, "127.0.0.1")
