@@ -548,7 +548,7 @@ async def test_at_the_end_an_idle_connection_closes_and_a_stream_gets_group_stop
     import aiolaunch
 
     async with aiolaunch.start_processes(
-        name="end", entrypoint=sys.executable, args={0: ("-c", "import sys; sys.stdin.read()")},
+        name="end", entrypoint=sys.executable, args={0: ("-c", "import time; time.sleep(3600)")},
         envs={0: {}}, log_dir=str(tmp_path),
     ) as ctx:  # fmt: skip
         for _ in range(600):  # the socket is made by the loop: yield to it
@@ -627,7 +627,7 @@ async def test_metrics_from_python_on_any_free_port(tmp_path: Path) -> None:
     import aiolaunch
 
     async with aiolaunch.start_processes(
-        name="py", entrypoint=sys.executable, args={r: ("-c", "import sys; sys.stdin.read()")
+        name="py", entrypoint=sys.executable, args={r: ("-c", "import time; time.sleep(3600)")
                                                     for r in range(2)},
         envs={r: {} for r in range(2)}, log_dir=str(tmp_path), metrics_port=0,
     ) as ctx:  # fmt: skip

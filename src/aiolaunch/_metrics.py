@@ -27,7 +27,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "CONTENT_TYPE",
@@ -36,6 +36,8 @@ __all__ = [
     "WORKER_METRICS",
     "MetricsServer",
     "bind_metrics",
+    "closed_on_error",
+    "metrics_binder",
     "render_metrics",
     "url_of",
 ]
@@ -198,6 +200,33 @@ def _process_values() -> dict[str, list[tuple[str, float]]]:
 
 _MAX_HEAD = 16 * 1024
 _IDLE_S = 60.0
+
+
+def metrics_binder(port: int | None, host: str) -> Callable[[], socket.socket | None]:
+    """Check ``metrics_port``/``metrics_host`` now (at ``start_processes``); the
+    function returned binds the socket (``None`` without a port).
+
+    :raises TypeError: a port that is not an int, a host that is not a str.
+    :raises ValueError: a port outside 0..65535.
+    """
+    from ._validate import check_port
+
+    if port is not None:
+        check_port("metrics_port", port, zero=True)
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"metrics_host={host!r} must be a host name or address (a str)")
+    return lambda: None if port is None else bind_metrics(host, port)
+
+
+@contextlib.contextmanager
+def closed_on_error(sock: socket.socket | None) -> Iterator[socket.socket | None]:
+    """``sock`` for the block; closed if the block raises (it was not handed over)."""
+    try:
+        yield sock
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
 
 
 def bind_metrics(host: str, port: int) -> socket.socket:

@@ -100,6 +100,7 @@ async def run_attempt(
     shutdown_timeout: float,
     prefix_template: str | None,
     started: Callable[[dict[int, int]], None],
+    preload: list[str] | None = None,
 ) -> RunProcsResult | None:
     """Start one attempt and await it; ``None`` means "stopped for new nodes".
 
@@ -145,6 +146,7 @@ async def run_attempt(
         watchdog=spec.watchdog,
         metrics_port=spec.metrics_port,
         metrics_host=spec.metrics_host,
+        preload=preload,
         **logs,
     )
     started(ctx.pids())
