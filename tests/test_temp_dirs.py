@@ -275,11 +275,16 @@ def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
     discards a freed block synchronously) and goes when it exits."""
     code = (
         "import asyncio, aiolaunch, os, tempfile\n"
+        "reg = os.path.join(tempfile.gettempdir(), f'aiolaunch-{os.getuid()}')\n"
         "async def main():\n"
         "    for _ in range(2):\n"
-        "        async with aiolaunch.start_processes('r', '/bin/true', {0: ()}, {0: {}}) as c:\n"
-        "            await c.wait()\n"
-        "        print(sorted(os.listdir(tempfile.gettempdir())))\n"
+        "        args = {0: ('-c', 'sleep 30')}\n"
+        "        async with aiolaunch.start_processes('r', '/bin/sh', args, {0: {}}):\n"
+        "            for _ in range(3000):  # the socket is listed once it listens\n"
+        "                if os.path.isdir(reg) and os.listdir(reg):\n"
+        "                    break\n"
+        "                await asyncio.sleep(0.01)\n"
+        "        print(sorted(os.listdir(tempfile.gettempdir())), os.listdir(reg))\n"
         "asyncio.run(main())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
@@ -289,5 +294,5 @@ def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     registry = f"aiolaunch-{os.getuid()}"
-    assert out.stdout.splitlines() == [str([registry])] * 2
+    assert out.stdout.splitlines() == [f"{[registry]} []"] * 2
     assert list(tmp_path.iterdir()) == []
