@@ -47,6 +47,7 @@ class StopDeadline:
         # pwrite on the group's stop path (empty -> whole line: a reader sees
         # one or the other), not a create + write + rename.
         self._fd = -1
+        self._written = False
 
     def env(self) -> dict[str, str]:
         """What every worker's environment gets."""
@@ -57,30 +58,37 @@ class StopDeadline:
 
     def make(self) -> None:
         """Make the (empty) file."""
-        if self._removed or self._fd >= 0:
+        if self._removed or self._fd >= 0 or self._written:
             return
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-            self._fd = os.open(self.path, flags, 0o600)
+            self._fd = self._open()
         except OSError as exc:  # the workers run on; set() tries again
             logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
+
+    def _open(self) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(self.path, flags, 0o600)
 
     def set(self, grace: float) -> None:
         """Record that survivors get SIGKILL ``grace`` seconds from now."""
         if self._removed:
             return
         line = f"{time.time() + max(0.0, grace):.3f}\n"
-        fd, self._fd = self._fd, -1
-        if fd >= 0:  # the empty file of make(): written once in place
-            try:
-                if os.pwrite(fd, line.encode(), 0) == len(line):
-                    return
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        # Rewritten (a second signal escalates), or never made: a new file
-        # renamed over the old one - a worker never reads half of it.
+        if not self._written:
+            # The first time the file is empty (or not made yet: a group
+            # stopped before make() ran): written in place, one pwrite.
+            fd, self._fd = self._fd, -1
+            with contextlib.suppress(OSError):
+                if fd < 0:
+                    fd = self._open()
+                try:
+                    if os.pwrite(fd, line.encode(), 0) == len(line):
+                        self._written = True
+                        return
+                finally:
+                    os.close(fd)
+        # Rewritten (a second signal escalates), or the above failed: a new
+        # file renamed over the old one - a worker never reads half of it.
         tmp = self.path + ".tmp"
         try:
             try:
