@@ -267,8 +267,9 @@ def start_processes(
         default=DEFAULT_SIGNALS_TO_HANDLE,
     )
     only_forwarded = resolve_signals(
-        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default=""
-    )
+        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default="",
+        strict_env=True,  # a typo would let the preemption signal kill the supervisor
+    )  # fmt: skip
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import shutil
@@ -187,12 +188,21 @@ class Forensics:
     async def dump_stacks(self, ranks: list[int] | None, timeout: float) -> dict[int, str]:
         """:meth:`PContext.dump_stacks`: check the arguments, then :meth:`dump`.
 
-        :raises ValueError: an unknown rank, or ``timeout`` not > 0.
+        :raises ValueError: an unknown rank, or ``timeout`` not a finite number > 0.
         """
-        if not (isinstance(timeout, int | float) and timeout > 0):
-            raise ValueError(f"dump_stacks(timeout={timeout!r}) must be a number of seconds > 0")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < math.inf
+        ):
+            raise ValueError(
+                f"dump_stacks(timeout={timeout!r}) must be a number of seconds > 0 (finite), "
+                "e.g. timeout=5.0"
+            )
         nprocs = self._ctx.nprocs
-        bad = [r for r in ranks or () if r not in range(nprocs)]
+        if ranks is not None and not isinstance(ranks, list | tuple | set | frozenset | range):
+            raise TypeError(f"dump_stacks(ranks={ranks!r}) must be a list of local ranks or None")
+        bad = [r for r in ranks or () if isinstance(r, bool) or r not in range(nprocs)]
         if bad:
             raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
         dumps, _ = await self.dump(ranks, float(timeout))

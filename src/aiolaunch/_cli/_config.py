@@ -5,6 +5,7 @@ Nothing starts here; torch is imported only for the options that need it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -12,7 +13,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._parser import DEFAULT_MASTER_PORT, DEFAULT_SIGNALS
+from ._checks import (
+    check_executable,
+    check_log_dir,
+    check_node,
+    local_ranks,
+    shutdown_timeout,
+    signal_environ,
+    watchdog_from_args,
+)
+from ._parser import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
     import argparse
@@ -22,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LaunchConfig",
+    "check_program",
     "config_from_args",
     "determine_local_world_size",
     "parse_endpoint",
@@ -162,6 +173,12 @@ class LaunchConfig:
     warnings: list[str] = field(default_factory=list)
     #: set in this process's environment before the agent starts
     environ: dict[str, str] = field(default_factory=dict)
+    #: the Python script every worker runs (``None``: a module, a binary)
+    script: str | None = None
+    #: where the binary came from, for messages: "--no-python" or "$PYTHON_EXEC"
+    program_flag: str = "--no-python"
+    #: --log-dir as given (also where ``logs_specs`` holds it)
+    log_root: str | None = None
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -174,8 +191,18 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
-    if args.monitor_interval <= 0:
-        raise ValueError(f"--monitor-interval={args.monitor_interval} must be > 0")
+    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
+        raise ValueError(
+            f"--monitor-interval={args.monitor_interval} must be a number of seconds > 0, "
+            "e.g. --monitor-interval 0.1"
+        )
+    if not args.role:
+        raise ValueError("--role='' must be a non-empty name, e.g. --role trainer")
+    check_log_dir(args.log_dir)
+    if args.run_path and args.module:
+        raise ValueError(
+            "--run-path and --module cannot be used together: --run-path runs a file; drop one"
+        )
     nproc = determine_local_world_size(args.nproc_per_node)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if args.virtual_local_rank and visible is not None and nproc > len(visible.split(",")):
@@ -185,32 +212,32 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         )
     redirects = _std(Std, "--redirects", args.redirects)
     tee = _std(Std, "--tee", args.tee)
-    ranks: set[int] | None = None
-    if args.local_ranks_filter:
-        try:
-            ranks = {int(r) for r in args.local_ranks_filter.split(",")}
-        except ValueError:
+    ranks = local_ranks(args.local_ranks_filter, nproc)
+    for flag, filters in (
+        ("--duplicate-stdout-filters", args.duplicate_stdout_filters),
+        ("--duplicate-stderr-filters", args.duplicate_stderr_filters),
+    ):
+        if "" in filters:
             raise ValueError(
-                f"--local-ranks-filter={args.local_ranks_filter!r} must be a comma-separated "
-                "list of integers, e.g. --local-ranks-filter 0,1,2"
-            ) from None
+                f"{flag}={','.join(filters)!r} has an empty filter, which matches every line; "
+                "drop it (a stray comma? ',,' escapes a comma)"
+            )
     rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
     _check_event_log_handler(args.event_log_handler)
     numa_options = _numa_options(args.numa_binding)
-    # torchrun's launcher hands the signal list to the workers' supervisor
-    # through the environment; --forward-signals goes the same way.
-    environ = {"TORCHELASTIC_SIGNALS_TO_HANDLE": args.signals_to_handle or DEFAULT_SIGNALS}
-    if args.forward_signals:
-        environ["AIOLAUNCH_FORWARD_SIGNALS"] = args.forward_signals
+    environ = signal_environ(args)
 
     # the command every worker runs (torch's rules)
     entrypoint: Callable[..., Any] | str
     cmd_args: list[str] = []
+    script: str | None = None
+    program_flag = "--no-python"
     if args.run_path:
         entrypoint = run_script_path
         cmd_args.append(args.training_script)
     elif not args.no_python:
         entrypoint = os.getenv("PYTHON_EXEC", sys.executable)
+        program_flag = "$PYTHON_EXEC"
         cmd_args.append("-u")
         if entrypoint == sys.executable:
             # Through the bootstrap (same argv, __main__ and exit status as
@@ -220,6 +247,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             cmd_args += ["-m", BOOTSTRAP]
         if args.module:
             cmd_args.append("-m")
+        else:
+            script = args.training_script
         cmd_args.append(args.training_script)
     else:
         if args.module:
@@ -232,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     rdzv: Any
     master_addr: str | None = None
     master_port: int | None = None
+    check_node(args, max_nodes)
     if args.standalone:
         if max_nodes > 1:
             raise ValueError(
@@ -302,13 +332,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks
         )
 
-    timeout: float = 30.0
-    if args.shutdown_timeout is not None:
-        timeout = float(args.shutdown_timeout)
-    elif os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        timeout = float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
-
-    watchdog = _watchdog(args)
+    timeout = shutdown_timeout(args.shutdown_timeout)
+    watchdog = watchdog_from_args(args)
     spec = WorkerSpec(
         role=args.role,
         local_world_size=nproc,
@@ -340,7 +365,46 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         torch_handler=torch_handler,
         warnings=warnings,
         environ=environ,
+        script=script,
+        program_flag=program_flag,
+        log_root=args.log_dir,
     )
+
+
+def check_program(cfg: LaunchConfig) -> None:
+    """Refuse a program that cannot start (a missing script or binary) before anything starts.
+
+    Python (and torchrun's workers) would exit 2 on a missing script, every
+    rank, every restart; here it is one message. Called by :func:`main`
+    (not by :func:`config_from_args`, which builds a configuration for any
+    command line).
+
+    :raises FileNotFoundError: the script, the ``--no-python`` binary or
+        ``$PYTHON_EXEC`` does not exist, or ``--log-dir`` cannot be made.
+    """
+    spec = cfg.spec
+    if callable(spec.entrypoint):  # --run-path: the script is the first argument
+        script: str | None = spec.args[0]
+    else:
+        check_executable(spec.entrypoint, cfg.program_flag)
+        script = cfg.script
+    if script is not None and not os.path.exists(script):
+        where = "" if os.path.isabs(script) else f" (in {os.getcwd()})"
+        raise FileNotFoundError(
+            f"the script {script!r} does not exist{where}; fix its path, or pass -m to run "
+            "a module, or --no-python to run a binary"
+        )
+    if cfg.log_root is not None:
+        # Last: nothing is left behind when an earlier check fails. (Root
+        # passes the access() checks of config_from_args on /proc or a
+        # read-only mount; only making the folder tells.)
+        try:
+            os.makedirs(cfg.log_root, exist_ok=True)
+        except OSError as exc:
+            raise FileNotFoundError(
+                f"--log-dir={cfg.log_root!r} cannot be created ({exc.strerror}); pass a "
+                "folder you can write, or drop it for a temporary one"
+            ) from None
 
 
 def _check_event_log_handler(name: str) -> None:
@@ -371,24 +435,6 @@ def _numa_options(mode: str | None) -> Any:
 
 
 BOOTSTRAP = "aiolaunch._bootstrap"
-
-
-def _watchdog(args: argparse.Namespace) -> Any:
-    if args.stall_timeout is None:
-        for flag, value in (
-            ("--on-stall", args.on_stall),
-            ("--progress-regex", args.progress_regex),
-        ):
-            if value is not None:
-                raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
-        return None
-    from .._watchdog import Watchdog
-
-    return Watchdog(
-        stall_after=float(args.stall_timeout),
-        progress=args.progress_regex or None,
-        action=args.on_stall or "fail",
-    )
 
 
 def _std(std_cls: Any, flag: str, value: str) -> Any:

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ._client import VERBS
-from ._config import LaunchConfig, config_from_args
+from ._config import LaunchConfig, check_program, config_from_args
 from ._parser import parse_args
 
 if TYPE_CHECKING:
@@ -77,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging()
     try:
         cfg = config_from_args(args)
-    except (ValueError, TypeError, ImportError, NotADirectoryError) as exc:
+        check_program(cfg)
+    except (ValueError, TypeError, ImportError, OSError) as exc:
+        # Bad options, or a program that cannot start (a missing script:
+        # python and torchrun's workers exit 2 too): nothing was started.
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
         return 2
     for warning in cfg.warnings:

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 from .._types import START_METHODS
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
     "DEFAULT_SIGNALS",
     "NUMA_MODES",
+    "BadEnvironment",
+    "env_name",
     "get_args_parser",
     "parse_args",
 ]
@@ -28,11 +30,22 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
 
+def env_name(dest: str) -> str:
+    """The environment variable of an option: ``PET_{DEST}`` (torch's)."""
+    return f"PET_{dest.upper()}"
+
+
 class _Env(argparse.Action):
-    """An option whose default comes from ``PET_{DEST}`` when set (torch's ``env``)."""
+    """An option whose default comes from ``PET_{DEST}`` when set (torch's ``env``).
+
+    An empty variable counts as unset. A value from the environment goes
+    through the option's ``type`` like one on the command line (argparse does
+    that for str defaults), so give options with ``choices`` a
+    :func:`_one_of` type: argparse checks ``choices`` for the command line only.
+    """
 
     def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
-        default = os.environ.get(f"PET_{dest.upper()}", default)
+        default = os.environ.get(env_name(dest)) or default
         if default:
             required = False
         super().__init__(dest=dest, default=default, required=required, **kw)
@@ -47,11 +60,23 @@ class _Env(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class BadEnvironment(ValueError):
+    """A ``PET_*`` variable that cannot be read (raised while the parser is built)."""
+
+
 class _CheckEnv(argparse.Action):
     """A flag that is also on when ``PET_{DEST}`` is a non-zero int (torch's ``check_env``)."""
 
     def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
-        default = bool(int(os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")))
+        value = os.environ.get(env_name(dest)) or ("1" if default else "0")
+        try:
+            default = bool(int(value))
+        except ValueError:
+            flag = kw.get("option_strings", [f"--{dest}"])[-1]
+            raise BadEnvironment(
+                f"${env_name(dest)}={value!r} must be an integer: 1 (or any non-zero) turns "
+                f"{flag} on, 0 off; fix or unset it"
+            ) from None
         super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
 
     def __call__(
@@ -62,6 +87,20 @@ class _CheckEnv(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, self.const)
+
+
+def _one_of(dest: str, choices: Sequence[str]) -> Callable[[str], str]:
+    """A ``type`` that checks ``choices`` (from the command line or ``PET_{DEST}``)."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            source = f" (from ${env_name(dest)})" if os.environ.get(env_name(dest)) == value else ""
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {value!r}{source}; choose from {', '.join(choices)}"
+            )
+        return value
+
+    return check
 
 
 def _comma_separated_list(value: str) -> list[str]:
@@ -156,7 +195,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--start-method",
         "--start_method",
         action=_Env,
-        type=str,
+        type=_one_of("start_method", START_METHODS),
         default="spawn",
         choices=list(START_METHODS),
         help="Multiprocessing start method (used with --run-path).",
@@ -313,7 +352,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--forward_signals",
         action=_Env,
         type=str,
-        default="",
+        default=None,
         help="Beyond torchrun: comma-separated signals (e.g. SIGUSR1) only forwarded to the "
         "workers, which keep running (a preemption notice: checkpoint now); sets "
         "AIOLAUNCH_FORWARD_SIGNALS.",
@@ -342,6 +381,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--on-stall",
         "--on_stall",
         action=_Env,
+        type=_one_of("on_stall", ("observe", "fail", "restart")),
         choices=("observe", "fail", "restart"),
         default=None,
         help="What a stall does after the dump: report only (observe), stop the job and "
@@ -375,5 +415,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse a torchrun-style command line."""
-    return get_args_parser().parse_args(argv)
+    """Parse a torchrun-style command line (exit 2 with a message on bad options)."""
+    try:
+        parser = get_args_parser()
+    except BadEnvironment as exc:
+        argparse.ArgumentParser(prog="aiolaunch").error(str(exc))
+    return parser.parse_args(argv)

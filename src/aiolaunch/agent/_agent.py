@@ -106,7 +106,7 @@ class LocalElasticAgent:
             ("restart_backoff", restart_backoff),
             ("restart_backoff_max", restart_backoff_max),
         ):
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"{what}={value!r} must be a number of seconds >= 0")
         if logs_specs is not None and log_dir is not None:
             raise ValueError(
