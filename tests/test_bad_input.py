@@ -29,49 +29,185 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 AIOLAUNCH = [sys.executable, "-m", "aiolaunch"]
+NOT_A_HOOK: Any = 5
 SCRIPT = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('ran')\n"
 
 # (id, argv before the script, extra environment, words the message must hold)
 CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
-    ("forward-bogus", ["--forward-signals", "BOGUS"], {}, ("--forward-signals", "'BOGUS'", "pass names like")),
-    ("forward-sigkill", ["--forward-signals", "SIGKILL"], {}, ("--forward-signals", "SIGKILL", "pass names like")),
-    ("forward-sigchld", ["--forward-signals", "SIGCHLD"], {}, ("--forward-signals", "SIGCHLD", "pass names like")),
-    ("forward-empty", ["--forward-signals", ""], {}, ("--forward-signals", "names no signal", "SIGUSR1")),
+    (
+        "forward-bogus",
+        ["--forward-signals", "BOGUS"],
+        {},
+        ("--forward-signals", "'BOGUS'", "pass names like"),
+    ),
+    (
+        "forward-sigkill",
+        ["--forward-signals", "SIGKILL"],
+        {},
+        ("--forward-signals", "SIGKILL", "pass names like"),
+    ),
+    (
+        "forward-sigchld",
+        ["--forward-signals", "SIGCHLD"],
+        {},
+        ("--forward-signals", "SIGCHLD", "pass names like"),
+    ),
+    (
+        "forward-empty",
+        ["--forward-signals", ""],
+        {},
+        ("--forward-signals", "names no signal", "SIGUSR1"),
+    ),
     ("forward-commas", ["--forward-signals", ",,"], {}, ("--forward-signals", "names no signal")),
-    ("forward-pet", [], {"PET_FORWARD_SIGNALS": "SIGUSR3"}, ("$PET_FORWARD_SIGNALS", "'SIGUSR3'", "pass names like")),
-    ("forward-env", [], {"AIOLAUNCH_FORWARD_SIGNALS": "USR1,BOGUS"}, ("$AIOLAUNCH_FORWARD_SIGNALS", "'BOGUS'", "pass names like")),
-    ("handle-bogus", ["--signals-to-handle", "SIGTERM,SIGBOGUS"], {}, ("--signals-to-handle", "'SIGBOGUS'", "pass names like")),
-    ("handle-sigstop", ["--signals-to-handle", "SIGSTOP"], {}, ("--signals-to-handle", "SIGSTOP", "pass names like")),
-    ("handle-empty", ["--signals-to-handle", ""], {}, ("--signals-to-handle", "names no signal", "SIGTERM")),
-    ("handle-pet", [], {"PET_SIGNALS_TO_HANDLE": "TERM,KILL"}, ("$PET_SIGNALS_TO_HANDLE", "SIGKILL", "pass names like")),
-    ("shutdown-negative", ["--shutdown-timeout", "-1"], {}, ("--shutdown-timeout=-1", ">= 0", "--shutdown-timeout 30")),
+    (
+        "forward-pet",
+        [],
+        {"PET_FORWARD_SIGNALS": "SIGUSR3"},
+        ("$PET_FORWARD_SIGNALS", "'SIGUSR3'", "pass names like"),
+    ),
+    (
+        "forward-env",
+        [],
+        {"AIOLAUNCH_FORWARD_SIGNALS": "USR1,BOGUS"},
+        ("$AIOLAUNCH_FORWARD_SIGNALS", "'BOGUS'", "pass names like"),
+    ),
+    (
+        "handle-bogus",
+        ["--signals-to-handle", "SIGTERM,SIGBOGUS"],
+        {},
+        ("--signals-to-handle", "'SIGBOGUS'", "pass names like"),
+    ),
+    (
+        "handle-sigstop",
+        ["--signals-to-handle", "SIGSTOP"],
+        {},
+        ("--signals-to-handle", "SIGSTOP", "pass names like"),
+    ),
+    (
+        "handle-empty",
+        ["--signals-to-handle", ""],
+        {},
+        ("--signals-to-handle", "names no signal", "SIGTERM"),
+    ),
+    (
+        "handle-pet",
+        [],
+        {"PET_SIGNALS_TO_HANDLE": "TERM,KILL"},
+        ("$PET_SIGNALS_TO_HANDLE", "SIGKILL", "pass names like"),
+    ),
+    (
+        "shutdown-negative",
+        ["--shutdown-timeout", "-1"],
+        {},
+        ("--shutdown-timeout=-1", ">= 0", "--shutdown-timeout 30"),
+    ),
     ("shutdown-pet", [], {"PET_SHUTDOWN_TIMEOUT": "-5"}, ("$PET_SHUTDOWN_TIMEOUT=-5", ">= 0")),
-    ("shutdown-env-text", [], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, ("$TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon'", "fix or unset")),
-    ("shutdown-env-nan", [], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "nan"}, ("$TORCH_ELASTIC_SHUTDOWN_TIMEOUT='nan'", "fix or unset")),
-    ("shutdown-env-negative", [], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "-1"}, ("$TORCH_ELASTIC_SHUTDOWN_TIMEOUT='-1'", "fix or unset")),
-    ("progress-empty", ["--stall-timeout", "5", "--progress-regex", ""], {}, ("--progress-regex=''", "matches every line", "e.g. --progress-regex")),
-    ("progress-dot-star", ["--stall-timeout", "5", "--progress-regex", ".*"], {}, ("--progress-regex='.*'", "matches every line")),
-    ("progress-invalid", ["--stall-timeout", "5", "--progress-regex", "("], {}, ("--progress-regex='('", "not a valid regular expression")),
-    ("stall-zero", ["--stall-timeout", "0"], {}, ("--stall-timeout=0", "> 0", "--stall-timeout 600")),
+    (
+        "shutdown-env-text",
+        [],
+        {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"},
+        ("$TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon'", "fix or unset"),
+    ),
+    (
+        "shutdown-env-nan",
+        [],
+        {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "nan"},
+        ("$TORCH_ELASTIC_SHUTDOWN_TIMEOUT='nan'", "fix or unset"),
+    ),
+    (
+        "shutdown-env-negative",
+        [],
+        {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "-1"},
+        ("$TORCH_ELASTIC_SHUTDOWN_TIMEOUT='-1'", "fix or unset"),
+    ),
+    (
+        "progress-empty",
+        ["--stall-timeout", "5", "--progress-regex", ""],
+        {},
+        ("--progress-regex=''", "matches every line", "e.g. --progress-regex"),
+    ),
+    (
+        "progress-dot-star",
+        ["--stall-timeout", "5", "--progress-regex", ".*"],
+        {},
+        ("--progress-regex='.*'", "matches every line"),
+    ),
+    (
+        "progress-invalid",
+        ["--stall-timeout", "5", "--progress-regex", "("],
+        {},
+        ("--progress-regex='('", "not a valid regular expression"),
+    ),
+    (
+        "stall-zero",
+        ["--stall-timeout", "0"],
+        {},
+        ("--stall-timeout=0", "> 0", "--stall-timeout 600"),
+    ),
     ("stall-inf", ["--stall-timeout", "inf"], {}, ("--stall-timeout=inf", "> 0")),
     ("stall-nan", ["--stall-timeout", "nan"], {}, ("--stall-timeout=nan", "> 0")),
-    ("on-stall-pet", ["--stall-timeout", "5"], {"PET_ON_STALL": "panic"}, ("--on-stall", "'panic'", "$PET_ON_STALL", "observe, fail, restart")),
-    ("start-method-pet", [], {"PET_START_METHOD": "vfork"}, ("--start-method", "'vfork'", "$PET_START_METHOD", "spawn")),
-    ("standalone-pet", [], {"PET_STANDALONE": "yes"}, ("$PET_STANDALONE='yes'", "--standalone", "fix or unset")),
+    (
+        "on-stall-pet",
+        ["--stall-timeout", "5"],
+        {"PET_ON_STALL": "panic"},
+        ("--on-stall", "'panic'", "$PET_ON_STALL", "observe, fail, restart"),
+    ),
+    (
+        "start-method-pet",
+        [],
+        {"PET_START_METHOD": "vfork"},
+        ("--start-method", "'vfork'", "$PET_START_METHOD", "spawn"),
+    ),
+    (
+        "standalone-pet",
+        [],
+        {"PET_STANDALONE": "yes"},
+        ("$PET_STANDALONE='yes'", "--standalone", "fix or unset"),
+    ),
     ("monitor-nan", ["--monitor-interval", "nan"], {}, ("--monitor-interval=nan", "> 0")),
     ("monitor-inf", ["--monitor-interval", "inf"], {}, ("--monitor-interval=inf", "> 0")),
     ("role-empty", ["--role", ""], {}, ("--role=''", "--role trainer")),
-    ("node-rank-negative", ["--nnodes", "2", "--node-rank", "-1"], {}, ("--node-rank=-1", "use 0..1")),
+    (
+        "node-rank-negative",
+        ["--nnodes", "2", "--node-rank", "-1"],
+        {},
+        ("--node-rank=-1", "use 0..1"),
+    ),
     ("node-rank-too-big", ["--nnodes", "2", "--node-rank", "2"], {}, ("--node-rank=2", "use 0..1")),
     ("master-port", ["--master-port", "70000"], {}, ("--master-port=70000", "1..65535")),
     ("master-port-pet", [], {"PET_MASTER_PORT": "0"}, ("$PET_MASTER_PORT=0", "1..65535")),
-    ("master-addr", ["--master-addr", "", "--master-port", "29555"], {}, ("--master-addr=''", "--master-addr 10.0.0.1")),
-    ("local-ranks-none", ["--nproc-per-node", "2", "--local-ranks-filter", "2,3"], {}, ("--local-ranks-filter='2,3'", "0..1", "-r 3")),
-    ("local-ranks-negative", ["--local-ranks-filter", "0,-1"], {}, ("--local-ranks-filter='0,-1'", "negative")),
-    ("dup-filter-empty", ["--duplicate-stdout-filters", "loss,"], {}, ("--duplicate-stdout-filters='loss,'", "empty filter", "',,' escapes")),
+    (
+        "master-addr",
+        ["--master-addr", "", "--master-port", "29555"],
+        {},
+        ("--master-addr=''", "--master-addr 10.0.0.1"),
+    ),
+    (
+        "local-ranks-none",
+        ["--nproc-per-node", "2", "--local-ranks-filter", "2,3"],
+        {},
+        ("--local-ranks-filter='2,3'", "0..1", "-r 3"),
+    ),
+    (
+        "local-ranks-negative",
+        ["--local-ranks-filter", "0,-1"],
+        {},
+        ("--local-ranks-filter='0,-1'", "negative"),
+    ),
+    (
+        "dup-filter-empty",
+        ["--duplicate-stdout-filters", "loss,"],
+        {},
+        ("--duplicate-stdout-filters='loss,'", "empty filter", "',,' escapes"),
+    ),
     ("run-path-module", ["--run-path", "-m"], {}, ("--run-path and --module", "drop one")),
     ("log-dir-file", ["--log-dir", "{file}"], {}, ("--log-dir=", "not a directory", "drop it")),
-    ("log-dir-uncreatable", ["--log-dir", "/proc/aiolaunch-test/logs"], {}, ("--log-dir='/proc/aiolaunch-test/logs'", "cannot be", "drop it")),
+    (
+        "log-dir-uncreatable",
+        ["--log-dir", "/proc/aiolaunch-test/logs"],
+        {},
+        ("--log-dir='/proc/aiolaunch-test/logs'", "cannot be", "drop it"),
+    ),
     ("log-dir-pet", [], {"PET_LOG_DIR": "{file}"}, ("$PET_LOG_DIR=", "not a directory")),
 ]
 
@@ -150,12 +286,22 @@ def test_bad_flag_exits_2_naming_the_flag_and_the_fix(
     [
         (["--forward-signals", "SIGUSR3"], ("--forward-signals", "'SIGUSR3'", "pass names like")),
         (["--shutdown-timeout", "-1"], ("--shutdown-timeout=-1", "--shutdown-timeout 30")),
-        (["--no-python", "no-such-binary-aiolaunch"], ("--no-python", "not found on PATH", "full path")),
+        (
+            ["--no-python", "no-such-binary-aiolaunch"],
+            ("--no-python", "not found on PATH", "full path"),
+        ),
         (["--no-python", "./missing-binary"], ("--no-python", "'./missing-binary' does not exist")),
         (["--no-python", "./train.py"], ("--no-python", "not executable", "chmod +x")),
         ([], ("the script 'missing.py' does not exist", "fix its path", "-m")),
     ],
-    ids=["forward-signals", "shutdown-timeout", "no-python-path", "no-python-file", "no-python-mode", "missing-script"],
+    ids=[
+        "forward-signals",
+        "shutdown-timeout",
+        "no-python-path",
+        "no-python-file",
+        "no-python-mode",
+        "missing-script",
+    ],
 )
 def test_the_real_command_line_fails_before_anything_starts(
     flags: list[str], needles: tuple[str, ...], tmp_path: Path
@@ -184,7 +330,8 @@ def test_the_real_command_line_fails_before_anything_starts(
 
 
 @pytest.mark.parametrize(
-    ("timeout", "why"), [("-1", "'-1'"), ("0", "'0'"), ("inf", "'inf'"), ("nan", "'nan'"), ("x", "'x'")]
+    ("timeout", "why"),
+    [("-1", "'-1'"), ("0", "'0'"), ("inf", "'inf'"), ("nan", "'nan'"), ("x", "'x'")],
 )
 def test_stacks_timeout_is_checked_by_the_command_line(
     timeout: str, why: str, capsys: pytest.CaptureFixture[str]
@@ -202,16 +349,66 @@ def test_stacks_timeout_is_checked_by_the_command_line(
 @pytest.mark.parametrize(
     ("make", "error", "needles"),
     [
-        (lambda: aiolaunch.Watchdog(stall_after=5, progress=""), ValueError, ("progress=''", "matches every line", "progress=r'^step")),
-        (lambda: aiolaunch.Watchdog(stall_after=5, progress="x?"), ValueError, ("progress='x?'", "matches every line")),
-        (lambda: aiolaunch.set_console_hook(5), TypeError, ("set_console_hook(5)", "callable", "None")),
-        (lambda: WorkerSpec(role="r", local_world_size=1, entrypoint="/bin/true", monitor_interval=math.nan), ValueError, ("monitor_interval=nan", "> 0")),
-        (lambda: WorkerSpec(role="r", local_world_size=1, entrypoint="/bin/true", monitor_interval=math.inf), ValueError, ("monitor_interval=inf", "> 0")),
-        (lambda: WorkerSpec(role="r", local_world_size=1, entrypoint="/bin/true", master_port=True), ValueError, ("master_port=True", "1..65535")),
-        (lambda: LocalElasticAgent(WorkerSpec(role="r", local_world_size=1, entrypoint="/bin/true"), shutdown_timeout=math.nan), ValueError, ("shutdown_timeout=nan", ">= 0")),
-        (lambda: aiolaunch.start_processes("n" * 240, "/bin/true", {0: ()}, {0: {}}), ValueError, ("240 bytes long", "shorter name", "log_dir")),
+        (
+            lambda: aiolaunch.Watchdog(stall_after=5, progress=""),
+            ValueError,
+            ("progress=''", "matches every line", "progress=r'^step"),
+        ),
+        (
+            lambda: aiolaunch.Watchdog(stall_after=5, progress="x?"),
+            ValueError,
+            ("progress='x?'", "matches every line"),
+        ),
+        (
+            lambda: aiolaunch.set_console_hook(NOT_A_HOOK),
+            TypeError,
+            ("set_console_hook(5)", "callable", "None"),
+        ),
+        (
+            lambda: WorkerSpec(
+                role="r", local_world_size=1, entrypoint="/bin/true", monitor_interval=math.nan
+            ),
+            ValueError,
+            ("monitor_interval=nan", "> 0"),
+        ),
+        (
+            lambda: WorkerSpec(
+                role="r", local_world_size=1, entrypoint="/bin/true", monitor_interval=math.inf
+            ),
+            ValueError,
+            ("monitor_interval=inf", "> 0"),
+        ),
+        (
+            lambda: WorkerSpec(
+                role="r", local_world_size=1, entrypoint="/bin/true", master_port=True
+            ),
+            ValueError,
+            ("master_port=True", "1..65535"),
+        ),
+        (
+            lambda: LocalElasticAgent(
+                WorkerSpec(role="r", local_world_size=1, entrypoint="/bin/true"),
+                shutdown_timeout=math.nan,
+            ),
+            ValueError,
+            ("shutdown_timeout=nan", ">= 0"),
+        ),
+        (
+            lambda: aiolaunch.start_processes("n" * 240, "/bin/true", {0: ()}, {0: {}}),
+            ValueError,
+            ("240 bytes long", "shorter name", "log_dir"),
+        ),
     ],
-    ids=["progress-empty", "progress-optional", "console-hook", "monitor-nan", "monitor-inf", "master-port-bool", "agent-shutdown-nan", "long-name"],
+    ids=[
+        "progress-empty",
+        "progress-optional",
+        "console-hook",
+        "monitor-nan",
+        "monitor-inf",
+        "master-port-bool",
+        "agent-shutdown-nan",
+        "long-name",
+    ],
 )
 def test_bad_public_argument_raises_naming_it(
     make: Callable[[], Any], error: type[Exception], needles: tuple[str, ...], private_tmp: Path

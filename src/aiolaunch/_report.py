@@ -24,10 +24,10 @@ __all__ = ["write_report"]
 _TAIL_LINES = 20
 
 
-def _tail(path: str, n: int = _TAIL_LINES) -> list[str]:
-    from ._results import tail_lines
+def _tail(path: str, n: int = _TAIL_LINES) -> tuple[list[str], str | None]:
+    from ._results import stderr_tail
 
-    return tail_lines(path, n)
+    return stderr_tail(path, n)
 
 
 def build_report(fx: Forensics, result: RunProcsResult | None) -> dict[str, Any]:
@@ -43,6 +43,7 @@ def build_report(fx: Forensics, result: RunProcsResult | None) -> dict[str, Any]
         from ._errors import ChildFailedError
 
         rank, f = ChildFailedError(ctx.name, result.failures).get_first_failure()
+        tail, no_tail = _tail(ctx.stderrs.get(rank, ""))
         data["root_cause"] = {
             "rank": rank,
             "pid": f.pid,
@@ -51,7 +52,8 @@ def build_report(fx: Forensics, result: RunProcsResult | None) -> dict[str, Any]
             "message": f.error_message,
             "traceback": f.py_callstack,
             "error_file": f.error_file,
-            "stderr_tail": _tail(ctx.stderrs.get(rank, "")),
+            "stderr_tail": tail,
+            "stderr_note": no_tail,  # why there is no tail
         }
         data["failed"] = sorted(r for r in result.failures if r not in fx.failing)
         data["stopped_by_aiolaunch"] = sorted(
@@ -90,6 +92,8 @@ def format_report(data: dict[str, Any]) -> str:
         if root.get("stderr_tail"):
             out.append("  last stderr lines:")
             out += [f"    {line}" for line in root["stderr_tail"]]
+        elif root.get("stderr_note"):
+            out.append(f"  no stderr lines here: {root['stderr_note']}")
         out.append(f"Failed on their own: {data.get('failed') or 'none'}")
         out.append(f"Stopped by aiolaunch: {data.get('stopped_by_aiolaunch') or 'none'}")
     verdict = data.get("verdict")
