@@ -100,6 +100,13 @@ class ControlServer:
         self._tmpdir = tmpdir
         self._server = server
         self._entry = _register(os.path.abspath(link))
+        # Removed by the guardian if the supervisor dies before remove().
+        from ._workers._guardian import clean_up_after
+
+        left = [("F", link)] + ([("T", tmpdir)] if tmpdir else [])
+        if self._entry is not None:
+            left += [("F", self._entry), ("P", os.path.dirname(self._entry))]
+        self._forget = [clean_up_after(kind, path) for kind, path in left]
 
     @classmethod
     async def start(
@@ -166,6 +173,8 @@ class ControlServer:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self._entry))
             self._entry = None
+        for forget in self._forget:
+            forget()
 
 
 def _bind(log_dir: str) -> tuple[socket.socket, str, str, str | None]:

@@ -24,8 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._logs_specs import make_temp_dir, prune_empty_dirs
 from ._stacks import STACKS_DIR_ENV, StackReport, dump_stacks, rank_ranges
 from ._watchdog import RankActivity, Watchdog, wchan
+from ._workers._guardian import clean_up_after
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -93,6 +95,7 @@ class Forensics:
         self._task: asyncio.Task[None] | None = None
         self._lines_task: asyncio.Task[None] | None = None
         self._server: ControlServer | None = None
+        self._forget_stacks: Callable[[], None] = lambda: None
         self._server_task: asyncio.Task[None] | None = None
         #: ranks flagged and not active since
         self.flagged: dict[int, Stall] = {}
@@ -136,6 +139,8 @@ class Forensics:
             os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
         except OSError as exc:  # dumps are impossible; the job runs on
             logger.warning("aiolaunch: no stacks folder %s: %s", self.stacks_dir, exc)
+        # removed by the guardian if the supervisor dies before cleanup()
+        self._forget_stacks = clean_up_after("T", self.stacks_dir)
         make_files()
         try:
             self._server = await ControlServer.start(self.log_dir, self._handle)
@@ -172,9 +177,12 @@ class Forensics:
             act.close()
         self._activity.clear()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
+        self._forget_stacks()
         # A temporary log dir of our own is kept when it holds stacks or a report.
         if self._own_dir and not self._dumps and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._own_dir:  # gone, or kept with stacks or a report; the guardian forgets it
+            prune_empty_dirs([self.log_dir])
 
     # -- stacks -------------------------------------------------------------
     def _rank_dir(self, rank: int) -> str:
@@ -507,4 +515,4 @@ def _group_dir(error_files: dict[int, str]) -> tuple[str, bool]:
     for path in error_files.values():
         if path and path != os.devnull:
             return os.path.dirname(os.path.dirname(path)), False
-    return tempfile.mkdtemp(prefix="aiolaunch_forensics_"), True
+    return make_temp_dir("aiolaunch_forensics_"), True

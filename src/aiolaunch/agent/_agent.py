@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import string
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,7 @@ import anyio
 
 from .._api import start_processes
 from .._errors import SignalException
-from .._logs_specs import attempt_dir_path, make_run_dir, prune_empty_dirs
+from .._logs_specs import attempt_dir_path, make_run_dir, make_temp_dir, prune_empty_dirs
 from .._results import root_cause
 from .._signames import describe_signal
 from .._validate import START_METHODS, check_log_dir_not_file, log_dir_error
@@ -401,7 +400,7 @@ class LocalElasticAgent:
     def _attempt_dir(self, run_id: str, membership_round: int) -> str:
         if self._run_log_dir is None:
             if self._log_dir is None:
-                root = tempfile.mkdtemp(prefix="aiolaunch_")
+                root = make_temp_dir("aiolaunch_")  # the guardian knows it too
             else:
                 try:
                     os.makedirs(self._log_dir, exist_ok=True)
