@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from ._kinds import MultiprocessContext as MultiprocessContext
     from ._kinds import SubprocessContext as SubprocessContext
     from ._logs import set_console_hook as set_console_hook
-    from ._logs_specs import DefaultLogsSpecs as DefaultLogsSpecs
-    from ._logs_specs import LogsDest as LogsDest
-    from ._logs_specs import LogsSpecs as LogsSpecs
+    from ._logs._specs import DefaultLogsSpecs as DefaultLogsSpecs
+    from ._logs._specs import LogsDest as LogsDest
+    from ._logs._specs import LogsSpecs as LogsSpecs
     from ._ready import ReadinessProbe as ReadinessProbe
     from ._ready import ReadyFile as ReadyFile
     from ._ready import ReadyLine as ReadyLine
@@ -62,13 +62,13 @@ if TYPE_CHECKING:
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
     "ChildFailedError": "._errors",
-    "DefaultLogsSpecs": "._logs_specs",
+    "DefaultLogsSpecs": "._logs._specs",
     "Event": "._events",
     "EventsDropped": "._events",
     "GroupStopped": "._events",
     "LogLine": "._events",
-    "LogsDest": "._logs_specs",
-    "LogsSpecs": "._logs_specs",
+    "LogsDest": "._logs._specs",
+    "LogsSpecs": "._logs._specs",
     "MainProcessError": "._errors",
     "MultiprocessContext": "._kinds",
     "PContext": "._context",

@@ -14,7 +14,7 @@ from ._errors import MainProcessError, SignalException, WorkerError
 from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs import LogWiring
 from ._logs._filters import check_filters
-from ._logs_specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
+from ._logs._specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause

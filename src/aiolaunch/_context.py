@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._errors import fd_limit_error
-from ._events import Event, EventBus, group_stopped, worker_exited, worker_started
+from ._events import Event, EventBus, LogLines, group_stopped, worker_exited, worker_started
 from ._forensics import Forensics
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RespawnSteps, RestartPolicy, Restarts
@@ -107,6 +107,11 @@ class PContext:
             failure=lambda r: not_ready_failure(self._workers[r], self.error_files.get(r, "")),
         )
         self._forensics = Forensics(self, watchdog)
+        # The line consumers of the log pipeline: probes, LogLine events, progress.
+        logs.lines.subscribe(self._readiness)
+        logs.lines.subscribe(LogLines(self._bus))
+        if self._forensics.progress_lines is not None:
+            logs.lines.subscribe(self._forensics.progress_lines)
 
     # -- start ------------------------------------------------------------
     async def _start(self) -> None:
@@ -126,21 +131,17 @@ class PContext:
             raise
 
     async def _start_one(self, rank: int) -> None:
-        watch, line_sink = self._readiness.stream_hooks(rank, self._forensics.needs_lines)
-        streams = await self._logs.open(rank, watch=watch, line_sink=line_sink)
-        try:
+        # The streams are read from the end of the block on (after started()),
+        # and closed if the spawn fails.
+        async with self._logs.open(rank) as streams:
             handle = await self._spawn(rank, streams.stdout, streams.stderr)
-        except BaseException:
-            await self._logs.discard(streams)
-            raise
-        handle.attempt = self._restarts.attempts[rank]
-        self._workers[rank] = handle
-        self._bus.emit(worker_started(handle))
-        self._readiness.started(rank, handle)
-        handle.on_exit = self._on_exit
-        if not handle.alive:  # it exited while we were still wiring it up
-            self._on_exit(handle)
-        await self._logs.connect(streams)
+            handle.attempt = self._restarts.attempts[rank]
+            self._workers[rank] = handle
+            self._bus.emit(worker_started(handle))
+            self._readiness.started(rank, handle)
+            handle.on_exit = self._on_exit
+            if not handle.alive:  # it exited while we were still wiring it up
+                self._on_exit(handle)
 
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
         raise NotImplementedError

@@ -4,7 +4,8 @@ Where it sits (see docs/ARCHITECTURE.md): the context owns one
 :class:`Forensics`. It gives every worker ``$AIOLAUNCH_STACKS_DIR`` (the
 bootstraps register the dump signal there), serves the control socket, and -
 with a :class:`Watchdog` - runs one task that samples ``/proc`` once per
-period for the whole group and reads progress lines from the event bus. A
+period for the whole group; with a progress regex, a line listener of the log
+pipeline (:class:`~._watchdog.ProgressLines`) marks the ranks that print. A
 stall is handled in this order: event, stacks of every rank, report, *then*
 the action (``fail`` marks the rank and wakes ``wait()``, which stops the
 group through the usual shutdown path and calls :meth:`amend` on the result).
@@ -24,9 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._logs_specs import make_temp_dir, prune_empty_dirs
+from ._logs._specs import make_temp_dir, prune_empty_dirs
 from ._stacks import STACKS_DIR_ENV, StackReport, dump_stacks, rank_ranges
-from ._watchdog import RankActivity, Watchdog, wchan
+from ._watchdog import ProgressLines, RankActivity, Watchdog, wchan
 from ._workers._guardian import clean_up_after
 
 if TYPE_CHECKING:
@@ -90,10 +91,15 @@ class Forensics:
             self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
         self._activity: dict[int, RankActivity] = {}
         self._progress = re.compile(watchdog.progress) if watchdog and watchdog.progress else None
+        #: the progress regex's line listener (the group subscribes it), or None
+        self.progress_lines = (
+            ProgressLines(watchdog.progress, self._activity)
+            if watchdog and watchdog.progress
+            else None
+        )
         self._dumps = 0
         self._dump_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
-        self._lines_task: asyncio.Task[None] | None = None
         self._server: ControlServer | None = None
         self._forget_stacks: Callable[[], None] = lambda: None
         self._server_task: asyncio.Task[None] | None = None
@@ -108,11 +114,6 @@ class Forensics:
         self.reported: tuple[str, str] | None = None
 
     # -- wiring -------------------------------------------------------------
-    @property
-    def needs_lines(self) -> bool:
-        """Whether the supervisor must read every stream (progress regex)."""
-        return self._progress is not None
-
     def env(self) -> dict[str, str]:
         """Environment every worker gets."""
         return {STACKS_DIR_ENV: self.stacks_dir}
@@ -129,8 +130,6 @@ class Forensics:
         self._server_task = asyncio.ensure_future(self._serve(make_files))
         if self.watchdog is not None:
             self._task = asyncio.ensure_future(self._watch(self.watchdog))
-            if self._progress is not None:
-                self._lines_task = asyncio.ensure_future(self._read_progress(self._progress))
 
     async def _serve(self, make_files: Callable[[], None]) -> None:
         from ._control import ControlServer
@@ -151,12 +150,12 @@ class Forensics:
         """Stop the watchdog and the control socket (the group is ending). Idempotent."""
         # A server still being set up is stopped too (ControlServer.start
         # removes its files when cancelled).
-        tasks = [t for t in (self._task, self._lines_task, self._server_task) if t is not None]
+        tasks = [t for t in (self._task, self._server_task) if t is not None]
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._task = self._lines_task = self._server_task = None
+        self._task = self._server_task = None
         for act in self._activity.values():
             act.close()
         if self._server is not None:
@@ -327,15 +326,6 @@ class Forensics:
         return {"ok": False, "error": f"unknown command {cmd!r} (status, stacks)"}
 
     # -- watchdog -------------------------------------------------------------
-    async def _read_progress(self, regex: re.Pattern[str]) -> None:
-        from ._events import LogLine
-
-        async for event in self._ctx._bus.iterate(lines=True, maxsize=100_000):
-            if isinstance(event, LogLine) and event.rank is not None and regex.search(event.text):
-                act = self._activity.get(event.rank)
-                if act is not None:
-                    act.progressed = True
-
     async def _watch(self, wd: Watchdog) -> None:
         ctx = self._ctx
         while True:

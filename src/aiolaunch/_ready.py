@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ._errors import ChildFailedError
-from ._events import LogLine, WorkerReady
-from ._logs._line import LineSink
+from ._events import WorkerReady
 from ._validate import check_port
 
 if TYPE_CHECKING:
@@ -253,37 +252,13 @@ class Readiness:
         if self.listening(rank):
             self._lines[rank].put(line)
 
-    def stream_hooks(
-        self, rank: int, all_lines: bool
-    ) -> tuple[Callable[[str], bool], Callable[[str], LineSink]]:
-        """``watch`` and ``line_sink`` of ``rank``'s streams for ``LogWiring.open``:
-        a stream is watched (split into lines) if ``rank``'s probe reads it or
-        ``all_lines`` (e.g. for the watchdog's progress regex)."""
+    def wants(self, rank: int, stream: str) -> bool:
+        """Line listener: whether ``rank``'s probe waits for ``stream``'s lines now."""
+        return self.reads(rank, stream) and self.listening(rank)
 
-        def watch(stream: str) -> bool:
-            return all_lines or self.reads(rank, stream)
-
-        return watch, lambda stream: self.line_sink(rank, stream, watch(stream))
-
-    def line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
-        """The sink of ``rank``'s ``stream`` lines: its probe (if ``watch``) and
-        ``events(lines=True)`` consumers as :class:`LogLine` events.
-
-        It splits lines only while someone listens: a probe not yet satisfied,
-        or a lines consumer of the bus.
-        """
-        bus = self._bus
-
-        def wanted() -> bool:
-            return bool(bus.wants_lines) or (watch and self.listening(rank))
-
-        def on_line(line: str) -> None:
-            if watch:
-                self.feed(rank, line)
-            if bus.wants_lines:
-                bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=line))
-
-        return LineSink(on_line, wanted)
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """Line listener: one line of ``rank``'s ``stream``, for its probe."""
+        self.feed(rank, text)
 
     # -- lifecycle ----------------------------------------------------------
     def started(self, rank: int, handle: WorkerHandle) -> None:

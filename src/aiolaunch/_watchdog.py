@@ -27,10 +27,21 @@ import errno
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._workers._proc import ProcStat, parse_stat, read_proc_file, read_stat
 
-__all__ = ["ProcSample", "RankActivity", "Watchdog", "matches_every_line", "read_proc"]
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = [
+    "ProcSample",
+    "ProgressLines",
+    "RankActivity",
+    "Watchdog",
+    "matches_every_line",
+    "read_proc",
+]
 
 _ACTIONS = ("observe", "fail", "restart")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -299,3 +310,29 @@ class RankActivity:
         wchar = self._wchar_now()
         if wchar is not None:
             self._wchar = wchar
+
+
+class ProgressLines:
+    """``Watchdog(progress=regex)``: a line listener of the group's log pipeline.
+
+    Needs every stream (none is inherited), and marks the rank whose line
+    matches as progressing until the next sample.
+
+    :param activity: the watchdog's per-rank activity (a rank not sampled
+        yet is not marked).
+    """
+
+    def __init__(self, regex: str, activity: Mapping[int, RankActivity]) -> None:
+        self.regex = re.compile(regex)
+        self._activity = activity
+
+    def reads(self, rank: int, stream: str) -> bool:
+        return True
+
+    def wants(self, rank: int, stream: str) -> bool:
+        return True
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        act = self._activity.get(rank)
+        if act is not None and self.regex.search(text) is not None:
+            act.progressed = True

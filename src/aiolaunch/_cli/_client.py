@@ -1,4 +1,4 @@
-"""The control socket's clients: ``aiolaunch status|stacks [LOG_DIR]``.
+"""The control socket's clients: ``aiolaunch status|stacks|top [LOG_DIR]``.
 
 One function per verb (``status_main``, ``stacks_main``), each listed in
 :data:`VERBS`: a new verb is one function here and its entry there. They share
@@ -30,6 +30,7 @@ __all__ = [
     "running_jobs",
     "stacks_main",
     "status_main",
+    "top_main",
 ]
 
 
@@ -330,8 +331,16 @@ def stacks_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def top_main(argv: Sequence[str]) -> int:
+    """``aiolaunch top [LOG_DIR]``: the ranks live, in the terminal (``_top.py``)."""
+    from ._top import top_main
+
+    return top_main(argv)
+
+
 VERBS: dict[str, Callable[[Sequence[str]], int]] = {
     "status": status_main,
     "stacks": stacks_main,
+    "top": top_main,
 }
 """``aiolaunch VERB ...``: the client verbs, each its own ``main(argv) -> status``."""

@@ -326,7 +326,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks
         )
     elif ranks is not None:
-        from .._logs_specs import DefaultLogsSpecs
+        from .._logs._specs import DefaultLogsSpecs
 
         logs_specs = DefaultLogsSpecs(
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks

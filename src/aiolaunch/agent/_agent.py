@@ -14,7 +14,7 @@ import anyio
 
 from .._api import start_processes
 from .._errors import SignalException
-from .._logs_specs import attempt_dir_path, make_run_dir, make_temp_dir, prune_empty_dirs
+from .._logs._specs import attempt_dir_path, make_run_dir, make_temp_dir, prune_empty_dirs
 from .._results import root_cause
 from .._signames import describe_signal
 from .._validate import START_METHODS, check_log_dir_not_file, log_dir_error

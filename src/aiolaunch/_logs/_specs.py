@@ -23,8 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._types import Std, StdSpec, to_map
-from ._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
+from .._types import Std, StdSpec, to_map
+from .._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -64,7 +64,7 @@ def make_temp_dir(prefix: str) -> str:
 def guard_temp_dir(path: str) -> None:
     """Tell the guardian about a temporary log root (again, after a
     :func:`prune_empty_dirs` kept it and a later run uses it). Idempotent."""
-    from ._workers._guardian import clean_up_after
+    from .._workers._guardian import clean_up_after
 
     if path not in _TEMP_ROOTS:
         _TEMP_ROOTS[path] = clean_up_after("P", path)
