@@ -19,13 +19,17 @@ if TYPE_CHECKING:
     import argparse
 
 __all__ = [
+    "check_event_log_handler",
     "check_executable",
     "check_log_dir",
     "check_node",
+    "load_logs_specs_class",
     "local_ranks",
+    "numa_from_flag",
     "shutdown_timeout",
     "signal_environ",
     "source",
+    "std_setting",
     "watchdog_from_args",
 ]
 
@@ -209,3 +213,57 @@ def check_executable(path: str, what: str) -> None:
         raise FileNotFoundError(f"{what}: {path!r} does not exist; fix the path")
     if not os.access(path, os.X_OK):
         raise PermissionError(f"{what}: {path!r} is not executable; chmod +x it")
+
+
+def check_event_log_handler(name: str) -> None:
+    """``--event-log-handler``: ``null``, or a handler registered with torch."""
+    if name == "null":
+        return
+    try:
+        from torch.distributed.elastic.events import handlers
+    except ImportError:
+        known = ["null", "console"]
+    else:
+        known = sorted(handlers._log_handlers)
+    if name not in known:
+        raise ValueError(
+            f"--event-log-handler={name!r} is not a registered handler; use one of {known}"
+        )
+
+
+def numa_from_flag(mode: str | None) -> Any:
+    """``--numa-binding``: torch's ``NumaOptions`` (needs torch), or ``None``."""
+    if mode is None:
+        return None
+    try:
+        from torch.numa.binding import AffinityMode, NumaOptions
+    except ImportError:
+        raise ValueError(
+            f"--numa-binding={mode} needs torch (pip install 'aiolaunch[torch]')"
+        ) from None
+    return NumaOptions(affinity_mode=AffinityMode(mode))
+
+
+def std_setting(std_cls: Any, flag: str, value: str) -> Any:
+    """``--redirects`` / ``--tee``: ``Std.from_str(value)``, the message naming ``flag``."""
+    try:
+        return std_cls.from_str(value)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(
+            f"{flag}={value!r} must be 0-3 for every rank, or LOCAL_RANK:VALUE pairs "
+            f"such as 0:3,1:1 ({exc})"
+        ) from None
+
+
+def load_logs_specs_class(name: str) -> Any:
+    """``--logs-specs``: the class of that ``torchrun.logs_specs`` entry point."""
+    from importlib import metadata
+
+    for group in ("aiolaunch.logs_specs", "torchrun.logs_specs"):
+        eps = metadata.entry_points().select(group=group, name=name)
+        for ep in eps:
+            return ep.load()
+    raise ValueError(
+        f"--logs-specs={name!r}: no entry point of that name in the 'torchrun.logs_specs' "
+        "(or 'aiolaunch.logs_specs') group"
+    )

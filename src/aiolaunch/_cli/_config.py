@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._checks import (
+    check_event_log_handler,
     check_executable,
     check_log_dir,
     check_node,
+    load_logs_specs_class,
     local_ranks,
+    numa_from_flag,
     shutdown_timeout,
     signal_environ,
+    std_setting,
     watchdog_from_args,
 )
 from ._parser import DEFAULT_MASTER_PORT
@@ -70,7 +74,7 @@ def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
             f'--nnodes={nnodes!r} must be a number or "MIN:MAX", e.g. --nnodes 2 or --nnodes 1:4'
         ) from None
     if not 0 < lo <= hi:
-        raise ValueError(f"--nnodes={nnodes!r}: need 0 < MIN <= MAX")
+        raise ValueError(f"--nnodes={nnodes!r}: need 0 < MIN <= MAX, e.g. --nnodes 2 or 1:4")
     return lo, hi
 
 
@@ -128,7 +132,10 @@ def determine_local_world_size(nproc_per_node: str) -> int:
         pass
     else:
         if n < 1:
-            raise ValueError(f"--nproc-per-node={nproc_per_node!r} must be >= 1")
+            raise ValueError(
+                f"--nproc-per-node={nproc_per_node!r} must be >= 1 (workers on this machine), "
+                "e.g. --nproc-per-node 4"
+            )
         return n
     if nproc_per_node == "cpu":
         return _cpu_count()
@@ -190,7 +197,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     warnings: list[str] = []
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
+        raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0, e.g. --max-restarts 3")
     if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
         raise ValueError(
             f"--monitor-interval={args.monitor_interval} must be a number of seconds > 0, "
@@ -210,8 +217,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             f"--virtual-local-rank with --nproc-per-node={nproc}, but CUDA_VISIBLE_DEVICES="
             f"{visible} names {len(visible.split(','))} device(s); start fewer workers"
         )
-    redirects = _std(Std, "--redirects", args.redirects)
-    tee = _std(Std, "--tee", args.tee)
+    redirects = std_setting(Std, "--redirects", args.redirects)
+    tee = std_setting(Std, "--tee", args.tee)
     ranks = local_ranks(args.local_ranks_filter, nproc)
     for flag, filters in (
         ("--duplicate-stdout-filters", args.duplicate_stdout_filters),
@@ -223,8 +230,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 "drop it (a stray comma? ',,' escapes a comma)"
             )
     rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
-    _check_event_log_handler(args.event_log_handler)
-    numa_options = _numa_options(args.numa_binding)
+    check_event_log_handler(args.event_log_handler)
+    numa_options = numa_from_flag(args.numa_binding)
     environ = signal_environ(args)
 
     # the command every worker runs (torch's rules)
@@ -282,7 +289,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             )
         else:
             endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-            host, port = parse_endpoint(endpoint, args.master_port)
+            host, port = _endpoint(args, endpoint, args.master_port)
             if port is None:
                 raise ValueError(
                     f"--rdzv-endpoint={endpoint!r} has no port; add :PORT or --master-port"
@@ -300,7 +307,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             if not endpoint:
                 port_ = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
                 endpoint = f"{args.master_addr}:{port_}"
-            master_addr, master_port = parse_endpoint(endpoint, None)
+            master_addr, master_port = _endpoint(args, endpoint, None)
             if master_port is None:
                 raise ValueError(f"--rdzv-endpoint={endpoint!r} has no port; add :PORT")
         elif args.node_rank != 0:
@@ -308,20 +315,28 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 f"--node-rank applies to the static rendezvous only; with --rdzv-backend "
                 f"{args.rdzv_backend} the rendezvous assigns node ranks"
             )
-        torch_handler = create_handler(
-            backend=args.rdzv_backend,
-            endpoint=endpoint,
-            run_id=args.rdzv_id,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            local_addr=args.local_addr,
-            **rdzv_conf,
-        )
+        try:
+            torch_handler = create_handler(
+                backend=args.rdzv_backend,
+                endpoint=endpoint,
+                run_id=args.rdzv_id,
+                min_nodes=min_nodes,
+                max_nodes=max_nodes,
+                local_addr=args.local_addr,
+                **rdzv_conf,
+            )
+        except (ValueError, RuntimeError) as exc:
+            if "is not registered" not in str(exc):
+                raise
+            raise ValueError(
+                f"--rdzv-backend={args.rdzv_backend!r} is not a rendezvous backend torch knows; "
+                "use static (the default) or c10d (several machines), or register yours"
+            ) from None
         rdzv = torch_handler
 
     logs_specs: Any = None
     if args.logs_specs is not None:
-        cls = _load_logs_specs_class(args.logs_specs)
+        cls = load_logs_specs_class(args.logs_specs)
         logs_specs = cls(
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks
         )
@@ -407,54 +422,15 @@ def check_program(cfg: LaunchConfig) -> None:
             ) from None
 
 
-def _check_event_log_handler(name: str) -> None:
-    if name == "null":
-        return
-    try:
-        from torch.distributed.elastic.events import handlers
-    except ImportError:
-        known = ["null", "console"]
-    else:
-        known = sorted(handlers._log_handlers)
-    if name not in known:
-        raise ValueError(
-            f"--event-log-handler={name!r} is not a registered handler; use one of {known}"
-        )
-
-
-def _numa_options(mode: str | None) -> Any:
-    if mode is None:
-        return None
-    try:
-        from torch.numa.binding import AffinityMode, NumaOptions
-    except ImportError:
-        raise ValueError(
-            f"--numa-binding={mode} needs torch (pip install 'aiolaunch[torch]')"
-        ) from None
-    return NumaOptions(affinity_mode=AffinityMode(mode))
-
-
 BOOTSTRAP = "aiolaunch._bootstrap"
 
 
-def _std(std_cls: Any, flag: str, value: str) -> Any:
+def _endpoint(
+    args: argparse.Namespace, endpoint: str, default_port: int | None
+) -> tuple[str, int | None]:
+    """:func:`parse_endpoint`, its message naming the flag the endpoint came from."""
     try:
-        return std_cls.from_str(value)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(
-            f"{flag}={value!r} must be 0-3 for every rank, or LOCAL_RANK:VALUE pairs "
-            f"such as 0:3,1:1 ({exc})"
-        ) from None
-
-
-def _load_logs_specs_class(name: str) -> Any:
-    from importlib import metadata
-
-    for group in ("aiolaunch.logs_specs", "torchrun.logs_specs"):
-        eps = metadata.entry_points().select(group=group, name=name)
-        for ep in eps:
-            return ep.load()
-    raise ValueError(
-        f"--logs-specs={name!r}: no entry point of that name in the 'torchrun.logs_specs' "
-        "(or 'aiolaunch.logs_specs') group"
-    )
+        return parse_endpoint(endpoint, default_port)
+    except ValueError as exc:
+        flag = "--rdzv-endpoint" if args.rdzv_endpoint else "--master-addr/--master-port"
+        raise ValueError(f"{flag}: {exc}") from None
