@@ -200,6 +200,12 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
         {},
         ("--duplicate-stdout-filters='loss,'", "empty filter", "',,' escapes"),
     ),
+    (
+        "dup-stderr-filter-empty",
+        ["--duplicate-stderr-filters", ",ERROR"],
+        {},
+        ("--duplicate-stderr-filters=',ERROR'", "empty filter"),
+    ),
     ("run-path-module", ["--run-path", "-m"], {}, ("--run-path and --module", "drop one")),
     ("log-dir-file", ["--log-dir", "{file}"], {}, ("--log-dir=", "not a directory", "drop it")),
     (
@@ -271,6 +277,28 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
         ("--virtual-local-rank", "start fewer workers"),
     ),
 ]
+
+
+#: options where any value is valid (a user-defined id, an address to advertise)
+ANY_VALUE = {"--help", "--rdzv-id", "--local-addr"}
+
+
+def test_every_flag_of_the_parser_has_a_bad_value_case() -> None:
+    # A new flag needs its row in CLI_CASES (or a reason in ANY_VALUE).
+    import re
+
+    from aiolaunch._cli import get_args_parser
+
+    found = re.findall(r"(--[a-z][a-z_-]+)", get_args_parser().format_help())
+    # the underscore spellings are aliases; "--no-" is "--no-python" cut by the wrapping
+    flags = {f for f in found if "_" not in f and not f.endswith("-")}
+    covered = {f for _, argv, _, _ in CLI_CASES for f in argv if f.startswith("--")}
+    covered |= {
+        "--" + k[len("PET_"):].lower().replace("_", "-")
+        for _, _, env, _ in CLI_CASES for k in env if k.startswith("PET_")
+    }  # fmt: skip
+    covered |= {"--module", "--no-python", "--tee", "--redirects"}  # as -m, -r, -t above
+    assert flags - covered - ANY_VALUE == set()
 
 
 def _case_ids() -> list[str]:
