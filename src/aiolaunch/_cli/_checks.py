@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ._parser import DEFAULT_SIGNALS, env_name
@@ -23,8 +24,10 @@ __all__ = [
     "check_executable",
     "check_log_dir",
     "check_node",
+    "check_program",
     "load_logs_specs_class",
     "local_ranks",
+    "make_log_dir",
     "numa_from_flag",
     "shutdown_timeout",
     "signal_environ",
@@ -199,6 +202,54 @@ def check_node(args: argparse.Namespace, max_nodes: int) -> None:
             f"{source('--node-rank', args.node_rank)}={args.node_rank} is not a node of "
             f"--nnodes={args.nnodes}: use 0..{max_nodes - 1} (0 on the master node)"
         )
+
+
+def check_program(args: argparse.Namespace) -> None:
+    """Refuse a program that cannot start before anything starts (a rendezvous
+    store included): the script, the ``--no-python`` binary, ``$PYTHON_EXEC``.
+
+    Python (and torchrun's workers) exit 2 on a missing script - every rank,
+    every restart; here it is one message, and the CLI exits 2 (do not
+    retry). Called by :func:`aiolaunch._cli.main` only: a configuration can
+    be built for any command line. (``-m``: the module is not looked for.)
+
+    :raises FileNotFoundError: naming the flag and the fix.
+    """
+    script = args.training_script
+    if args.module and (args.run_path or args.no_python):
+        return  # refused by config_from_args, with its own message
+    if args.run_path:
+        pass
+    elif args.no_python:
+        check_executable(script, "--no-python")
+        return
+    else:
+        python = os.getenv("PYTHON_EXEC", sys.executable)
+        if python != sys.executable:
+            check_executable(python, "$PYTHON_EXEC")
+        if args.module:
+            return
+    if not os.path.exists(script):
+        where = "" if os.path.isabs(script) else f" (in {os.getcwd()})"
+        raise FileNotFoundError(
+            f"the script {script!r} does not exist{where}; fix its path, or pass -m to run "
+            "a module, or --no-python to run a binary"
+        )
+
+
+def make_log_dir(path: str | None) -> None:
+    """Make ``--log-dir`` now, after every other check (nothing is left behind
+    when one fails): root passes the ``access()`` checks on ``/proc`` or a
+    read-only mount; only making the folder tells."""
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise FileNotFoundError(
+            f"--log-dir={path!r} cannot be created ({exc.strerror}); pass a folder you can "
+            "write, or drop it for a temporary one"
+        ) from None
 
 
 def check_executable(path: str, what: str) -> None:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from ._checks import (
     check_event_log_handler,
-    check_executable,
     check_log_dir,
     check_node,
     load_logs_specs_class,
@@ -26,6 +25,7 @@ from ._checks import (
     std_setting,
     watchdog_from_args,
 )
+from ._checks import check_program as check_program_exists
 from ._parser import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LaunchConfig",
-    "check_program",
     "config_from_args",
     "determine_local_world_size",
     "parse_endpoint",
@@ -180,16 +179,17 @@ class LaunchConfig:
     warnings: list[str] = field(default_factory=list)
     #: set in this process's environment before the agent starts
     environ: dict[str, str] = field(default_factory=dict)
-    #: the Python script every worker runs (``None``: a module, a binary)
-    script: str | None = None
-    #: where the binary came from, for messages: "--no-python" or "$PYTHON_EXEC"
-    program_flag: str = "--no-python"
     #: --log-dir as given (also where ``logs_specs`` holds it)
     log_root: str | None = None
 
 
-def config_from_args(args: argparse.Namespace) -> LaunchConfig:
-    """Validate the parsed options and build the worker spec (nothing starts here)."""
+def config_from_args(args: argparse.Namespace, *, check_program: bool = False) -> LaunchConfig:
+    """Validate the parsed options and build the worker spec (nothing starts here).
+
+    ``check_program`` (what :func:`main` asks): also refuse a program that
+    cannot start (:func:`._checks.check_program`), after every option and
+    before a torch rendezvous handler (which may make a store) exists.
+    """
     from .._types import Std
     from ..agent import StaticRendezvous, WorkerSpec
     from ..agent._spec import entrypoint_name
@@ -237,14 +237,11 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     # the command every worker runs (torch's rules)
     entrypoint: Callable[..., Any] | str
     cmd_args: list[str] = []
-    script: str | None = None
-    program_flag = "--no-python"
     if args.run_path:
         entrypoint = run_script_path
         cmd_args.append(args.training_script)
     elif not args.no_python:
         entrypoint = os.getenv("PYTHON_EXEC", sys.executable)
-        program_flag = "$PYTHON_EXEC"
         cmd_args.append("-u")
         if entrypoint == sys.executable:
             # Through the bootstrap (same argv, __main__ and exit status as
@@ -254,8 +251,6 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             cmd_args += ["-m", BOOTSTRAP]
         if args.module:
             cmd_args.append("-m")
-        else:
-            script = args.training_script
         cmd_args.append(args.training_script)
     else:
         if args.module:
@@ -315,6 +310,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 f"--node-rank applies to the static rendezvous only; with --rdzv-backend "
                 f"{args.rdzv_backend} the rendezvous assigns node ranks"
             )
+        if check_program:  # before the handler: it may make a store
+            check_program_exists(args)
         try:
             torch_handler = create_handler(
                 backend=args.rdzv_backend,
@@ -369,6 +366,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         virtual_local_rank=bool(args.virtual_local_rank),
         watchdog=watchdog,
     )
+    if check_program and torch_handler is None:
+        check_program_exists(args)
     return LaunchConfig(
         spec=spec,
         entrypoint_name=entrypoint_name(entrypoint, tuple(cmd_args)),
@@ -380,46 +379,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         torch_handler=torch_handler,
         warnings=warnings,
         environ=environ,
-        script=script,
-        program_flag=program_flag,
         log_root=args.log_dir,
     )
-
-
-def check_program(cfg: LaunchConfig) -> None:
-    """Refuse a program that cannot start (a missing script or binary) before anything starts.
-
-    Python (and torchrun's workers) would exit 2 on a missing script, every
-    rank, every restart; here it is one message. Called by :func:`main`
-    (not by :func:`config_from_args`, which builds a configuration for any
-    command line).
-
-    :raises FileNotFoundError: the script, the ``--no-python`` binary or
-        ``$PYTHON_EXEC`` does not exist, or ``--log-dir`` cannot be made.
-    """
-    spec = cfg.spec
-    if callable(spec.entrypoint):  # --run-path: the script is the first argument
-        script: str | None = spec.args[0]
-    else:
-        check_executable(spec.entrypoint, cfg.program_flag)
-        script = cfg.script
-    if script is not None and not os.path.exists(script):
-        where = "" if os.path.isabs(script) else f" (in {os.getcwd()})"
-        raise FileNotFoundError(
-            f"the script {script!r} does not exist{where}; fix its path, or pass -m to run "
-            "a module, or --no-python to run a binary"
-        )
-    if cfg.log_root is not None:
-        # Last: nothing is left behind when an earlier check fails. (Root
-        # passes the access() checks of config_from_args on /proc or a
-        # read-only mount; only making the folder tells.)
-        try:
-            os.makedirs(cfg.log_root, exist_ok=True)
-        except OSError as exc:
-            raise FileNotFoundError(
-                f"--log-dir={cfg.log_root!r} cannot be created ({exc.strerror}); pass a "
-                "folder you can write, or drop it for a temporary one"
-            ) from None
 
 
 BOOTSTRAP = "aiolaunch._bootstrap"

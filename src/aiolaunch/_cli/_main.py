@@ -8,8 +8,9 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from ._checks import make_log_dir
 from ._client import VERBS
-from ._config import LaunchConfig, check_program, config_from_args
+from ._config import LaunchConfig, config_from_args
 from ._parser import parse_args
 
 if TYPE_CHECKING:
@@ -76,8 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _setup_logging()
     try:
-        cfg = config_from_args(args)
-        check_program(cfg)
+        cfg = config_from_args(args, check_program=True)
+        make_log_dir(cfg.log_root)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         # Bad options, or a program that cannot start (a missing script:
         # python and torchrun's workers exit 2 too): nothing was started.
