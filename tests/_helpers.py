@@ -210,3 +210,11 @@ def start(
         envs={i: {} for i in range(len(args))},
         **kwargs,
     )
+
+
+async def exited(ctx: aiolaunch.PContext, rank: int) -> aiolaunch.WorkerExited:
+    """The first :class:`WorkerExited` of ``rank`` (replayed if it happened already)."""
+    async for event in ctx.events():
+        if isinstance(event, aiolaunch.WorkerExited) and event.rank == rank:
+            return event
+    raise AssertionError(f"the group stopped without an exit of rank {rank}")

@@ -276,6 +276,13 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
         {"CUDA_VISIBLE_DEVICES": "0"},
         ("--virtual-local-rank", "start fewer workers"),
     ),
+    ("exit-code", ["--exit-code", "retry"], {}, ("--exit-code", "choose from torchrun")),
+    (
+        "exit-code-pet",
+        [],
+        {"PET_EXIT_CODE": "root_cause"},
+        ("--exit-code", "'root_cause' (from $PET_EXIT_CODE)", "root-cause"),
+    ),
 ]
 
 
@@ -384,7 +391,7 @@ def test_bad_flag_exits_2_naming_the_flag_and_the_fix(
         ),
         (["--no-python", "./missing-binary"], ("--no-python", "'./missing-binary' does not exist")),
         (["--no-python", "./train.py"], ("--no-python", "not executable", "chmod +x")),
-        ([], ("the script 'missing.py' does not exist", "fix its path", "-m")),
+        ([], ("the script 'missing.py' does not exist", "give its path", "-m")),
     ],
     ids=[
         "forward-signals",
@@ -527,10 +534,10 @@ def test_bad_forward_signals_environment_raises_before_anything_starts(
 @pytest.mark.parametrize(
     ("kwargs", "error", "needles"),
     [
-        ({"timeout": True}, ValueError, ("timeout=True", "> 0 (finite)", "timeout=5.0")),
-        ({"timeout": math.inf}, ValueError, ("timeout=inf", "> 0 (finite)")),
-        ({"timeout": math.nan}, ValueError, ("timeout=nan",)),
-        ({"timeout": 0}, ValueError, ("timeout=0",)),
+        ({"timeout": True}, ValueError, ("dump_stacks(timeout)=True", "finite number", "e.g. 5")),
+        ({"timeout": math.inf}, ValueError, ("dump_stacks(timeout)=inf", "finite number")),
+        ({"timeout": math.nan}, ValueError, ("dump_stacks(timeout)=nan",)),
+        ({"timeout": 0}, ValueError, ("dump_stacks(timeout)=0",)),
         ({"ranks": 0}, TypeError, ("ranks=0", "a list of local ranks")),
         ({"ranks": [True]}, ValueError, ("ranks=[True]", "0..0")),
     ],

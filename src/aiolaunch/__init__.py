@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from ._api import launch as launch
     from ._api import start_processes as start_processes
     from ._context import PContext as PContext
-    from ._control import WorkerStatus as WorkerStatus
     from ._error_file import record as record
     from ._errors import ChildFailedError as ChildFailedError
     from ._errors import MainProcessError as MainProcessError
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
     from ._results import ProcessFailure as ProcessFailure
     from ._results import RunProcsResult as RunProcsResult
     from ._stacks import StackReport as StackReport
+    from ._status import WorkerStatus as WorkerStatus
     from ._types import Std as Std
     from ._types import to_map as to_map
     from ._watchdog import Watchdog as Watchdog
@@ -90,7 +90,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerRestarting": "._events",
     "WorkerStalled": "._events",
     "WorkerStarted": "._events",
-    "WorkerStatus": "._control",
+    "WorkerStatus": "._status",
     "free_port": "._api",
     "launch": "._api",
     "record": "._error_file",

@@ -18,7 +18,7 @@ from ._logs._specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
-from ._signals import (
+from ._signal_plan import (
     DEFAULT_SIGNALS_TO_HANDLE,
     FORWARD_SIGNALS_ENV,
     SIGNALS_TO_HANDLE_ENV,
@@ -57,7 +57,7 @@ class _Starting:
     async def _start(self) -> PContext:
         _require_asyncio()  # before the log folder, pipes or any process exist
         ctx = self._make()
-        await ctx._start()
+        await ctx.start()
         return ctx
 
     def __await__(self) -> Generator[Any, None, PContext]:

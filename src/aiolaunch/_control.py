@@ -26,21 +26,12 @@ import shutil
 import socket
 import stat
 import tempfile
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import AsyncIterator, Callable
 
-__all__ = [
-    "MAX_LINE",
-    "SOCKET_NAME",
-    "ControlServer",
-    "WorkerStatus",
-    "decode",
-    "encode",
-    "registry_dir",
-]
+__all__ = ["MAX_LINE", "SOCKET_NAME", "ControlServer", "decode", "encode", "registry_dir"]
 
 SOCKET_NAME = "control.sock"
 MAX_LINE = 1 << 20  # the longest request or answer line
@@ -58,37 +49,6 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ValueError(f"expected a JSON object, got {type(message).__name__}")
     return message
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    """One worker as :meth:`PContext.status` sees it now.
-
-    :param rank: local rank.
-    :param pid: process id of its current incarnation.
-    :param state: ``"running"``, ``"sleeping"``, ``"disk-sleep"`` (D state),
-        ``"stopped"``, ``"stalled"`` (flagged by the watchdog),
-        ``"restarting"`` or ``"exited"``.
-    :param restarts: how many times this rank was restarted.
-    :param last_output_s: seconds since it last wrote anything (``None`` until
-        known: the first sample only sets the baseline).
-    :param cpu_percent: CPU use since the previous sample, % of one core.
-    :param rss: resident memory in bytes.
-    :param exitcode: the exit status once ``"exited"``, else ``None``.
-    """
-
-    rank: int
-    pid: int
-    state: str
-    restarts: int
-    last_output_s: float | None
-    cpu_percent: float
-    rss: int
-    exitcode: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict of the fields."""
-        return asdict(self)
 
 
 class ControlServer:
@@ -110,9 +70,11 @@ class ControlServer:
 
     @classmethod
     async def start(
-        cls, log_dir: str, handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+        cls, log_dir: str, handler: Callable[[object], AsyncIterator[dict[str, Any]]]
     ) -> ControlServer:
-        """Listen on ``{log_dir}/control.sock``; ``handler(request) -> answer``."""
+        """Listen on ``{log_dir}/control.sock``; ``handler(request)`` gives the
+        answers to one request (one, or several for a streaming command) and
+        never raises for a bad one (``_commands.dispatch``)."""
         sock, link, real, tmpdir = _bind(log_dir)
         try:
 
@@ -120,11 +82,12 @@ class ControlServer:
                 try:
                     while line := await reader.readline():
                         try:
-                            answer = await handler(decode(line))
-                        except Exception as exc:  # a bad request must not kill the server
-                            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                        writer.write(encode(answer))
-                        await writer.drain()
+                            req: object = decode(line)
+                        except ValueError as exc:  # a bad request must not kill the server
+                            req = {"cmd": None, "error": str(exc)}
+                        async for answer in handler(req):
+                            writer.write(encode(answer))
+                            await writer.drain()
                 except (ConnectionError, asyncio.IncompleteReadError, ValueError):
                     pass
                 finally:
@@ -177,10 +140,21 @@ class ControlServer:
             forget()
 
 
+def _fits(path: str) -> bool:
+    return len(os.fsencode(os.path.abspath(path))) <= _MAX_PATH
+
+
 def _bind(log_dir: str) -> tuple[socket.socket, str, str, str | None]:
     link = os.path.join(log_dir, SOCKET_NAME)
-    long_path = len(os.fsencode(os.path.abspath(link))) > _MAX_PATH
-    private = tempfile.mkdtemp(prefix=".ctl-", dir=None if long_path else log_dir)
+    # The socket is bound in a private folder first, then renamed into place:
+    # ".XXXXXXXX/s" is shorter than "control.sock", so wherever the final
+    # name fits, the temporary one does too (regression: a ".ctl-" prefix
+    # made it 3 bytes longer, and log dirs whose control.sock was 105-107
+    # bytes long got no socket at all).
+    # Where it does not fit, the socket lives in a short private folder of the
+    # temp dir and control.sock is a symlink to it.
+    long_path = not _fits(link)
+    private = tempfile.mkdtemp(prefix=".", dir=None if long_path else log_dir)
     tmp = os.path.join(private, "s")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

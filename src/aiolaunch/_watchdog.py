@@ -1,23 +1,17 @@
-"""The stall watchdog's settings (:class:`Watchdog`) and its /proc sampler.
+"""The stall watchdog's settings (:class:`Watchdog`) and its ``/proc`` sampler.
 
-What counts as activity, per worker process, between two samples:
-
-- output: ``wchar`` in ``/proc/<pid>/io`` advanced - every ``write()`` the
-  worker made, whatever its streams are wired to (pipe, log file written
-  directly, inherited terminal). With ``progress=regex`` only a line matching
-  the regex counts instead (read from the supervisor's pipes);
-- CPU: user+system time advanced by at least 10 % of one core;
-
-and a worker is *stalled* when it had neither for ``stall_after`` seconds. A
-process in uninterruptible sleep (D state) has neither, so it is caught the
-same way; its state (and the kernel function it waits in) is read when it is
-flagged, and named in the reason.
+The sampler (:class:`RankActivity`, one per live worker process) reads what
+the stall rule (``_stall.py``) judges: CPU time of every thread and the
+process state from ``/proc/<pid>/stat``, and ``wchar`` from ``/proc/<pid>/io``
+- every ``write()`` the worker made, whatever its streams are wired to (pipe,
+log file written directly, inherited terminal) - as the time output was
+last seen. A process in uninterruptible sleep (D state) also gets the kernel
+function it waits in (``wchan``), named in the stall's reason.
 
 Sampling costs two small ``/proc`` reads per worker, kept open and re-read
-with ``pread``: ``schedstat`` (CPU time) and, when the CPU did not advance,
-``io`` (``wchar``), at most once a second per group; for
-long ``stall_after`` the period grows to ``stall_after / 10`` (at most 30 s),
-so detection comes at most two periods after ``stall_after``.
+with ``pread``, at most once a second per group; for long ``stall_after`` the
+period grows to ``stall_after / 10`` (at most 30 s), so detection comes at
+most two periods after ``stall_after``.
 """
 
 from __future__ import annotations
@@ -29,25 +23,17 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._workers._proc import ProcStat, parse_stat, read_proc_file, read_stat
+from ._stall import Sample
+from ._workers._proc import parse_stat
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
-__all__ = [
-    "ProcSample",
-    "ProgressLines",
-    "RankActivity",
-    "Watchdog",
-    "matches_every_line",
-    "read_proc",
-]
+__all__ = ["RankActivity", "Sampler", "Watchdog", "matches_every_line"]
 
 _ACTIONS = ("observe", "fail", "restart")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-#: CPU time below this fraction of one core between samples is "not advancing"
-CPU_BUSY_FRACTION = 0.10
 
 
 def matches_every_line(pattern: str) -> bool:
@@ -138,62 +124,28 @@ class Watchdog:
         return min(max(1.0, self.stall_after / 10), 30.0)
 
 
-@dataclass(frozen=True)
-class ProcSample:
-    """One reading of ``/proc/<pid>``."""
-
-    state: str
-    cpu_s: float
-    rss: int
-    wchar: int | None
-
-
-def read_proc(pid: int, with_io: bool = True) -> ProcSample | None:
-    """Read ``/proc/<pid>/stat`` (and ``io``); ``None`` when the process is gone."""
-    stat = read_stat(pid)
-    if stat is None:
-        return None
-    return _sample(stat, _read_wchar(pid) if with_io else None)
-
-
-def _parse_stat(raw: bytes, wchar: int | None) -> ProcSample | None:
-    stat = parse_stat(raw)
-    return None if stat is None else _sample(stat, wchar)
-
-
-def _sample(stat: ProcStat, wchar: int | None) -> ProcSample:
-    cpu = (stat.utime + stat.stime) / _CLK_TCK
-    return ProcSample(stat.state, cpu, stat.rss_pages * _PAGE, wchar)
-
-
-def _read_wchar(pid: int) -> int | None:
-    data = read_proc_file(pid, "io", 1024)
-    return None if data is None else _parse_wchar(data)
-
-
 def _parse_wchar(data: bytes) -> int | None:
     i = data.find(b"wchar:")
     if i < 0:
         return None
-    return int(data[i + 6 : data.index(b"\n", i)])
-
-
-def wchan(pid: int) -> str:
-    """The kernel function a sleeping process waits in (``""`` if unknown)."""
     try:
-        with open(f"/proc/{pid}/wchan") as f:
-            w = f.read().strip()
-    except OSError:
-        return ""
-    return "" if w == "0" else w
+        return int(data[i + 6 : data.index(b"\n", i)])
+    except ValueError:
+        return None
 
 
 class RankActivity:
-    """Activity bookkeeping of one worker process between samples."""
+    """The ``/proc`` readings of one worker process, kept between samples.
+
+    :meth:`read` returns a :class:`~aiolaunch._stall.Sample` for the stall
+    rule and keeps what ``status()`` shows: :attr:`cpu_percent` since the
+    previous reading, :attr:`rss`, :attr:`state`, and :attr:`last_output`
+    (monotonic time ``wchar`` last advanced, or output seen by the log
+    pipeline: :meth:`seen`).
+    """
 
     def __init__(self, pid: int, now: float) -> None:
         self.pid = pid
-        self.last_active = now
         self.last_output: float | None = None
         self.cpu_percent = 0.0
         self.rss = 0
@@ -201,13 +153,10 @@ class RankActivity:
         self._t = now
         self._cpu: float | None = None
         self._wchar: int | None = None
-        #: a progress line matched since the last sample
-        self.progressed = False
         # /proc/<pid>/stat and io kept open and re-read with pread(): a third
         # of the cost of open+read+close each period (and a held fd can never
         # read a recycled pid: it fails with ESRCH once the process is gone).
         self._fds: dict[str, int | None] = {}
-        self._schedstat = True
 
     def _pread(self, name: str, size: int) -> bytes | None:
         fd = self._fds.get(name, -1)
@@ -240,99 +189,99 @@ class RankActivity:
         data = self._pread("io", 1024)
         return None if data is None else _parse_wchar(data)
 
-    def refresh_stat(self) -> bool:
-        """Read state and RSS from ``/proc/<pid>/stat``; ``False`` if it is gone."""
-        raw = self._pread("stat", 4096)
-        s = None if raw is None else _parse_stat(raw, None)
-        if s is None:
-            return False
-        self.state, self.rss = s.state, s.rss
-        return True
+    def read(self, now: float, *, writes: bool = True) -> Sample | None:
+        """Read ``/proc`` now; ``None`` when the process is gone.
 
-    def _cpu_now(self) -> float | None:
-        # schedstat (CPU time in ns) is three times cheaper to read than stat.
-        if self._schedstat:
-            raw = self._pread("schedstat", 128)
-            if raw:
-                with contextlib.suppress(ValueError):
-                    return int(raw.split(None, 1)[0]) / 1e9
-        raw = self._pread("stat", 4096)
-        s = None if raw is None else _parse_stat(raw, None)
-        if s is None:
-            return None  # gone
-        self._schedstat = False  # the process is there, its schedstat is not
-        return s.cpu_s
-
-    def sample(self, now: float, *, progress: bool) -> bool:
-        """Take a sample; update activity. ``False`` when the process is gone.
-
-        State and RSS are not read here (see :meth:`refresh_stat`): a process
-        in D state has no CPU and no output anyway, so it is caught as idle.
+        ``writes``: also read ``wchar`` (off when only progress lines count).
         """
-        cpu = self._cpu_now()
-        if cpu is None:
-            return False
+        raw = self._pread("stat", 4096)
+        stat = None if raw is None else parse_stat(raw)
+        if stat is None:
+            return None
+        cpu = (stat.utime + stat.stime) / _CLK_TCK  # every thread of the process
         dt = now - self._t
-        busy = False
         if self._cpu is not None and dt > 0:
-            used = cpu - self._cpu
-            self.cpu_percent = 100.0 * used / dt
-            busy = used >= CPU_BUSY_FRACTION * dt
-        wrote = False
-        if not progress:
-            # Skip the second read when the CPU already says "active".
-            wchar = None if busy and self._wchar is not None else self._wchar_now()
-            if wchar is not None:
-                wrote = self._wchar is not None and wchar != self._wchar
-                self._wchar = wchar
-        else:
-            wrote, self.progressed = self.progressed, False
-        if wrote:
-            self.last_output = now
-        if busy or wrote:
-            self.last_active = now
+            self.cpu_percent = 100.0 * (cpu - self._cpu) / dt
         self._t, self._cpu = now, cpu
-        return True
-
-    @property
-    def sees_writes(self) -> bool:
-        """Whether ``wchar`` could be read (it counts every write, to any fd)."""
-        return self._wchar is not None
+        self.state, self.rss = stat.state, stat.rss_pages * _PAGE
+        if writes:
+            wchar = self._wchar_now()
+            if wchar is not None:
+                if self._wchar is not None and wchar != self._wchar:
+                    self.last_output = now
+                self._wchar = wchar
+        where = wchan(self.pid) if stat.state == "D" else ""
+        return Sample(self.pid, cpu, self.last_output, None, stat.state, where)
 
     def seen(self, when: float) -> None:
-        """Output was seen at ``when`` (monotonic) by other means (the pipe readers)."""
+        """Output was seen at ``when`` (monotonic) by other means (the log pipeline)."""
         if self.last_output is None or when > self.last_output:
             self.last_output = when
-        self.last_active = max(self.last_active, when)
 
     def rebase(self) -> None:
-        """Forget writes made since the last sample (our own stack dump, say)."""
+        """Forget writes made since the last reading (our own stack dump, say)."""
         wchar = self._wchar_now()
         if wchar is not None:
             self._wchar = wchar
 
 
-class ProgressLines:
-    """``Watchdog(progress=regex)``: a line listener of the group's log pipeline.
+class Sampler:
+    """The ``/proc`` readings of a group: one :class:`RankActivity` per live rank.
 
-    Needs every stream (none is inherited), and marks the rank whose line
-    matches as progressing until the next sample.
-
-    :param activity: the watchdog's per-rank activity (a rank not sampled
-        yet is not marked).
+    Shared by ``status()`` and the watchdog. ``output_age(rank)``: seconds
+    since the log pipeline last saw output of ``rank`` (``None``: unknown),
+    merged into :attr:`RankActivity.last_output`.
     """
 
-    def __init__(self, regex: str, activity: Mapping[int, RankActivity]) -> None:
-        self.regex = re.compile(regex)
-        self._activity = activity
+    def __init__(self, output_age: Callable[[int], float | None]) -> None:
+        self._output_age = output_age
+        self._ranks: dict[int, RankActivity] = {}
 
-    def reads(self, rank: int, stream: str) -> bool:
-        return True
+    def _activity(self, rank: int, pid: int, now: float) -> RankActivity:
+        act = self._ranks.get(rank)
+        if act is None or act.pid != pid:  # first sight, or a restarted rank
+            if act is not None:
+                act.close()
+            act = self._ranks[rank] = RankActivity(pid, now)
+        age = self._output_age(rank)
+        if age is not None:
+            act.seen(now - age)
+        return act
 
-    def wants(self, rank: int, stream: str) -> bool:
-        return True
+    def sample(self, rank: int, pid: int, now: float, *, writes: bool = True) -> Sample | None:
+        """Read ``rank``'s process ``pid`` now; ``None`` when it is gone."""
+        return self._activity(rank, pid, now).read(now, writes=writes)
 
-    def line(self, rank: int, stream: str, text: str) -> None:
-        act = self._activity.get(rank)
-        if act is not None and self.regex.search(text) is not None:
-            act.progressed = True
+    def reading(self, rank: int, pid: int, now: float) -> RankActivity | None:
+        """Read ``rank``'s process now; its activity (CPU %, RSS, state,
+        last output), or ``None`` when it is gone."""
+        act = self._activity(rank, pid, now)
+        return act if act.read(now) is not None else None
+
+    def rebase(self, pids: Mapping[int, int]) -> None:
+        """Forget the writes of these ``{rank: pid}`` since their last reading."""
+        for rank, pid in pids.items():
+            act = self._ranks.get(rank)
+            if act is not None and act.pid == pid:
+                act.rebase()
+
+    def forget(self, rank: int) -> None:
+        """``rank``'s process is gone: close what is held for it."""
+        act = self._ranks.pop(rank, None)
+        if act is not None:
+            act.close()
+
+    def close(self) -> None:
+        """Close every held ``/proc`` fd. Idempotent."""
+        for rank in list(self._ranks):
+            self.forget(rank)
+
+
+def wchan(pid: int) -> str:
+    """The kernel function a sleeping process waits in (``""`` if unknown)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            w = f.read().strip()
+    except OSError:
+        return ""
+    return "" if w == "0" else w

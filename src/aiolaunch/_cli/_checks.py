@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shutil
-import sys
 from typing import TYPE_CHECKING, Any
 
 from ._parser import DEFAULT_SIGNALS, env_name
@@ -24,7 +23,6 @@ __all__ = [
     "check_executable",
     "check_log_dir",
     "check_node",
-    "check_program",
     "load_logs_specs_class",
     "local_ranks",
     "make_log_dir",
@@ -114,7 +112,7 @@ def signal_environ(args: argparse.Namespace) -> dict[str, str]:
     torchrun, a name that is no signal stops the launch here: a typo in
     the preemption signal would otherwise let it kill the supervisor.
     """
-    from .._signals import FORWARD_SIGNALS_ENV, parse_signals
+    from .._signal_plan import FORWARD_SIGNALS_ENV, parse_signals
 
     environ: dict[str, str] = {}
     inherited = os.environ.get(FORWARD_SIGNALS_ENV)
@@ -201,39 +199,6 @@ def check_node(args: argparse.Namespace, max_nodes: int) -> None:
         raise ValueError(
             f"{source('--node-rank', args.node_rank)}={args.node_rank} is not a node of "
             f"--nnodes={args.nnodes}: use 0..{max_nodes - 1} (0 on the master node)"
-        )
-
-
-def check_program(args: argparse.Namespace) -> None:
-    """Refuse a program that cannot start before anything starts (a rendezvous
-    store included): the script, the ``--no-python`` binary, ``$PYTHON_EXEC``.
-
-    Python (and torchrun's workers) exit 2 on a missing script - every rank,
-    every restart; here it is one message, and the CLI exits 2 (do not
-    retry). Called by :func:`aiolaunch._cli.main` only: a configuration can
-    be built for any command line. (``-m``: the module is not looked for.)
-
-    :raises FileNotFoundError: naming the flag and the fix.
-    """
-    script = args.training_script
-    if args.module and (args.run_path or args.no_python):
-        return  # refused by config_from_args, with its own message
-    if args.run_path:
-        pass
-    elif args.no_python:
-        check_executable(script, "--no-python")
-        return
-    else:
-        python = os.getenv("PYTHON_EXEC", sys.executable)
-        if python != sys.executable:
-            check_executable(python, "$PYTHON_EXEC")
-        if args.module:
-            return
-    if not os.path.exists(script):
-        where = "" if os.path.isabs(script) else f" (in {os.getcwd()})"
-        raise FileNotFoundError(
-            f"the script {script!r} does not exist{where}; fix its path, or pass -m to run "
-            "a module, or --no-python to run a binary"
         )
 
 

@@ -25,7 +25,6 @@ from ._checks import (
     std_setting,
     watchdog_from_args,
 )
-from ._checks import check_program as check_program_exists
 from ._parser import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
@@ -179,22 +178,23 @@ class LaunchConfig:
     warnings: list[str] = field(default_factory=list)
     #: set in this process's environment before the agent starts
     environ: dict[str, str] = field(default_factory=dict)
+    #: ``--exit-code``: ``"torchrun"`` or ``"root-cause"`` (see ``_exit.py``)
+    exit_code: str = "torchrun"
+    #: one-line notices for stderr (what was taken from Slurm)
+    notices: list[str] = field(default_factory=list)
     #: --log-dir as given (also where ``logs_specs`` holds it)
     log_root: str | None = None
 
 
-def config_from_args(args: argparse.Namespace, *, check_program: bool = False) -> LaunchConfig:
-    """Validate the parsed options and build the worker spec (nothing starts here).
-
-    ``check_program`` (what :func:`main` asks): also refuse a program that
-    cannot start (:func:`._checks.check_program`), after every option and
-    before a torch rendezvous handler (which may make a store) exists.
-    """
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """Validate the parsed options and build the worker spec (nothing starts here)."""
     from .._types import Std
     from ..agent import StaticRendezvous, WorkerSpec
     from ..agent._spec import entrypoint_name
+    from ._slurm import apply_slurm
 
     warnings: list[str] = []
+    slurm = apply_slurm(args, os.environ)  # fills what the user left out, under Slurm
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0, e.g. --max-restarts 3")
@@ -310,8 +310,6 @@ def config_from_args(args: argparse.Namespace, *, check_program: bool = False) -
                 f"--node-rank applies to the static rendezvous only; with --rdzv-backend "
                 f"{args.rdzv_backend} the rendezvous assigns node ranks"
             )
-        if check_program:  # before the handler: it may make a store
-            check_program_exists(args)
         try:
             torch_handler = create_handler(
                 backend=args.rdzv_backend,
@@ -366,8 +364,6 @@ def config_from_args(args: argparse.Namespace, *, check_program: bool = False) -
         virtual_local_rank=bool(args.virtual_local_rank),
         watchdog=watchdog,
     )
-    if check_program and torch_handler is None:
-        check_program_exists(args)
     return LaunchConfig(
         spec=spec,
         entrypoint_name=entrypoint_name(entrypoint, tuple(cmd_args)),
@@ -379,6 +375,8 @@ def config_from_args(args: argparse.Namespace, *, check_program: bool = False) -
         torch_handler=torch_handler,
         warnings=warnings,
         environ=environ,
+        exit_code=getattr(args, "exit_code", "torchrun"),
+        notices=[slurm] if slurm else [],
         log_root=args.log_dir,
     )
 

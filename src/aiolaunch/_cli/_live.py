@@ -1,4 +1,7 @@
-"""One client connection to a group's control socket, kept open (``top``, ``events``, ``attach``).
+"""Finding a running job's control socket, and one connection to it kept open.
+
+:func:`find_socket` is how every client verb finds the job (``LOG_DIR``, or
+this user's one running job from the registry).
 
 ``aiolaunch status`` sends one request and leaves; ``top`` asks for the status
 once a second on one connection (a connect per poll would cost the
@@ -9,14 +12,179 @@ debugger after the first answer. All three share this blocking client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
-from typing import Any
+import stat
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ControlConnection", "ProtocolError"]
+if TYPE_CHECKING:
+    import socket
+
+__all__ = [
+    "ControlConnection",
+    "ProtocolError",
+    "find_socket",
+    "permission_message",
+    "running_jobs",
+]
 
 _MAX_LINE = 1 << 24
+
+
+def running_jobs() -> list[str]:
+    """Control sockets of this user's running groups (stale entries are removed)."""
+    return _scan_registries()[0]
+
+
+def _scan_registries() -> tuple[list[str], list[str], list[str]]:
+    """``(sockets, problems, places looked in)`` over every registry folder.
+
+    A folder that is not a private one of this user is not read (another user
+    could have planted it); it becomes a problem to report instead.
+    """
+    from .._control import registry_dirs, unsafe_registry
+
+    out: list[str] = []
+    problems: list[str] = []
+    looked: list[str] = []
+    for folder in registry_dirs():
+        looked.append(folder)
+        why = unsafe_registry(folder)
+        if why is not None:
+            problems.append(why)
+            continue
+        try:
+            names = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problems.append(f"{folder} cannot be read ({exc.strerror})")
+            continue
+        found = [sock for name in names if (sock := _live_entry(folder, name)) is not None]
+        if not found:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only if empty: stale entries were all removed
+        out += [sock for sock in found if sock not in out]
+    return out, problems, looked
+
+
+def _live_entry(folder: str, name: str) -> str | None:
+    """The socket an entry points to, or ``None`` (a stale entry is removed)."""
+    entry = os.path.join(folder, name)
+    try:
+        pid = int(name.split("-", 1)[0])
+        target = os.readlink(entry)
+    except (ValueError, OSError):
+        return None
+    alive = True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        alive = False
+    except PermissionError:
+        pass
+    if alive and os.path.exists(target):
+        return target
+    with contextlib.suppress(OSError):
+        os.unlink(entry)
+    return None
+
+
+def permission_message(path: str) -> str:
+    """What a client says when it may not connect to the job's socket ``path``."""
+    return (
+        f"cannot connect to {path}: permission denied - the job belongs to {_owner(path)} "
+        "(its control socket is private to that user); run this as that user"
+    )
+
+
+def _owner(path: str) -> str:
+    """``"alice"`` (or ``"uid 1001"``): who owns ``path``."""
+    import pwd
+
+    try:
+        uid = os.stat(path).st_uid
+    except OSError:
+        return "another user"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def find_socket(log_dir: str | None) -> str:
+    """The newest ``control.sock`` in ``log_dir`` or up to 3 levels below it.
+
+    (torch's layout puts it in ``{log_dir}/{run_id}_xxx/attempt_N/``.) Without
+    ``log_dir``: the one group of this user that is running.
+
+    :raises FileNotFoundError: there is none: the job is not running.
+    :raises ValueError: no ``log_dir`` and several groups are running.
+    """
+    from .._control import SOCKET_NAME
+
+    if log_dir is None:
+        jobs, problems, looked = _scan_registries()
+        if len(jobs) == 1:
+            return jobs[0]
+        if jobs:
+            listing = "\n  ".join(os.path.dirname(j) for j in jobs)
+            raise ValueError(
+                f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}"
+            )
+        if problems:
+            raise FileNotFoundError(
+                "no running aiolaunch job of yours was found, and a registry of running jobs "
+                f"was not read: {'; '.join(problems)}. Remove it (another user may have "
+                "planted it; a job started meanwhile is not listed) and pass the job's LOG_DIR"
+            )
+        raise FileNotFoundError(
+            f"no running aiolaunch job of yours was found (looked in {' and '.join(looked)}; "
+            "a job started with another $TMPDIR or $XDG_RUNTIME_DIR is listed elsewhere); "
+            "pass its LOG_DIR (the --log-dir it was started with)"
+        )
+    found: list[tuple[float, str]] = []
+    base = os.path.abspath(log_dir)
+    try:
+        is_dir = stat.S_ISDIR(os.stat(base).st_mode)
+    except PermissionError:
+        raise PermissionError(
+            f"cannot look in {log_dir!r}: permission denied (a folder on its path is not "
+            "open to you: is it another user's job?); run this as that user"
+        ) from None
+    except OSError:
+        raise FileNotFoundError(
+            f"{log_dir!r} does not exist: pass the --log-dir the job was started with"
+        ) from None
+    if not is_dir:
+        raise FileNotFoundError(
+            f"{log_dir!r} is not a folder: pass the --log-dir the job was started with"
+        )
+    denied: list[str] = []
+    depth0 = base.rstrip(os.sep).count(os.sep)
+
+    def onerror(exc: OSError) -> None:
+        if isinstance(exc, PermissionError) and exc.filename:
+            denied.append(exc.filename)
+
+    for root, dirs, files in os.walk(base, onerror=onerror):
+        if root.count(os.sep) - depth0 >= 3:
+            dirs[:] = []
+        if SOCKET_NAME in files or SOCKET_NAME in dirs:
+            path = os.path.join(root, SOCKET_NAME)
+            with contextlib.suppress(OSError):
+                found.append((os.lstat(path).st_mtime, path))
+    if not found and denied:
+        raise PermissionError(
+            f"cannot look for the job's {SOCKET_NAME} in {denied[0]!r}: permission denied "
+            f"(it belongs to {_owner(denied[0])}); ask them, or run this as that user"
+        )
+    if not found:
+        raise FileNotFoundError(
+            f"no {SOCKET_NAME} in {log_dir!r}: no aiolaunch group is running with that log dir"
+        )
+    return max(found)[1]
 
 
 class ProtocolError(OSError):
@@ -42,7 +210,7 @@ class ControlConnection:
         :raises ValueError: no ``log_dir`` and several jobs are running.
         :raises PermissionError: the socket belongs to another user.
         """
-        from ._client import find_socket
+        import socket
 
         self.close()
         path = find_socket(self.log_dir)
@@ -52,11 +220,7 @@ class ControlConnection:
             sock.connect(target)
         except PermissionError as exc:
             sock.close()
-            raise PermissionError(
-                exc.errno,
-                f"{path}: permission denied: only the user who started the job can use its "
-                "control socket",
-            ) from None
+            raise PermissionError(exc.errno, permission_message(path)) from None
         except BaseException:
             sock.close()
             raise

@@ -129,12 +129,12 @@ class LogWiring:
         only (``log_dir=None``; torch's ``LogsDest`` has none).
 
         Call it after the error files are written: a folder that holds one is
-        kept. In a thread: one rmdir per rank folder (256 at scale) stays off
-        the loop.
+        kept. On the loop (one rmdir per rank folder, ~10 us each): a thread
+        would wait for the GIL before each one while the loop is busy.
         """
         temp_dirs = list(getattr(self._dest, "temp_dirs", None) or ())
         if temp_dirs:
-            await asyncio.to_thread(prune_empty_dirs, temp_dirs, self._name)
+            prune_empty_dirs(temp_dirs, self._name)
 
     # -- start ----------------------------------------------------------------
     @asynccontextmanager

@@ -108,13 +108,14 @@ done
 # stacks folder, the control socket), then empty folders of temporary log
 # roots. Only aiolaunch's own names are removed, whatever the path says.
 clean() {
+  x='[a-z0-9_]'  # the socket's private folder: "." and mkdtemp's 8 characters
   for pass in 1 2; do
     for k in $cl; do
       eval "r=\${c_$k-}"
       [ -n "$r" ] || continue
       f=$(printf '%bx' "${r#? }"); f=${f%x}
       case $pass${r%% *}:${f##*/} in
-        1T:.aiolaunch-stacks|1T:aiolaunch_stacks_*|1T:.ctl-*) rm -rf -- "$f" ;;
+        1T:.aiolaunch-stacks|1T:aiolaunch_stacks_*|1T:.$x$x$x$x$x$x$x$x) rm -rf -- "$f" ;;
         1F:control.sock|1F:[0-9]*-[0-9]*) rm -f -- "$f" ;;
         2P:*) find "$f" -depth -type d -exec rmdir -- {} + 2>/dev/null ;;
       esac
@@ -218,7 +219,7 @@ class Guardian:
         """Remove ``path`` if the supervisor dies before :meth:`forget` (its id).
 
         ``kind``: ``"T"`` a tree (the stacks folder ``.aiolaunch-stacks`` or
-        ``aiolaunch_stacks_*``, a socket folder ``.ctl-*``), ``"F"`` a file
+        ``aiolaunch_stacks_*``, the socket's private folder ``.XXXXXXXX``), ``"F"`` a file
         (``control.sock``, a registry entry ``PID-N``), ``"P"`` a temporary
         log root, of which only the empty folders go. Other names are never
         removed (the guardian checks them).
