@@ -277,6 +277,9 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
         ("--virtual-local-rank", "start fewer workers"),
     ),
     ("exit-code", ["--exit-code", "retry"], {}, ("--exit-code", "choose from torchrun")),
+    ("preload-empty", ["--preload", ","], {}, ("--preload=','", "names no module", "--no-preload")),
+    ("preload-missing", ["--preload", "no_such_module_x"], {}, ("--preload", "'no_such_module_x'")),
+    ("no-preload-pet", [], {"PET_NO_PRELOAD": "yes"}, ("$PET_NO_PRELOAD='yes'", "--no-preload on")),
     (
         "exit-code-pet",
         [],

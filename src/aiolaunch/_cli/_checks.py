@@ -23,10 +23,12 @@ __all__ = [
     "check_executable",
     "check_log_dir",
     "check_node",
+    "endpoint_of",
     "load_logs_specs_class",
     "local_ranks",
     "make_log_dir",
     "numa_from_flag",
+    "parse_endpoint",
     "shutdown_timeout",
     "signal_environ",
     "source",
@@ -283,3 +285,43 @@ def load_logs_specs_class(name: str) -> Any:
         f"--logs-specs={name!r}: no entry point of that name in the 'torchrun.logs_specs' "
         "(or 'aiolaunch.logs_specs') group"
     )
+
+
+def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | None]:
+    """``"host[:port]"`` (``[v6]:port`` too) → ``(host, port)`` (torch's rules)."""
+    endpoint = endpoint.strip()
+    if not endpoint:
+        return "localhost", default_port
+    if endpoint.startswith("[") and endpoint.endswith("]"):
+        host, rest = endpoint, None
+    else:
+        host, sep, rest_ = endpoint.rpartition(":")
+        if not sep:
+            host, rest = endpoint, None
+        else:
+            rest = rest_
+    if len(host) > 1 and host[0] == "[" and host[-1] == "]":
+        host = host[1:-1]
+    port = default_port
+    if rest is not None:
+        if not rest.isdigit() or not 0 <= int(rest) < 65536:
+            raise ValueError(
+                f"the port of the endpoint {endpoint!r} must be an integer in 0..65535"
+            )
+        port = int(rest)
+    if not re.match(r"^[\w.:-]+$", host):
+        raise ValueError(
+            f"the host of the endpoint {endpoint!r} must be a hostname, an IPv4 or an IPv6 address"
+        )
+    return host, port
+
+
+def endpoint_of(
+    args: argparse.Namespace, endpoint: str, default_port: int | None
+) -> tuple[str, int | None]:
+    """:func:`parse_endpoint`, its message naming the flag the endpoint came from."""
+    try:
+        return parse_endpoint(endpoint, default_port)
+    except ValueError as exc:
+        flag = "--rdzv-endpoint" if args.rdzv_endpoint else "--master-addr/--master-port"
+        raise ValueError(f"{flag}: {exc}") from None

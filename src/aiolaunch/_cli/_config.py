@@ -13,13 +13,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._workers._runpath import run_script_path
 from ._checks import (
     check_event_log_handler,
     check_log_dir,
     check_node,
+    endpoint_of,
     load_logs_specs_class,
     local_ranks,
     numa_from_flag,
+    parse_endpoint,
     shutdown_timeout,
     signal_environ,
     std_setting,
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable
 
+    from .._workers._preload import Preload
     from ..agent import WorkerSpec
 
 __all__ = [
@@ -42,19 +46,6 @@ __all__ = [
     "parse_rdzv_conf",
     "run_script_path",
 ]
-
-
-def run_script_path(training_script: str, *training_script_args: str) -> None:
-    """Run ``training_script`` with :func:`runpy.run_path` as ``__main__`` (``--run-path``)."""
-    import runpy
-
-    sys.argv = [training_script, *training_script_args]
-    try:
-        runpy.run_path(training_script, run_name="__main__")
-    except SystemExit as exc:
-        # a script that ends with sys.exit(0) succeeded (as torch's @record)
-        if exc.code not in (0, None):
-            raise
 
 
 def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
@@ -91,35 +82,6 @@ def parse_rdzv_conf(conf: str) -> dict[str, str]:
             raise ValueError(f"--rdzv-conf: option {key!r} needs a value (key=value)")
         out[key] = value
     return out
-
-
-def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | None]:
-    """``"host[:port]"`` (``[v6]:port`` too) → ``(host, port)`` (torch's rules)."""
-    endpoint = endpoint.strip()
-    if not endpoint:
-        return "localhost", default_port
-    if endpoint.startswith("[") and endpoint.endswith("]"):
-        host, rest = endpoint, None
-    else:
-        host, sep, rest_ = endpoint.rpartition(":")
-        if not sep:
-            host, rest = endpoint, None
-        else:
-            rest = rest_
-    if len(host) > 1 and host[0] == "[" and host[-1] == "]":
-        host = host[1:-1]
-    port = default_port
-    if rest is not None:
-        if not rest.isdigit() or not 0 <= int(rest) < 65536:
-            raise ValueError(
-                f"the port of the endpoint {endpoint!r} must be an integer in 0..65535"
-            )
-        port = int(rest)
-    if not re.match(r"^[\w.:-]+$", host):
-        raise ValueError(
-            f"the host of the endpoint {endpoint!r} must be a hostname, an IPv4 or an IPv6 address"
-        )
-    return host, port
 
 
 def determine_local_world_size(nproc_per_node: str) -> int:
@@ -182,6 +144,8 @@ class LaunchConfig:
     exit_code: str = "torchrun"
     #: one-line notices for stderr (what was taken from Slurm)
     notices: list[str] = field(default_factory=list)
+    #: warm start: the zygote's modules (--preload / the default), or None
+    preload: Preload | None = None
     #: --log-dir as given (also where ``logs_specs`` holds it)
     log_root: str | None = None
 
@@ -257,6 +221,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             raise ValueError("--no-python and --module cannot be used together; drop one")
         entrypoint = args.training_script
     cmd_args.extend(args.training_script_args)
+    python_workers = bool(args.run_path) or (not args.no_python and entrypoint == sys.executable)
+    preload = _preload(args, python_workers)
 
     # the rendezvous: one machine needs no torch
     torch_handler: Any = None
@@ -284,7 +250,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             )
         else:
             endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-            host, port = _endpoint(args, endpoint, args.master_port)
+            host, port = endpoint_of(args, endpoint, args.master_port)
             if port is None:
                 raise ValueError(
                     f"--rdzv-endpoint={endpoint!r} has no port; add :PORT or --master-port"
@@ -302,7 +268,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             if not endpoint:
                 port_ = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
                 endpoint = f"{args.master_addr}:{port_}"
-            master_addr, master_port = _endpoint(args, endpoint, None)
+            master_addr, master_port = endpoint_of(args, endpoint, None)
             if master_port is None:
                 raise ValueError(f"--rdzv-endpoint={endpoint!r} has no port; add :PORT")
         elif args.node_rank != 0:
@@ -377,6 +343,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         environ=environ,
         exit_code=getattr(args, "exit_code", "torchrun"),
         notices=[slurm] if slurm else [],
+        preload=preload,
         log_root=args.log_dir,
     )
 
@@ -384,12 +351,72 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 BOOTSTRAP = "aiolaunch._bootstrap"
 
 
-def _endpoint(
-    args: argparse.Namespace, endpoint: str, default_port: int | None
-) -> tuple[str, int | None]:
-    """:func:`parse_endpoint`, its message naming the flag the endpoint came from."""
+def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
+    """``--preload``/``--no-preload``; by default torch, for a Python script that imports it."""
+    from .._workers._preload import resolve_preload, supported
+
+    if args.preload is not None and not [m for m in args.preload.split(",") if m.strip()]:
+        raise ValueError(
+            f"--preload={args.preload!r} names no module; pass e.g. --preload torch, or "
+            "--no-preload to start every worker afresh"
+        )
+    if args.no_preload:
+        if args.preload:
+            raise ValueError("--preload and --no-preload contradict each other; drop one")
+        return None
+    if args.preload:
+        if not python_workers:
+            raise ValueError(
+                "--preload forks Python workers from a zygote; it needs a Python script or "
+                "module (drop --no-python or --preload)"
+            )
+        names = [m.strip() for m in args.preload.split(",") if m.strip()]
+        return resolve_preload(names, "--preload")
+    if not python_workers or not supported():
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or not _imports_torch(args):
+        return None
+    return resolve_preload(True)
+
+
+_IMPORTS_TORCH = re.compile(
+    rb"^[ \t]*(?:import[ \t]+(?:[\w.]+[ \t]*,[ \t]*)*torch\b|from[ \t]+torch\b)", re.M
+)
+
+
+def _imports_torch(args: argparse.Namespace) -> bool:
+    """Whether the worker's script (or ``-m`` module) has an ``import torch``/``from torch`` line.
+
+    The default warm start pays one ``import torch`` up front: worth it for a
+    torch script (its workers skip theirs), a loss for one that never imports
+    torch. A script that imports torch only through its own modules starts
+    the ordinary way, as without a zygote (``--preload torch`` forces it).
+    """
+    path: str | None = args.training_script
+    if args.module:
+        path = _module_file(args.training_script)
+    if path is None:
+        return False
     try:
-        return parse_endpoint(endpoint, default_port)
-    except ValueError as exc:
-        flag = "--rdzv-endpoint" if args.rdzv_endpoint else "--master-addr/--master-port"
-        raise ValueError(f"{flag}: {exc}") from None
+        with open(path, "rb") as f:
+            return _IMPORTS_TORCH.search(f.read(1 << 20)) is not None
+    except OSError:
+        return False
+
+
+def _module_file(name: str) -> str | None:
+    """The source file of module ``name``, found without importing its packages."""
+    from importlib.machinery import PathFinder
+
+    search: list[str] | None = [os.getcwd(), *sys.path]
+    spec = None
+    for part in name.split("."):
+        spec = PathFinder.find_spec(part, search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+    if spec is not None and spec.submodule_search_locations:  # a package: its __main__
+        spec = PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
+    return spec.origin if spec is not None else None

@@ -81,7 +81,10 @@ class _CheckEnv(argparse.Action):
         try:
             default = bool(int(value))
         except ValueError:
-            flag = kw.get("option_strings", [f"--{dest}"])[-1]
+            flag = next(
+                (o for o in kw.get("option_strings", ()) if o.startswith("--") and "_" not in o),
+                f"--{dest}",
+            )
             raise BadEnvironment(
                 f"${env_name(dest)}={value!r} must be an integer: 1 (or any non-zero) turns "
                 f"{flag} on, 0 off; fix or unset it"
@@ -425,6 +428,22 @@ def get_args_parser() -> argparse.ArgumentParser:
         "the root cause's own exit code, 128+N for a worker killed by signal N (root-cause). "
         "Whatever this says: 2 means bad arguments or nothing to run (do not retry), 128+N "
         "that signal N stopped aiolaunch (143: SIGTERM).",
+    )
+    # -- warm start (aiolaunch's own) --
+    add(
+        "--preload",
+        action=_Env,
+        default=None,
+        metavar="MOD[,MOD...]",
+        help="Warm start: fork the Python workers from a zygote process that imported these "
+        "modules once (the first start and every restart skip those imports). Default: torch, "
+        "for a Python script or module that imports torch (when torch is installed).",
+    )
+    add(
+        "--no-preload",
+        "--no_preload",
+        action=_CheckEnv,
+        help="Start every worker afresh, without a zygote (as torchrun does).",
     )
     add(
         "training_script",
