@@ -11,7 +11,8 @@ status 1; ``sys.exit(n)``: ``n``; a script that cannot be opened: python's
 one line, status 2).
 
 Before the program starts, :func:`aiolaunch._dump_handler.register` installs the
-stack-dump handler when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it).
+stack-dump handler when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
+:func:`aiolaunch._workers._attach.register` the ``aiolaunch attach`` one.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def main(argv: list[str], dumps: bool = True) -> None:
         raise SystemExit(2)
     if dumps:
         from aiolaunch._dump_handler import register
+        from aiolaunch._workers._attach import register as register_attach
 
         register()
+        register_attach()  # `aiolaunch attach RANK`: pdb on request
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] by the module's path

@@ -22,6 +22,7 @@ __all__ = [
     "check_event_log_handler",
     "check_executable",
     "check_log_dir",
+    "check_metrics",
     "check_node",
     "endpoint_of",
     "load_logs_specs_class",
@@ -325,3 +326,22 @@ def endpoint_of(
     except ValueError as exc:
         flag = "--rdzv-endpoint" if args.rdzv_endpoint else "--master-addr/--master-port"
         raise ValueError(f"{flag}: {exc}") from None
+
+
+def check_metrics(args: argparse.Namespace) -> None:
+    """``--metrics-port`` (0..65535; 0: any free port) and ``--metrics-host``."""
+    port, host = args.metrics_port, args.metrics_host
+    if port is None:
+        if host != "127.0.0.1":
+            raise ValueError("--metrics-host needs --metrics-port PORT (metrics are off)")
+        return
+    if not 0 <= port <= 65535:
+        raise ValueError(
+            f"{source('--metrics-port', port)}={port} is not a TCP port; use 1..65535, or 0 "
+            "for any free port, e.g. --metrics-port 9400"
+        )
+    if not host:
+        raise ValueError(
+            "--metrics-host='' is empty; pass the address to listen on, e.g. "
+            "--metrics-host 0.0.0.0 (every interface), or drop it for 127.0.0.1"
+        )

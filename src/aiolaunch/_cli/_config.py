@@ -17,6 +17,7 @@ from .._workers._runpath import run_script_path
 from ._checks import (
     check_event_log_handler,
     check_log_dir,
+    check_metrics,
     check_node,
     endpoint_of,
     load_logs_specs_class,
@@ -310,6 +311,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
     timeout = shutdown_timeout(args.shutdown_timeout)
     watchdog = watchdog_from_args(args)
+    check_metrics(args)
     spec = WorkerSpec(
         role=args.role,
         local_world_size=nproc,
@@ -329,6 +331,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         duplicate_stderr_filters=list(args.duplicate_stderr_filters) or None,
         virtual_local_rank=bool(args.virtual_local_rank),
         watchdog=watchdog,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     return LaunchConfig(
         spec=spec,

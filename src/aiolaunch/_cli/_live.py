@@ -94,8 +94,8 @@ def _live_entry(folder: str, name: str) -> str | None:
 def permission_message(path: str) -> str:
     """What a client says when it may not connect to the job's socket ``path``."""
     return (
-        f"cannot connect to {path}: permission denied - the job belongs to {_owner(path)} "
-        "(its control socket is private to that user); run this as that user"
+        f"cannot connect to {path}: permission denied - only the user who started the job "
+        f"({_owner(path)}) can use its control socket; run this as that user"
     )
 
 
