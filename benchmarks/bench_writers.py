@@ -3,6 +3,7 @@
     python benchmarks/bench_writers.py [--rounds 5] [--n 1,4,16] [--modes redirect,tee]
                                        [--redirect-mib 32] [--tee-mib 4]
     python benchmarks/bench_writers.py --cprofile out.prof --modes tee --n 16
+    python benchmarks/bench_writers.py --impls aiolaunch,torch,aiolaunch=/path/to/other/src
 
 Each trial starts a fresh supervisor process (aiolaunch's ``start_processes``
 or torch's ``torch.distributed.elastic.multiprocessing.start_processes``,
@@ -12,15 +13,19 @@ pipe read by ``wc -lc``, as a terminal or ``| tee`` would read it. Each worker
 writes MIB blocks of 128-byte lines to its stdout and stamps, *inside the
 worker*, the monotonic time just before its first write and just after its
 last. Throughput is the writers' own rate: all bytes / (latest last write -
-earliest first write). The time until ``wait()`` returns is printed beside it
-(it includes torch's poll period and aiolaunch's drain, not the writers').
+earliest first write). Beside it: the rate until ``wait()`` returns (all
+bytes / the time ``wait()`` took: the console got every line by then; it
+includes torch's poll period), and the supervisor's CPU per MiB (all its
+threads, from the call to ``start_processes`` to the end).
 
 Trials are interleaved: each round runs every (mode, N) for both launchers, the
 launcher that goes first alternating. Every trial checks the log files byte for
-byte and, for tee, the console's line and byte counts. The ratio is the median
-of the per-round ratios (aiolaunch / torch; > 1: aiolaunch's writers faster).
+byte and, for tee, the console's line and byte counts. Each ratio is the median
+[min-max] of the per-round ratios (> 1: aiolaunch better).
 The 1-minute load average is printed before and after (``uptime``): on a
 loaded host, only the ratio of one interleaved run means anything.
+``aiolaunch=SRC`` runs another aiolaunch (its ``src`` folder first on
+``PYTHONPATH``) in the same interleaved run: a before/after comparison.
 """
 
 from __future__ import annotations
@@ -86,17 +91,22 @@ with open(stamp, "a") as f:
 
 # The supervisor of one trial: argv = IMPL MODE N MIB LOG_DIR STAMP WORKER...
 RUNNER = r"""
-import sys, time
+import resource, sys, time
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 impl, mode, n, mib, log_dir, stamp = sys.argv[1:7]
 worker = sys.argv[7:]
 n, mib = int(n), int(mib)
 args = {r: tuple(worker[1:]) + (stamp, str(r), str(mib)) for r in range(n)}
 envs = {r: {} for r in range(n)}
-if impl == "aiolaunch":
+if impl.startswith("aiolaunch"):
     import asyncio, aiolaunch
     from aiolaunch import Std
     async def main():
         kw = {"tee": Std.OUT} if mode == "tee" else {"redirects": Std.OUT}
+        global c0
+        c0 = cpu()
         async with aiolaunch.start_processes(name="b", entrypoint=worker[0], args=args,
                                              envs=envs, log_dir=log_dir, **kw) as ctx:
             t0 = time.monotonic()
@@ -109,6 +119,7 @@ else:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
     specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.OUT if mode != "tee" else Std.NONE,
                              tee=Std.OUT if mode == "tee" else Std.NONE)
+    c0 = cpu()
     pc = start_processes(name="b", entrypoint=worker[0], args=args, envs=envs, logs_specs=specs)
     t0 = time.monotonic()
     res = pc.wait(period=0.1)
@@ -117,7 +128,8 @@ else:
     paths = dict(pc.stdouts)
 assert res is not None and not res.is_failed(), res
 sys.stdout.flush()
-print(repr({"waited": waited, "paths": paths}), file=sys.stderr)
+spent = cpu() - c0
+print(repr({"waited": waited, "paths": paths, "cpu": spent}), file=sys.stderr)
 """
 
 BLOCK = bytes(((ord("a") + (i % 128) % 26) if i % 128 != 127 else 10) for i in range(128)) * 8192
@@ -161,8 +173,16 @@ def trial(impl: str, mode: str, n: int, mib: int, worker: list[str], tmp: str, p
     os.makedirs(log_dir)
     runner = [sys.executable, "-c", RUNNER]
     if prof:
-        code = "import cProfile,sys;sys.argv=['x',*sys.argv[2:]];cProfile.run(sys.argv.pop(1),%r)"
+        # CPU time of the loop thread (time.thread_time), not wall time: on a
+        # loaded host a profile in wall time mostly shows waiting for a CPU.
+        code = (
+            "import cProfile,sys,time;sys.argv=['x',*sys.argv[1:]];"
+            "p=cProfile.Profile(time.thread_time);g={'__name__':'__main__'};p.runctx(sys.argv.pop(1),g,g);p.dump_stats(%r)"
+        )
         runner = [sys.executable, "-c", code % prof, RUNNER]
+    env = dict(os.environ)
+    if impl.startswith("aiolaunch="):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [impl[10:], env.get("PYTHONPATH")]))
     counter = subprocess.Popen(["wc", "-lc"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert counter.stdin is not None
     sup = subprocess.run(
@@ -170,6 +190,7 @@ def trial(impl: str, mode: str, n: int, mib: int, worker: list[str], tmp: str, p
         stdout=counter.stdin,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     counter.stdin.close()
     assert counter.stdout is not None
@@ -196,22 +217,31 @@ def trial(impl: str, mode: str, n: int, mib: int, worker: list[str], tmp: str, p
             )
     span = max(stamps["last"].values()) - min(stamps["first"].values())
     shutil.rmtree(d)
-    return {"MiB_s": n * mib / span, "wait_s": info["waited"]}
+    return {
+        "MiB_s": n * mib / span,
+        "wait_s": info["waited"],
+        "e2e_MiB_s": n * mib / info["waited"],
+        "cpu_ms_MiB": info["cpu"] * 1e3 / (n * mib),
+    }
 
 
 def _med(rs: list[dict], key: str) -> float:
     return statistics.median(x[key] for x in rs) if rs else float("nan")
 
 
+def _ratio(al: list[dict], to: list[dict], key: str) -> str:
+    """Median [min-max] of the per-round ratios aiolaunch / torch."""
+    rs = [x[key] / y[key] for x, y in zip(al, to, strict=False)]
+    return f"{statistics.median(rs):.2f}x [{min(rs):.2f}-{max(rs):.2f}]" if rs else ""
+
+
 def row(al: list[dict], to: list[dict]) -> str:
-    """The cells of one (mode, N) row: rates, ratio (median of rounds) [range], wait()."""
-    ratios = [x["MiB_s"] / y["MiB_s"] for x, y in zip(al, to, strict=False)]
-    ratio = (
-        f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else ""
-    )
+    """The cells of one (mode, N) row: writers' rate, its ratio, until wait(), CPU."""
     return (
-        f"{_med(al, 'MiB_s'):.0f} | {_med(to, 'MiB_s'):.0f} | {ratio} "
-        f"| {_med(al, 'wait_s'):.3f} / {_med(to, 'wait_s'):.3f}"
+        f"{_med(al, 'MiB_s'):.0f} | {_med(to, 'MiB_s'):.0f} | {_ratio(al, to, 'MiB_s')} "
+        f"| {_med(al, 'e2e_MiB_s'):.0f} / {_med(to, 'e2e_MiB_s'):.0f} "
+        f"| {_ratio(al, to, 'e2e_MiB_s')} "
+        f"| {_med(al, 'cpu_ms_MiB'):.2f} / {_med(to, 'cpu_ms_MiB'):.2f}"
     )
 
 
@@ -220,20 +250,27 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--n", default="1,4,16")
     ap.add_argument("--modes", default="redirect,tee")
-    ap.add_argument("--redirect-mib", type=int, default=32)
-    ap.add_argument("--tee-mib", type=int, default=4)
+    ap.add_argument("--redirect-mib", default="32", help="MiB per worker, or one per --n")
+    ap.add_argument("--tee-mib", default="4", help="MiB per worker, or one per --n")
     ap.add_argument("--impls", default="aiolaunch,torch")
     ap.add_argument("--cprofile", default="", help="profile ONE aiolaunch trial into this file")
+    ap.add_argument("--dir", default=None, help="where the logs go (e.g. /dev/shm: no writeback)")
     a = ap.parse_args()
     ns = [int(x) for x in a.n.split(",")]
+
+    def sizes(arg: str) -> dict[int, int]:
+        v = [int(x) for x in arg.split(",")]
+        return dict(zip(ns, v if len(v) == len(ns) else v[:1] * len(ns), strict=True))
+
+    mibs = {"redirect": sizes(a.redirect_mib), "tee": sizes(a.tee_mib)}
     modes = a.modes.split(",")
     impls = a.impls.split(",")
-    tmp = tempfile.mkdtemp(prefix="bench_writers_")
+    tmp = tempfile.mkdtemp(prefix="bench_writers_", dir=a.dir)
     try:
         worker = build_worker(tmp)
         if a.cprofile:
             mode = modes[0]
-            mib = a.tee_mib if mode == "tee" else a.redirect_mib
+            mib = mibs[mode][ns[0]]
             r = trial("aiolaunch", mode, ns[0], mib, worker, tmp, os.path.abspath(a.cprofile))
             print(f"profiled aiolaunch {mode} N={ns[0]}: {r['MiB_s']:.0f} MiB/s -> {a.cprofile}")
             return 0
@@ -242,23 +279,26 @@ def main() -> int:
         res: dict[tuple[str, int, str], list[dict]] = {}
         for k in range(a.rounds):
             for mode in modes:
-                mib = a.tee_mib if mode == "tee" else a.redirect_mib
                 for n in ns:
+                    mib = mibs[mode][n]
                     order = impls if k % 2 == 0 else impls[::-1]
                     for impl in order:
                         r = trial(impl, mode, n, mib, worker, tmp, "")
                         res.setdefault((mode, n, impl), []).append(r)
             print(f"round {k + 1}/{a.rounds} done (load {load()})", flush=True)
         print(f"\nload {load()} at end; {time.monotonic() - t0:.0f} s\n")
-        print("| mode | N | MiB/worker | aiolaunch MiB/s | torch MiB/s | ratio (median of rounds) "
-              "| wait() s aiolaunch / torch |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
+        print("| aiolaunch | mode | N | MiB/worker | writers' MiB/s aiolaunch | torch "
+              "| ratio | until wait(): MiB/s aiolaunch / torch | ratio "
+              "| supervisor CPU ms/MiB aiolaunch / torch |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for mode in modes:
-            mib = a.tee_mib if mode == "tee" else a.redirect_mib
             for n in ns:
-                al = res.get((mode, n, "aiolaunch"), [])
+                mib = mibs[mode][n]
                 to = res.get((mode, n, "torch"), [])
-                print(f"| {mode} | {n} | {mib} | {row(al, to)} |")
+                for impl in impls:
+                    if impl.startswith("aiolaunch"):
+                        al = res.get((mode, n, impl), [])
+                        print(f"| {impl} | {mode} | {n} | {mib} | {row(al, to)} |")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

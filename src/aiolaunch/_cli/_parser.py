@@ -12,27 +12,43 @@ from typing import TYPE_CHECKING, Any
 from .._types import START_METHODS
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
     "DEFAULT_SIGNALS",
+    "GIVEN",
     "NUMA_MODES",
+    "BadEnvironment",
+    "env_name",
     "get_args_parser",
     "parse_args",
 ]
 
 DEFAULT_MASTER_PORT = 29500
+#: the namespace attribute with the dests given on the command line (``_Env`` options)
+GIVEN = "given_options"
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 #: torch.numa.binding.AffinityMode values (spelled out: the parser imports no torch)
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
 
+def env_name(dest: str) -> str:
+    """The environment variable of an option: ``PET_{DEST}`` (torch's)."""
+    return f"PET_{dest.upper()}"
+
+
 class _Env(argparse.Action):
-    """An option whose default comes from ``PET_{DEST}`` when set (torch's ``env``)."""
+    """An option whose default comes from ``PET_{DEST}`` when set (torch's ``env``).
+
+    An empty variable counts as unset. A value from the environment goes
+    through the option's ``type`` like one on the command line (argparse does
+    that for str defaults), so give options with ``choices`` a
+    :func:`_one_of` type: argparse checks ``choices`` for the command line only.
+    """
 
     def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
-        default = os.environ.get(f"PET_{dest.upper()}", default)
+        default = os.environ.get(env_name(dest)) or default
         if default:
             required = False
         super().__init__(dest=dest, default=default, required=required, **kw)
@@ -45,13 +61,34 @@ class _Env(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, values)
+        # which options the command line gave (Slurm's defaults fill the others)
+        given = getattr(namespace, GIVEN, None)
+        if given is None:
+            given = set()
+            setattr(namespace, GIVEN, given)
+        given.add(self.dest)
+
+
+class BadEnvironment(ValueError):
+    """A ``PET_*`` variable that cannot be read (raised while the parser is built)."""
 
 
 class _CheckEnv(argparse.Action):
     """A flag that is also on when ``PET_{DEST}`` is a non-zero int (torch's ``check_env``)."""
 
     def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
-        default = bool(int(os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")))
+        value = os.environ.get(env_name(dest)) or ("1" if default else "0")
+        try:
+            default = bool(int(value))
+        except ValueError:
+            flag = next(
+                (o for o in kw.get("option_strings", ()) if o.startswith("--") and "_" not in o),
+                f"--{dest}",
+            )
+            raise BadEnvironment(
+                f"${env_name(dest)}={value!r} must be an integer: 1 (or any non-zero) turns "
+                f"{flag} on, 0 off; fix or unset it"
+            ) from None
         super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
 
     def __call__(
@@ -62,6 +99,20 @@ class _CheckEnv(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, self.const)
+
+
+def _one_of(dest: str, choices: Sequence[str]) -> Callable[[str], str]:
+    """A ``type`` that checks ``choices`` (from the command line or ``PET_{DEST}``)."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            source = f" (from ${env_name(dest)})" if os.environ.get(env_name(dest)) == value else ""
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {value!r}{source}; choose from {', '.join(choices)}"
+            )
+        return value
+
+    return check
 
 
 def _comma_separated_list(value: str) -> list[str]:
@@ -156,7 +207,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--start-method",
         "--start_method",
         action=_Env,
-        type=str,
+        type=_one_of("start_method", START_METHODS),
         default="spawn",
         choices=list(START_METHODS),
         help="Multiprocessing start method (used with --run-path).",
@@ -313,7 +364,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--forward_signals",
         action=_Env,
         type=str,
-        default="",
+        default=None,
         help="Beyond torchrun: comma-separated signals (e.g. SIGUSR1) only forwarded to the "
         "workers, which keep running (a preemption notice: checkpoint now); sets "
         "AIOLAUNCH_FORWARD_SIGNALS.",
@@ -342,6 +393,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--on-stall",
         "--on_stall",
         action=_Env,
+        type=_one_of("on_stall", ("observe", "fail", "restart")),
         choices=("observe", "fail", "restart"),
         default=None,
         help="What a stall does after the dump: report only (observe), stop the job and "
@@ -357,12 +409,61 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="Watchdog: only output lines matching REGEX count as progress (e.g. '^step '). "
         "Needs --stall-timeout.",
     )
+    # -- live observability (aiolaunch's own) --
+    add(
+        "--metrics-port",
+        "--metrics_port",
+        action=_Env,
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="Serve Prometheus metrics (per-rank samples labelled rank) at "
+        "http://127.0.0.1:PORT/metrics while the job runs; 0: any free port (default: off).",
+    )
+    add(
+        "--metrics-host",
+        "--metrics_host",
+        action=_Env,
+        default="127.0.0.1",
+        metavar="HOST",
+        help="The address the metrics are served on (default 127.0.0.1: this machine only; "
+        "0.0.0.0: every interface). Needs --metrics-port.",
+    )
     add(
         "--virtual-local-rank",
         "--virtual_local_rank",
         action=_CheckEnv,
         help="Every worker gets LOCAL_RANK=0 and sees only its own GPU through "
         "CUDA_VISIBLE_DEVICES (torchrun's virtual local rank mode).",
+    )
+    # -- schedulers and engines (aiolaunch's own; see _exit.py, _slurm.py) --
+    add(
+        "--exit-code",
+        "--exit_code",
+        action=_Env,
+        type=_one_of("exit_code", ("torchrun", "root-cause")),
+        choices=("torchrun", "root-cause"),
+        default="torchrun",
+        help="Exit status when the workers fail: 1 as torchrun (torchrun, the default), or "
+        "the root cause's own exit code, 128+N for a worker killed by signal N (root-cause). "
+        "Whatever this says: 2 means bad arguments or nothing to run (do not retry), 128+N "
+        "that signal N stopped aiolaunch (143: SIGTERM).",
+    )
+    # -- warm start (aiolaunch's own) --
+    add(
+        "--preload",
+        action=_Env,
+        default=None,
+        metavar="MOD[,MOD...]",
+        help="Warm start: fork the Python workers from a zygote process that imported these "
+        "modules once (the first start and every restart skip those imports). Default: torch, "
+        "for a Python script or module that imports torch (when torch is installed).",
+    )
+    add(
+        "--no-preload",
+        "--no_preload",
+        action=_CheckEnv,
+        help="Start every worker afresh, without a zygote (as torchrun does).",
     )
     add(
         "training_script",
@@ -375,5 +476,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse a torchrun-style command line."""
-    return get_args_parser().parse_args(argv)
+    """Parse a torchrun-style command line (exit 2 with a message on bad options)."""
+    try:
+        parser = get_args_parser()
+    except BadEnvironment as exc:
+        argparse.ArgumentParser(prog="aiolaunch").error(str(exc))
+    return parser.parse_args(argv)

@@ -3,12 +3,17 @@
 Sinks on the event loop hand text to :class:`ConsoleWriter` and return at once;
 one writer thread does the (possibly slow) writes. So a slow console - a
 terminal being scrolled, a pipe nobody reads fast, a busy notebook - never
-stalls the event loop, the log files or the workers. Lossless writers (tee'd
-log files, followed by ``_follow``) stop reading while the console is more
-than ``MAX_PENDING`` characters behind and resume on :meth:`ConsoleWriter.when_room`
-(the file keeps every byte meanwhile), so memory stays bounded and no line is
-lost. Other writers (pipes with nowhere else to keep bytes) have further
-lines dropped and counted past that backlog, and a marker says so.
+stalls the event loop or the log files. No line is ever dropped: writers
+stop feeding while the console is more than ``MAX_PENDING`` characters
+behind (:meth:`ConsoleWriter.room`) and resume on
+:meth:`ConsoleWriter.when_room` - a followed log file keeps every byte
+meanwhile, a pipe holds its worker back - so memory stays bounded.
+
+A stuck console (Ctrl-S, a stopped reader) may slow the end of the run, never
+lose output: the rest of a finished worker's log file is handed to the
+console thread (:meth:`ConsoleWriter.write_later`), ``wait()`` returns after
+a bounded flush, and at interpreter exit the process waits until the console
+took everything queued (Ctrl-C gives up).
 
 Progress bars:
 
@@ -24,18 +29,21 @@ Progress bars:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import shutil
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TextIO
 
 from .._types import PerProcess
+from ._stdio import ConsoleHook, console_stream, set_console_hook, write_text
 
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
+
+#: called on the console thread for more text: ``(text, done)``
+Producer = Callable[[], tuple[str, bool]]
 
 MAX_PENDING = 8 * 1024 * 1024
 # Tee'd lines are on the console before wait()/close() return - unless the
@@ -47,72 +55,14 @@ _PIECE = 1 << 20
 STATUS_INTERVAL = 0.1
 _CLEAR_LINE = "\r\x1b[K"
 
-#: ``hook(stream, text)`` must write ``text`` to ``stream``.
-ConsoleHook = Callable[[TextIO, str], None]
-_hook: ConsoleHook | None = None
-
-
-def set_console_hook(hook: ConsoleHook | None) -> ConsoleHook | None:
-    """Route every console write of aiolaunch through ``hook(stream, text)``.
-
-    Use it to keep a progress display of your own intact: clear it, write,
-    redraw. ``None`` restores the default (which already handles tqdm).
-    Returns the previous hook. Called on aiolaunch's console thread.
-    """
-    global _hook
-    previous, _hook = _hook, hook
-    return previous
-
-
-def _stream(name: str) -> TextIO:
-    # Looked up at write time: a notebook swaps sys.stdout per cell.
-    return sys.stdout if name == "stdout" else sys.stderr
-
-
-def _tqdm_write_mode(stream: TextIO) -> object | None:
-    tqdm_mod = sys.modules.get("tqdm")
-    if tqdm_mod is None:
-        return None
-    cls = getattr(tqdm_mod, "tqdm", None)
-    instances = getattr(cls, "_instances", None)
-    if not instances:
-        return None
-    try:
-        mode: object = cls.external_write_mode(file=stream)  # type: ignore[union-attr]
-        return mode
-    except Exception:  # pragma: no cover - an odd tqdm
-        return None
-
-
-def _write(stream_name: str, text: str) -> None:
-    stream = _stream(stream_name)
-    if stream is None:
-        return
-    try:
-        if _hook is not None:
-            _hook(stream, text)
-            return
-        mode = _tqdm_write_mode(stream)
-        if mode is not None:
-            with mode:  # type: ignore[attr-defined]
-                stream.write(text)
-                stream.flush()
-        else:
-            stream.write(text)
-            stream.flush()
-    except (OSError, ValueError):
-        # A closed or broken console must not take the supervisor down.
-        pass
-
 
 class ConsoleWriter:
     """Orders and performs console writes on one daemon thread."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queue: deque[tuple[str, str]] = deque()
+        self._queue: deque[tuple[str, str | Producer]] = deque()
         self._pending = 0
-        self._dropped = 0
         self._busy = False
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -127,23 +77,19 @@ class ConsoleWriter:
         self.written = 0
 
     # -- called on the event loop -----------------------------------------
-    def write(self, stream: str, text: str, lossless: bool = False) -> None:
+    def write(self, stream: str, text: str) -> None:
         """Queue whole lines (or unprefixed passthrough text) for ``stream``.
 
-        Past a backlog of ``MAX_PENDING`` characters the text is dropped
-        (counted, and a marker written) - unless ``lossless``: then the caller
-        keeps the backlog bounded itself (:attr:`backlog`, :meth:`when_room`).
+        Never dropped: a writer keeps the backlog bounded itself
+        (:meth:`room`, :meth:`when_room`).
         """
         with self._cond:
-            if not lossless and self._pending + len(text) > MAX_PENDING:
-                self._dropped += text.count("\n") or 1
-                return
             self._queue.append((stream, text))
             self._pending += len(text)
             self._ensure_thread()
             self._cond.notify()
 
-    def write_parts(self, stream: str, parts: tuple[str, ...], lossless: bool = False) -> None:
+    def write_parts(self, stream: str, parts: tuple[str, ...]) -> None:
         """:meth:`write` of ``"".join(parts)`` without joining them here.
 
         The parts are queued together (nothing of another writer comes
@@ -151,13 +97,19 @@ class ConsoleWriter:
         of its own, so a megabyte of lines is never copied once more just to
         glue a line onto it.
         """
-        size = sum(len(p) for p in parts)
         with self._cond:
-            if not lossless and self._pending + size > MAX_PENDING:
-                self._dropped += sum(p.count("\n") for p in parts) or 1
-                return
             self._queue.extend((stream, p) for p in parts if p)
-            self._pending += size
+            self._pending += sum(len(p) for p in parts)
+            self._ensure_thread()
+            self._cond.notify()
+
+    def write_later(self, stream: str, produce: Producer) -> None:
+        """Queue a producer of text for ``stream``: the console thread calls
+        ``produce()`` for the next ``(text, done)`` and writes it, until done,
+        before anything queued after it (a handed-over log file: memory stays
+        bounded however long the console is stuck)."""
+        with self._cond:
+            self._queue.append((stream, produce))
             self._ensure_thread()
             self._cond.notify()
 
@@ -218,9 +170,27 @@ class ConsoleWriter:
     # -- the thread --------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None or self._pid != os.getpid():
+            if self._thread is None:
+                atexit.register(self._at_exit)
             self._pid = os.getpid()
             self._thread = threading.Thread(target=self._run, name="aiolaunch-console", daemon=True)
             self._thread.start()
+
+    def _at_exit(self) -> None:
+        """Interpreter exit: wait until the console took everything queued.
+
+        A stuck console (Ctrl-S, a stopped reader) delays the exit instead of
+        losing the lines (torchrun's tee waits the same way); Ctrl-C gives up.
+        """
+        thread = self._thread
+        if thread is None or self._pid != os.getpid() or not thread.is_alive():
+            return
+        try:
+            with self._cond:
+                while self._queue or self._busy:
+                    self._cond.wait()
+        except KeyboardInterrupt:
+            pass
 
     def _run(self) -> None:
         while True:
@@ -235,7 +205,6 @@ class ConsoleWriter:
                 batch = list(self._queue)
                 self._queue.clear()
                 self._pending = 0
-                dropped, self._dropped = self._dropped, 0
                 waiters, self._waiters = self._waiters, []
                 room, self._room = self._room, []
                 status_changed = self._status_dirty
@@ -245,17 +214,10 @@ class ConsoleWriter:
                     loop.call_soon_threadsafe(callback)
                 except RuntimeError:  # loop closed
                     pass
-            if dropped:
-                batch.append(
-                    (
-                        "stderr",
-                        f"[aiolaunch]: {dropped} console lines dropped (console too "
-                        "slow); the log files have every byte\n",
-                    )
-                )
             self._emit(batch, status_changed)
             with self._cond:
                 self._busy = False
+                self._cond.notify_all()  # _at_exit
             for loop, fut in waiters:
                 try:
                     loop.call_soon_threadsafe(_resolve, fut)
@@ -267,39 +229,63 @@ class ConsoleWriter:
                 if wait > 0:
                     time.sleep(wait)  # allowed: rate limit on the console thread
 
-    def _emit(self, batch: list[tuple[str, str]], status_changed: bool) -> None:
+    def _emit(self, batch: list[tuple[str, str | Producer]], status_changed: bool) -> None:
         # Merge consecutive writes to the same stream into writes of up to
         # _PIECE characters: few syscalls for many small lines, no copy of a
         # big part (it goes out alone), and progress (`written`) a slow
-        # console's flush can see.
+        # console's flush can see. A producer is run to its end where it is.
         runs: list[tuple[str, list[str]]] = []
         size = 0
-        for stream, text in batch:
-            if runs and runs[-1][0] == stream and size + len(text) <= _PIECE:
-                runs[-1][1].append(text)
-                size += len(text)
+        for stream, item in batch:
+            if callable(item):
+                status_changed = self._write_runs(runs, status_changed)
+                runs, size = [], 0
+                self._produce(stream, item)
+            elif runs and runs[-1][0] == stream and size + len(item) <= _PIECE:
+                runs[-1][1].append(item)
+                size += len(item)
             else:
-                runs.append((stream, [text]))
-                size = len(text)
-        for stream, parts in runs:
-            text = parts[0] if len(parts) == 1 else "".join(parts)
-            if self._status_shown.get(stream):
-                text = _CLEAR_LINE + text
-                self._status_shown[stream] = False
-                status_changed = True
-            _write(stream, text)
-            self.written += len(text)
+                runs.append((stream, [item]))
+                size = len(item)
+        status_changed = self._write_runs(runs, status_changed)
         if status_changed:
             with self._cond:
                 self._status_dirty = False
                 status = dict(self._status)
             self._draw_status(status)
 
+    def _write_runs(self, runs: list[tuple[str, list[str]]], status_changed: bool) -> bool:
+        for stream, parts in runs:
+            text = parts[0] if len(parts) == 1 else "".join(parts)
+            status_changed = self._write_text(stream, text) or status_changed
+        return status_changed
+
+    def _write_text(self, stream: str, text: str) -> bool:
+        """Write ``text``; ``True`` if it cleared an in-place status (redraw it)."""
+        cleared = bool(self._status_shown.get(stream))
+        if cleared:
+            text = _CLEAR_LINE + text
+            self._status_shown[stream] = False
+        write_text(stream, text)
+        self.written += len(text)
+        return cleared
+
+    def _produce(self, stream: str, produce: Producer) -> None:
+        done = False
+        while not done:
+            try:
+                text, done = produce()
+            except Exception:  # pragma: no cover - a broken producer ends, the rest goes on
+                return
+            if text and self._write_text(stream, text):
+                with self._cond:
+                    self._status_dirty = True
+
     def _draw_status(self, status: dict[tuple[str, object], str]) -> None:
         self._last_draw = time.monotonic()
         for stream_name in ("stdout", "stderr"):
             texts = [t for (s, _), t in status.items() if s == stream_name]
-            stream = _stream(stream_name)
+            stream = console_stream(stream_name)
             try:
                 tty = stream is not None and stream.isatty()
             except (AttributeError, ValueError):
@@ -308,10 +294,10 @@ class ConsoleWriter:
                 continue
             if texts:
                 width = shutil.get_terminal_size().columns - 1
-                _write(stream_name, _CLEAR_LINE + " | ".join(texts)[: max(width, 10)])
+                write_text(stream_name, _CLEAR_LINE + " | ".join(texts)[: max(width, 10)])
                 self._status_shown[stream_name] = True
             elif self._status_shown.get(stream_name):
-                _write(stream_name, _CLEAR_LINE)
+                write_text(stream_name, _CLEAR_LINE)
                 self._status_shown[stream_name] = False
 
 
