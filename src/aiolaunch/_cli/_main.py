@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._checks import make_log_dir
 from ._client import VERBS
@@ -63,13 +63,31 @@ def _prestart(cfg: LaunchConfig) -> None:
     zygote_for(cfg.preload, shared_env(cfg.spec.local_world_size, os.environ))
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record to ``sys.stderr`` as it is then: a stream replaced
+    since (pytest's capture, a notebook) is never written to once closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _setup_logging() -> None:
     level = os.environ.get("LOGLEVEL", "WARNING").upper()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(
         logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s")
     )
     root = logging.getLogger("aiolaunch")
+    for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(old)  # one per process, however often main() runs
     root.addHandler(handler)
     root.setLevel(getattr(logging, level, logging.WARNING))
     root.propagate = False
