@@ -6,13 +6,13 @@ Only the standard library is imported here, so ``aiolaunch --help`` is instant.
 from __future__ import annotations
 
 import argparse
-import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._types import START_METHODS
+from ._actions import GIVEN, BadEnvironment, EnvFlag, EnvOption, comma_list, env_name, one_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -26,99 +26,9 @@ __all__ = [
 ]
 
 DEFAULT_MASTER_PORT = 29500
-#: the namespace attribute with the dests given on the command line (``_Env`` options)
-GIVEN = "given_options"
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 #: torch.numa.binding.AffinityMode values (spelled out: the parser imports no torch)
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-
-
-def env_name(dest: str) -> str:
-    """The environment variable of an option: ``PET_{DEST}`` (torch's)."""
-    return f"PET_{dest.upper()}"
-
-
-class _Env(argparse.Action):
-    """An option whose default comes from ``PET_{DEST}`` when set (torch's ``env``).
-
-    An empty variable counts as unset. A value from the environment goes
-    through the option's ``type`` like one on the command line (argparse does
-    that for str defaults), so give options with ``choices`` a
-    :func:`_one_of` type: argparse checks ``choices`` for the command line only.
-    """
-
-    def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
-        default = os.environ.get(env_name(dest)) or default
-        if default:
-            required = False
-        super().__init__(dest=dest, default=default, required=required, **kw)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, values)
-        # which options the command line gave (Slurm's defaults fill the others)
-        given = getattr(namespace, GIVEN, None)
-        if given is None:
-            given = set()
-            setattr(namespace, GIVEN, given)
-        given.add(self.dest)
-
-
-class BadEnvironment(ValueError):
-    """A ``PET_*`` variable that cannot be read (raised while the parser is built)."""
-
-
-class _CheckEnv(argparse.Action):
-    """A flag that is also on when ``PET_{DEST}`` is a non-zero int (torch's ``check_env``)."""
-
-    def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
-        value = os.environ.get(env_name(dest)) or ("1" if default else "0")
-        try:
-            default = bool(int(value))
-        except ValueError:
-            flag = next(
-                (o for o in kw.get("option_strings", ()) if o.startswith("--") and "_" not in o),
-                f"--{dest}",
-            )
-            raise BadEnvironment(
-                f"${env_name(dest)}={value!r} must be an integer: 1 (or any non-zero) turns "
-                f"{flag} on, 0 off; fix or unset it"
-            ) from None
-        super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, self.const)
-
-
-def _one_of(dest: str, choices: Sequence[str]) -> Callable[[str], str]:
-    """A ``type`` that checks ``choices`` (from the command line or ``PET_{DEST}``)."""
-
-    def check(value: str) -> str:
-        if value not in choices:
-            source = f" (from ${env_name(dest)})" if os.environ.get(env_name(dest)) == value else ""
-            raise argparse.ArgumentTypeError(
-                f"invalid choice {value!r}{source}; choose from {', '.join(choices)}"
-            )
-        return value
-
-    return check
-
-
-def _comma_separated_list(value: str) -> list[str]:
-    # torch's parsing: ",," escapes a comma
-    placeholder = "\0"
-    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -132,7 +42,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     # worker/node sizes
     add(
         "--nnodes",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="1:1",
         help="Number of nodes, or the range of nodes in form <minimum_nodes>:<maximum_nodes>.",
@@ -140,7 +50,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--nproc-per-node",
         "--nproc_per_node",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="1",
         help="Number of workers per node; supported values: [auto, cpu, gpu, xpu, int].",
@@ -149,7 +59,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-backend",
         "--rdzv_backend",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="static",
         help="Rendezvous backend (static: one machine needs no torch; c10d for several).",
@@ -157,7 +67,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-endpoint",
         "--rdzv_endpoint",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="",
         help="Rendezvous backend endpoint; usually in form <host>:<port>.",
@@ -165,7 +75,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-id",
         "--rdzv_id",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="none",
         help="User-defined group id.",
@@ -173,14 +83,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-conf",
         "--rdzv_conf",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="",
         help="Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...).",
     )
     add(
         "--standalone",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Single-node job: a local rendezvous on a free port with a fresh run id "
         "(no torch needed); --rdzv-backend, --rdzv-endpoint and --rdzv-id are auto-assigned, "
         "as with torchrun.",
@@ -189,7 +99,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--max-restarts",
         "--max_restarts",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=0,
         help="Maximum number of worker group restarts before failing.",
@@ -197,7 +107,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--monitor-interval",
         "--monitor_interval",
-        action=_Env,
+        action=EnvOption,
         type=float,
         default=0.1,
         help="Accepted for torchrun compatibility: worker exits are events, not polls "
@@ -206,8 +116,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--start-method",
         "--start_method",
-        action=_Env,
-        type=_one_of("start_method", START_METHODS),
+        action=EnvOption,
+        type=one_of("start_method", START_METHODS),
         default="spawn",
         choices=list(START_METHODS),
         help="Multiprocessing start method (used with --run-path).",
@@ -215,7 +125,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--event-log-handler",
         "--event_log_handler",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="null",
         help="Name of a registered torch elastic events handler (null, console, or one "
@@ -223,7 +133,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     add(
         "--role",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="default",
         help="User-defined role for the workers.",
@@ -231,26 +141,26 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "-m",
         "--module",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Run the script argument as a Python module, like 'python -m'.",
     )
     add(
         "--no-python",
         "--no_python",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Execute the script directly instead of with 'python' (e.g. a binary).",
     )
     add(
         "--run-path",
         "--run_path",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Run the script with runpy.run_path in a function worker (an absolute path). "
         "Takes precedence over --no-python.",
     )
     add(
         "--log-dir",
         "--log_dir",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default=None,
         help="Base directory for log files; reusable across runs (each run gets a unique "
@@ -259,7 +169,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "-r",
         "--redirects",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="0",
         help="Redirect std streams into log files (e.g. -r 3 redirects stdout+stderr of all "
@@ -268,7 +178,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "-t",
         "--tee",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="0",
         help="Tee std streams into a log file and also to the console (format as --redirects).",
@@ -276,7 +186,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--local-ranks-filter",
         "--local_ranks_filter",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="",
         help="Only show the console output of these local ranks (e.g. 0,1,2); log files "
@@ -285,8 +195,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--duplicate-stdout-filters",
         "--duplicate_stdout_filters",
-        action=_Env,
-        type=_comma_separated_list,
+        action=EnvOption,
+        type=comma_list,
         default=[],
         help="Also write tee'd stdout lines that contain any of these strings (comma-"
         "separated; ',,' escapes a comma) to filtered_stdout.log, for all ranks.",
@@ -294,8 +204,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--duplicate-stderr-filters",
         "--duplicate_stderr_filters",
-        action=_Env,
-        type=_comma_separated_list,
+        action=EnvOption,
+        type=comma_list,
         default=[],
         help="Also write tee'd stderr lines that contain any of these strings to "
         "filtered_stderr.log, for all ranks.",
@@ -304,7 +214,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--node-rank",
         "--node_rank",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=0,
         help="Rank of the node (static rendezvous with several nodes only).",
@@ -312,7 +222,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--master-addr",
         "--master_addr",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="127.0.0.1",
         help="Address of the master node (static rendezvous only).",
@@ -320,7 +230,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--master-port",
         "--master_port",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=None,
         help="Port on the master node (static rendezvous only); default: a free port on one "
@@ -329,7 +239,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--local-addr",
         "--local_addr",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default=None,
         help="Address of this node, as the other nodes reach it.",
@@ -353,7 +263,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--signals-to-handle",
         "--signals_to_handle",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default=DEFAULT_SIGNALS,
         help="Comma-separated signals that stop the workers and end the run "
@@ -362,7 +272,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--forward-signals",
         "--forward_signals",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default=None,
         help="Beyond torchrun: comma-separated signals (e.g. SIGUSR1) only forwarded to the "
@@ -372,7 +282,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--shutdown-timeout",
         "--shutdown_timeout",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=None,
         help="Seconds between the death signal and SIGKILL when workers are stopped "
@@ -382,7 +292,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--stall-timeout",
         "--stall_timeout",
-        action=_Env,
+        action=EnvOption,
         type=float,
         default=None,
         metavar="SECONDS",
@@ -392,8 +302,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--on-stall",
         "--on_stall",
-        action=_Env,
-        type=_one_of("on_stall", ("observe", "fail", "restart")),
+        action=EnvOption,
+        type=one_of("on_stall", ("observe", "fail", "restart")),
         choices=("observe", "fail", "restart"),
         default=None,
         help="What a stall does after the dump: report only (observe), stop the job and "
@@ -403,7 +313,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--progress-regex",
         "--progress_regex",
-        action=_Env,
+        action=EnvOption,
         default=None,
         metavar="REGEX",
         help="Watchdog: only output lines matching REGEX count as progress (e.g. '^step '). "
@@ -413,7 +323,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--metrics-port",
         "--metrics_port",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=None,
         metavar="PORT",
@@ -423,7 +333,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--metrics-host",
         "--metrics_host",
-        action=_Env,
+        action=EnvOption,
         default="127.0.0.1",
         metavar="HOST",
         help="The address the metrics are served on (default 127.0.0.1: this machine only; "
@@ -432,7 +342,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--virtual-local-rank",
         "--virtual_local_rank",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Every worker gets LOCAL_RANK=0 and sees only its own GPU through "
         "CUDA_VISIBLE_DEVICES (torchrun's virtual local rank mode).",
     )
@@ -440,8 +350,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--exit-code",
         "--exit_code",
-        action=_Env,
-        type=_one_of("exit_code", ("torchrun", "root-cause")),
+        action=EnvOption,
+        type=one_of("exit_code", ("torchrun", "root-cause")),
         choices=("torchrun", "root-cause"),
         default="torchrun",
         help="Exit status when the workers fail: 1 as torchrun (torchrun, the default), or "
@@ -452,7 +362,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     # -- warm start (aiolaunch's own) --
     add(
         "--preload",
-        action=_Env,
+        action=EnvOption,
         default=None,
         metavar="MOD[,MOD...]",
         help="Warm start: fork the Python workers from a zygote process that imported these "
@@ -462,7 +372,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--no-preload",
         "--no_preload",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Start every worker afresh, without a zygote (as torchrun does).",
     )
     add(
