@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING
 
 from ._commands import dispatch, status_answer
 from ._dumper import StackDumper, check_dump_timeout
+from ._logs._specs import make_temp_dir, prune_empty_dirs
 from ._observe import LiveView
 from ._report import RunReport, write_report
 from ._stacks import STACKS_DIR_ENV
 from ._status import worker_statuses
 from ._watchdog import Sampler
 from ._watcher import StallWatcher
+from ._workers._guardian import clean_up_after
 
 if TYPE_CHECKING:
     import socket
@@ -111,6 +113,7 @@ class Forensics:
             )  # fmt: skip
         self.live = LiveView(state, self.stacks_dir, self.watcher, metrics)
         self._server: ControlServer | None = None
+        self._forget_stacks: Callable[[], None] = lambda: None
         self._server_task: asyncio.Task[None] | None = None
         self._closed = False
         #: the paths of the last report written
@@ -144,6 +147,9 @@ class Forensics:
         host share the supervisor's CPU until they run. ``status``/``stacks``
         clients are separate processes, which take far longer to start.
         """
+        # The folder (made by the first worker that registers for dumps) is
+        # removed by the guardian if the supervisor dies before cleanup().
+        self._forget_stacks = clean_up_after("T", self.stacks_dir)
         self._server_task = asyncio.ensure_future(self._serve(make_files))
         if self.watcher is not None:
             self.watcher.start()
@@ -207,8 +213,11 @@ class Forensics:
             pass
         except OSError:
             shutil.rmtree(self.stacks_dir, ignore_errors=True)
+        self._forget_stacks()
         if self._own_dir and not self.dumper.count and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._own_dir:  # gone, or kept with stacks or a report; the guardian forgets it
+            prune_empty_dirs([self.log_dir])
 
     # -- what clients see -----------------------------------------------------
     def status(self) -> list[WorkerStatus]:
@@ -244,7 +253,9 @@ class Forensics:
         """
         timeout = check_dump_timeout("dump_stacks(timeout)", timeout)
         nprocs = self._state.nprocs
-        bad = [r for r in ranks or () if r not in range(nprocs)]
+        if ranks is not None and not isinstance(ranks, list | tuple | set | frozenset | range):
+            raise TypeError(f"dump_stacks(ranks={ranks!r}) must be a list of local ranks or None")
+        bad = [r for r in ranks or () if isinstance(r, bool) or r not in range(nprocs)]
         if bad:
             raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
         return (await self.dump(ranks, timeout)).stacks
@@ -285,4 +296,4 @@ def _group_dir(root: str, error_files: Mapping[int, str]) -> tuple[str, bool]:
     for path in error_files.values():
         if path and path != os.devnull:
             return os.path.dirname(os.path.dirname(path)), False
-    return tempfile.mkdtemp(prefix="aiolaunch_forensics_"), True
+    return make_temp_dir("aiolaunch_forensics_"), True
