@@ -171,12 +171,10 @@ def start_processes(
     :param envs: ``{local_rank: {str: str}}``, same keys; applied on top of the
         parent's environment (functions: before the entrypoint is unpickled).
     :param log_dir: folder for ``{rank}/stdout.log|stderr.log|error.json``;
-        must be empty or missing; ``None``: a fresh temporary folder, from
-        which what holds nothing is removed when the group ends (the folder
-        too if it ends empty; log files are kept even when empty); there a
-        rank without log files has no folder, its error file is
-        ``error-{rank}.json``. (torch's positional ``logs_specs`` is accepted
-        here too.)
+        must be empty or missing; ``None``: a fresh temporary folder, whose
+        empty parts (it too) go when the group ends; log files are kept even
+        when empty; a rank without any has ``error-{rank}.json``, no folder.
+        (torch's positional ``logs_specs`` is accepted here too.)
     :param start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (function
         workers; checked for binaries too).
     :param redirects: streams written to log files (``Std`` or ``{rank: Std}``).
@@ -363,8 +361,7 @@ def start_processes(
                 return SubprocessContext(**common)
             return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
         except BaseException:
-            rank_dirs = getattr(dest, "rank_dirs", None)
-            if rank_dirs is not None:
+            if (rank_dirs := getattr(dest, "rank_dirs", None)) is not None:
                 rank_dirs.close()  # no folder appears once the call failed
             raise
 
@@ -397,8 +394,7 @@ def free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        return int(s.getsockname()[1])
 
 
 async def launch(
