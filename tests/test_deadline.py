@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from aiolaunch._deadline import STOP_DEADLINE_FILE_ENV, StopDeadline
+from aiolaunch._workers._guardian import guardian
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -17,6 +18,7 @@ def _fds() -> set[str]:
 
 
 def test_made_empty_then_written_in_place_then_rewritten(tmp_path: Path) -> None:
+    guardian()  # its pipe stays open (the file's cleanup is registered there)
     before = _fds()
     d = StopDeadline(str(tmp_path), 7.0)
     path = tmp_path / ".aiolaunch-stop_deadline"

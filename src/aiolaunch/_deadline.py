@@ -15,6 +15,12 @@ import contextlib
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
+
+from ._workers._guardian import clean_up_after
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["SHUTDOWN_TIMEOUT_ENV", "STOP_DEADLINE_FILE_ENV", "StopDeadline"]
 
@@ -48,6 +54,8 @@ class StopDeadline:
         # one or the other), not a create + write + rename.
         self._fd = -1
         self._written = False
+        #: forgets the guardian's note to remove the file if we die first
+        self._forget: Callable[[], None] | None = None
 
     def env(self) -> dict[str, str]:
         """What every worker's environment gets."""
@@ -66,6 +74,8 @@ class StopDeadline:
             logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
 
     def _open(self) -> int:
+        if self._forget is None:  # the guardian removes it if we die (kill -9)
+            self._forget = clean_up_after("F", self.path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         return os.open(self.path, flags, 0o600)
 
@@ -90,6 +100,8 @@ class StopDeadline:
         # Rewritten (a second signal escalates), or the above failed: a new
         # file renamed over the old one - a worker never reads half of it.
         tmp = self.path + ".tmp"
+        if self._forget is None:
+            self._forget = clean_up_after("F", self.path)
         try:
             try:
                 f = open(tmp, "w")  # noqa: SIM115
@@ -112,3 +124,5 @@ class StopDeadline:
                 self._fd = -1
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+            if self._forget is not None:
+                self._forget()

@@ -147,9 +147,6 @@ class Forensics:
         host share the supervisor's CPU until they run. ``status``/``stacks``
         clients are separate processes, which take far longer to start.
         """
-        # The folder (made by the first worker that registers for dumps) is
-        # removed by the guardian if the supervisor dies before cleanup().
-        self._forget_stacks = clean_up_after("T", self.stacks_dir)
         self._server_task = asyncio.ensure_future(self._serve(make_files))
         if self.watcher is not None:
             self.watcher.start()
@@ -158,6 +155,9 @@ class Forensics:
         from ._control import ControlServer
 
         await asyncio.sleep(SERVE_DELAY)  # allowed: a deferral (see start), not a wait
+        # The folder (made by the first worker that registers for dumps) is
+        # removed by the guardian if the supervisor dies before cleanup().
+        self._forget_stacks = clean_up_after("T", self.stacks_dir)
         make_files()
         try:
             self._server = await ControlServer.start(self.log_dir, lambda r: dispatch(self, r))

@@ -533,8 +533,10 @@ def test_supervisor_killed_by_an_unhandled_signal_leaves_no_temp_folder(
 ) -> None:
     # A preemption SIGUSR1 the supervisor does not handle kills it (issue #27
     # item 9): its workers die (the guardian), and now so does what it made
-    # in the temp folder - the log folders (empty here), .aiolaunch-stacks,
-    # the control socket, the registry entry. Before: all of it was left.
+    # in the temp folder - the log folders (empty here), .aiolaunch-stacks
+    # (made by the CLI's bootstrap; a plain binary of the API makes none),
+    # the stop-deadline file, the control socket, the registry entry. Before:
+    # all of it was left.
     import os
     import subprocess
 
@@ -558,7 +560,8 @@ def test_supervisor_killed_by_an_unhandled_signal_leaves_no_temp_folder(
         registry = tmp / f"aiolaunch-{os.getuid()}"
         while len(os.listdir(marks)) < 2 or not (
             list(tmp.rglob("control.sock"))
-            and list(tmp.rglob(".aiolaunch-stacks"))
+            and list(tmp.rglob(".aiolaunch-stop_deadline"))
+            and (how == "api" or list(tmp.rglob(".aiolaunch-stacks")))
             and registry.is_dir()
             and os.listdir(registry)
         ):

@@ -62,10 +62,10 @@ def make_temp_dir(prefix: str) -> str:
 def guard_temp_dir(path: str) -> None:
     """Tell the guardian about a temporary log root (again, after a
     :func:`prune_empty_dirs` kept it and a later run uses it). Idempotent."""
-    from .._workers._guardian import clean_up_after
+    from .._workers._guardian import WATCH_DELAY, clean_up_after
 
-    if path not in _TEMP_ROOTS:
-        _TEMP_ROOTS[path] = clean_up_after("P", path)
+    if path not in _TEMP_ROOTS:  # sent with the workers' registrations (#26)
+        _TEMP_ROOTS[path] = clean_up_after("P", path, WATCH_DELAY)
 
 
 def make_run_dir(root: str, run_id: str) -> str:

@@ -119,7 +119,7 @@ clean() {
       f=$(printf '%bx' "${r#? }"); f=${f%x}
       case $pass${r%% *}:${f##*/} in
         1T:.aiolaunch-stacks|1T:aiolaunch_stacks_*|1T:.$x$x$x$x$x$x$x$x) rm -rf -- "$f" ;;
-        1F:control.sock|1F:[0-9]*-[0-9]*) rm -f -- "$f" ;;
+        1F:control.sock|1F:.aiolaunch-stop_deadline|1F:[0-9]*-[0-9]*) rm -f -- "$f" ;;
         2P:*) find "$f" -depth -type d -exec rmdir -- {} + 2>/dev/null ;;
       esac
     done
@@ -220,12 +220,15 @@ class Guardian:
             self.groups.discard(pgid)
             self._queue(f"-{pgid}\n", 0.0)
 
-    def clean_up_after(self, kind: str, path: str) -> int:
+    def clean_up_after(self, kind: str, path: str, delay: float = 0.0) -> int:
         """Remove ``path`` if the supervisor dies before :meth:`forget` (its id).
+        Sent with the next loop iteration, or ``delay`` seconds later (a
+        temporary log root, made just before the spawns: see :meth:`_queue`).
 
         ``kind``: ``"T"`` a tree (the stacks folder ``.aiolaunch-stacks`` or
         ``aiolaunch_stacks_*``, the socket's private folder ``.XXXXXXXX``), ``"F"`` a file
-        (``control.sock``, a registry entry ``PID-N``), ``"P"`` a temporary
+        (``control.sock``, a registry entry ``PID-N``, the stop-deadline file
+        ``.aiolaunch-stop_deadline``), ``"P"`` a temporary
         log root, of which only the empty folders go. Other names are never
         removed (the guardian checks them).
         """
@@ -233,7 +236,7 @@ class Guardian:
         line = f"c{n} {kind} {_escape(os.path.abspath(path))}\n"
         with self._lock:
             self._cleanups[n] = line
-        self._queue(line, WATCH_DELAY)
+        self._queue(line, delay)
         return n
 
     def forget(self, n: int) -> None:
@@ -298,14 +301,14 @@ def _escape(path: str) -> str:
     return "".join(chr(b) if b in safe else f"\\0{b:03o}" for b in os.fsencode(path))
 
 
-def clean_up_after(kind: str, path: str) -> Callable[[], None]:
+def clean_up_after(kind: str, path: str, delay: float = 0.0) -> Callable[[], None]:
     """Register ``path`` with this process's guardian (see
     :meth:`Guardian.clean_up_after`); returns the call that forgets it (idempotent).
     Without a guardian (no /bin/sh) nothing happens."""
     g = guardian()
     if g is None:
         return lambda: None
-    n = g.clean_up_after(kind, path)
+    n = g.clean_up_after(kind, path, delay)
     return functools.partial(g.forget, n)
 
 
