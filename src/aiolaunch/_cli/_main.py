@@ -68,7 +68,8 @@ def _prestart(args: argparse.Namespace) -> bool:
     from ..agent._env import shared_env
 
     preload, nproc = got
-    return zygote_for(preload, shared_env(nproc, os.environ)) is not None
+    # spares for the workers and the first attempt's store
+    return zygote_for(preload, shared_env(nproc, os.environ), spares=nproc + 1) is not None
 
 
 def _setup_logging() -> None:
