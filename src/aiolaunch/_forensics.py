@@ -10,6 +10,8 @@ behind a narrow interface (see docs/ARCHITECTURE.md, "Hangs"):
   loop, the pure stall rule, and actions through the group's commands;
 - the control socket (:class:`~aiolaunch._control.ControlServer`) serving the
   command table of ``_commands.py`` with this object as its target;
+- :class:`~aiolaunch._observe.LiveView`: the metrics server, ``attach``
+  sessions and the marks of a status row;
 - the report (:class:`~aiolaunch._report.RunReport`).
 
 It gives every worker ``$AIOLAUNCH_STACKS_DIR`` (the bootstraps register the
@@ -26,20 +28,26 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from ._commands import dispatch
+from ._commands import dispatch, status_answer
 from ._dumper import StackDumper, check_dump_timeout
+from ._logs._specs import make_temp_dir, prune_empty_dirs
+from ._observe import LiveView
 from ._report import RunReport, write_report
 from ._stacks import STACKS_DIR_ENV
 from ._status import worker_statuses
 from ._watchdog import Sampler
 from ._watcher import StallWatcher
+from ._workers._guardian import clean_up_after
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    import socket
+    from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+    from contextlib import AbstractAsyncContextManager
 
+    from ._attach import Session
     from ._control import ControlServer
     from ._dumper import Dump
-    from ._events import EventBus
+    from ._events import Event, EventBus
     from ._group import GroupState
     from ._logs import LogWiring
     from ._results import RunProcsResult
@@ -60,6 +68,8 @@ class Forensics:
         log pipeline saw.
     :param bus: where :class:`WorkerStalled` goes.
     :param restartable: whether a rank has a restart policy.
+    :param metrics: the bound socket of the metrics server (``None``: none);
+        owned from here on.
     """
 
     def __init__(
@@ -70,8 +80,10 @@ class Forensics:
         logs: LogWiring,
         bus: EventBus,
         restartable: Callable[[int], bool],
+        metrics: socket.socket | None = None,
     ) -> None:
         self._state = state
+        self._bus = bus
         self._error_files = dict(logs.dest.error_files)
         self._stderrs = dict(logs.dest.stderrs)
         log_dir, self._own_dir = _group_dir(self._error_files)
@@ -91,8 +103,11 @@ class Forensics:
             self.watcher = StallWatcher(
                 watchdog, state, self.sampler, self.dumper, emit=bus.emit,
                 restartable=restartable, write_report=lambda: self.write_report(None),
+                paused=lambda rank: self.live.attached(rank),
             )  # fmt: skip
+        self.live = LiveView(state, self.stacks_dir, self.watcher, metrics)
         self._server: ControlServer | None = None
+        self._forget_stacks: Callable[[], None] = lambda: None
         self._server_task: asyncio.Task[None] | None = None
         self._closed = False
         #: the paths of the last report written
@@ -136,11 +151,16 @@ class Forensics:
             os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
         except OSError as exc:  # dumps are impossible; the job runs on
             logger.warning("aiolaunch: no stacks folder %s: %s", self.stacks_dir, exc)
+        # removed by the guardian if the supervisor dies before cleanup()
+        self._forget_stacks = clean_up_after("T", self.stacks_dir)
         make_files()
         try:
             self._server = await ControlServer.start(self.log_dir, lambda r: dispatch(self, r))
         except OSError as exc:  # a status endpoint must never stop a job
             logger.warning("aiolaunch: no control socket in %s: %s", self.log_dir, exc)
+        from ._metrics import render_metrics
+
+        await self.live.start(lambda: render_metrics(status_answer(self)))
 
     async def stop(self) -> None:
         """Stop the watchdog and the control socket (the group is ending). Idempotent."""
@@ -152,6 +172,7 @@ class Forensics:
             self._server_task = None
         if self.watcher is not None:
             await self.watcher.stop()
+        await self.live.stop()
         if self._server is not None:
             # Stop listening now; the socket's files go in cleanup() (file
             # I/O, off wait()'s path).
@@ -180,15 +201,36 @@ class Forensics:
             self._server.remove()
             self._server = None
         self.sampler.close()
+        self.live.close()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
+        self._forget_stacks()
         if self._own_dir and not self.dumper.count and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._own_dir:  # gone, or kept with stacks or a report; the guardian forgets it
+            prune_empty_dirs([self.log_dir])
 
     # -- what clients see -----------------------------------------------------
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now (see :class:`WorkerStatus`)."""
-        stalled = self.watcher.stalled if self.watcher is not None else (lambda rank: False)
-        return worker_statuses(self._state, self.sampler, stalled)
+        return worker_statuses(self._state, self.sampler, self.live)
+
+    @property
+    def started(self) -> float:
+        """When the group started (Unix time)."""
+        return self.live.started
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the metrics are served (``None``: nowhere)."""
+        return self.live.metrics_url
+
+    def events(self) -> AsyncIterator[Event]:
+        """The group's lifecycle events, its history first (``ctx.events()``)."""
+        return self._bus.iterate()
+
+    def attach(self, rank: int, timeout: float) -> AbstractAsyncContextManager[Session]:
+        """A pdb session with ``rank`` (:meth:`LiveView.attach`)."""
+        return self.live.attach(rank, timeout)
 
     async def dump(self, ranks: Sequence[int] | None, timeout: float) -> Dump:
         """A round of stack dumps (:meth:`StackDumper.dump`)."""
@@ -201,7 +243,9 @@ class Forensics:
         """
         timeout = check_dump_timeout("dump_stacks(timeout)", timeout)
         nprocs = self._state.nprocs
-        bad = [r for r in ranks or () if r not in range(nprocs)]
+        if ranks is not None and not isinstance(ranks, list | tuple | set | frozenset | range):
+            raise TypeError(f"dump_stacks(ranks={ranks!r}) must be a list of local ranks or None")
+        bad = [r for r in ranks or () if isinstance(r, bool) or r not in range(nprocs)]
         if bad:
             raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
         return (await self.dump(ranks, timeout)).stacks
@@ -238,4 +282,4 @@ def _group_dir(error_files: Mapping[int, str]) -> tuple[str, bool]:
     for path in error_files.values():
         if path and path != os.devnull:
             return os.path.dirname(os.path.dirname(path)), False
-    return tempfile.mkdtemp(prefix="aiolaunch_forensics_"), True
+    return make_temp_dir("aiolaunch_forensics_"), True

@@ -29,11 +29,22 @@ from ._workers._proc import parse_stat
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["RankActivity", "Sampler", "Watchdog"]
+__all__ = ["RankActivity", "Sampler", "Watchdog", "matches_every_line"]
 
 _ACTIONS = ("observe", "fail", "restart")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: the shortest window ``RankActivity.cpu_percent`` is measured over (seconds)
+CPU_WINDOW = 0.5
+
+
+def matches_every_line(pattern: str) -> bool:
+    """Whether ``pattern``, searched in each line, matches every line: it
+    matches the empty string (``""``, ``".*"``, ``"x?"``).
+
+    :raises re.error: not a regular expression.
+    """
+    return re.compile(pattern).search("") is not None
 
 
 @dataclass(frozen=True)
@@ -97,11 +108,17 @@ class Watchdog:
                     f"Watchdog(progress={self.progress!r}) must be a regular expression (a str)"
                 )
             try:
-                re.compile(self.progress)
+                every = matches_every_line(self.progress)
             except re.error as exc:
                 raise ValueError(
                     f"Watchdog(progress={self.progress!r}) is not a valid regular expression: {exc}"
                 ) from None
+            if every:
+                raise ValueError(
+                    f"Watchdog(progress={self.progress!r}) matches every line (it matches an "
+                    "empty one), so any output would count as progress; pass a pattern of "
+                    "your progress lines, e.g. progress=r'^step \\d+', or None for any output"
+                )
 
     @property
     def period(self) -> float:
@@ -133,6 +150,8 @@ class RankActivity:
         self.pid = pid
         self.last_output: float | None = None
         self.cpu_percent = 0.0
+        #: CPU seconds of the process (every thread) at the last reading
+        self.cpu_s = 0.0
         self.rss = 0
         self.state = "?"
         self._t = now
@@ -184,10 +203,16 @@ class RankActivity:
         if stat is None:
             return None
         cpu = (stat.utime + stat.stime) / _CLK_TCK  # every thread of the process
+        self.cpu_s = cpu
         dt = now - self._t
-        if self._cpu is not None and dt > 0:
-            self.cpu_percent = 100.0 * (cpu - self._cpu) / dt
-        self._t, self._cpu = now, cpu
+        # CPU time comes in clock ticks (10 ms): a percentage over less than
+        # CPU_WINDOW would be noise (two readers a few ms apart - top, a
+        # scrape, the watchdog - would see 0 % or 100 %), so the window only
+        # moves on once it is that long; until then the last figure stands.
+        if self._cpu is None or dt >= CPU_WINDOW:
+            if self._cpu is not None:
+                self.cpu_percent = 100.0 * (cpu - self._cpu) / dt
+            self._t, self._cpu = now, cpu
         self.state, self.rss = stat.state, stat.rss_pages * _PAGE
         if writes:
             wchar = self._wchar_now()

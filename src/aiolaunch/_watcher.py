@@ -27,6 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ._events import WorkerStalled
+from ._rates import StepRate
 from ._stacks import StackReport, rank_ranges
 from ._stall import Stall, StallDetector
 
@@ -56,6 +57,8 @@ class StallWatcher:
     :param emit: where :class:`WorkerStalled` goes (the event bus).
     :param restartable: whether a rank has a restart policy.
     :param write_report: writes the report now; returns its paths or ``None``.
+    :param paused: whether a rank is left alone now (an ``aiolaunch attach``
+        session holds it: it waits at a pdb prompt, which is no hang).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class StallWatcher:
         emit: Callable[[Event], None],
         restartable: Callable[[int], bool],
         write_report: Callable[[], tuple[str, str] | None],
+        paused: Callable[[int], bool] = lambda rank: False,
     ) -> None:
         self.watchdog = watchdog
         self._progress = re.compile(watchdog.progress) if watchdog.progress else None
@@ -78,7 +82,11 @@ class StallWatcher:
         self._emit = emit
         self._restartable = restartable
         self._write_report = write_report
+        self._paused = paused
         self._last_progress: dict[int, float] = {}
+        self._since = time.monotonic()
+        self._steps: dict[int, StepRate] = {}
+        self._stall_counts: dict[int, int] = {}
         self._detected: dict[int, float] = {}  # rank -> time.time() of its stall
         #: every stall seen, the latest per rank, with its place in the verdict
         self.stalls: dict[int, Stall] = {}
@@ -89,6 +97,7 @@ class StallWatcher:
 
     def start(self) -> None:
         """Start sampling."""
+        self._since = time.monotonic()
         self._tasks.append(asyncio.ensure_future(self._watch()))
 
     async def stop(self) -> None:
@@ -102,6 +111,18 @@ class StallWatcher:
     def stalled(self, rank: int) -> bool:
         """Whether ``rank`` is flagged now (and was not active since)."""
         return self.detector.flagged(rank)
+
+    def stall_count(self, rank: int) -> int:
+        """How many times ``rank`` was flagged."""
+        return self._stall_counts.get(rank, 0)
+
+    def steps(self, rank: int, now: float) -> tuple[int, float] | None:
+        """``(lines matching the progress regex, per second over the last
+        minute)`` of ``rank``; ``None`` without a regex."""
+        if self._progress is None:
+            return None
+        rate = self._steps.get(rank)
+        return (0, 0.0) if rate is None else (rate.total, rate.rate(now))
 
     def reported_stalls(self) -> list[Stall]:
         """The stalls for the report: ranks flagged now, and ranks failed for a stall."""
@@ -124,7 +145,11 @@ class StallWatcher:
     def line(self, rank: int, stream: str, text: str) -> None:
         """One line of ``rank``: progress if it matches the regex."""
         if self._progress is not None and self._progress.search(text) is not None:
-            self._last_progress[rank] = time.monotonic()
+            now = self._last_progress[rank] = time.monotonic()
+            rate = self._steps.get(rank)
+            if rate is None:
+                rate = self._steps[rank] = StepRate(since=self._since)
+            rate.add(now)
 
     # -- sampling -------------------------------------------------------------
 
@@ -137,7 +162,7 @@ class StallWatcher:
             newly: list[Stall] = []
             for w in self._state.workers():
                 rank = w.local_rank
-                if not w.alive or self._state.restarting(rank):
+                if not w.alive or self._state.restarting(rank) or self._paused(rank):
                     self.detector.forget(rank)
                     continue
                 sample = self._sampler.sample(rank, w.pid, now, writes=writes)
@@ -161,6 +186,7 @@ class StallWatcher:
     async def _on_stall(self, stalls: list[Stall]) -> None:
         wd = self.watchdog
         for s in stalls:
+            self._stall_counts[s.rank] = self._stall_counts.get(s.rank, 0) + 1
             self._emit(
                 WorkerStalled(rank=s.rank, time=time.monotonic(), idle_s=s.idle_s, reason=s.reason)
             )
@@ -217,6 +243,7 @@ class StallWatcher:
             s = Stall(rank, w.pid, round(idle, 3), reason, verdict.line_for(rank) or "")
             s = dataclasses.replace(s, stacks_file=files.get(rank, ""))
             self.detector.flag(rank)
+            self._stall_counts[rank] = self._stall_counts.get(rank, 0) + 1
             self._detected[rank] = time.time()
             self.stalls[rank] = s
             out.append(s)

@@ -1,10 +1,10 @@
-"""The control socket's clients: ``aiolaunch status|stacks|top [LOG_DIR]``.
+"""The control socket's clients: ``aiolaunch status|stacks|top|events|attach [LOG_DIR]``.
 
-One function per verb (``status_main``, ``stacks_main``, and the entry point
-of ``top``, whose code has a module of its own), each listed in :data:`VERBS`:
-a new verb is one function here and its entry there. They share finding the
-socket (``_live.find_socket``), one request (:func:`request`) and the error
-handling (:func:`_ask`). The server, the registry's writer side and
+One function per verb (``status_main``, ``stacks_main``, and the entry points
+of ``top``, ``events``, ``attach``, whose code has a module each), each listed
+in :data:`VERBS`: a new verb is one function here and its entry there. They
+share finding the socket (``_live.find_socket``), one request (:func:`request`)
+and the error handling (:func:`_ask`). The server, the registry's writer side and
 the wire format are in ``_control.py``, imported when a verb runs (so that
 ``aiolaunch --help`` and a launch do not pay for it).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VERBS",
+    "attach_main",
+    "events_main",
     "format_status",
     "request",
     "stacks_main",
@@ -66,12 +69,36 @@ def _parser(verb: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def _ask(verb: str, log_dir: str | None, req: dict[str, Any]) -> dict[str, Any] | None:
-    """The job's answer to ``req``; ``None`` once the error is printed."""
-    from ._live import find_socket
+def _seconds(text: str) -> float:
+    """A ``type`` for a duration: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds > 0 (finite); e.g. --timeout 5"
+        )
+    return value
+
+
+def _ask(
+    verb: str, log_dir: str | None, req: dict[str, Any], wait: float = 60.0
+) -> dict[str, Any] | None:
+    """The job's answer to ``req`` within ``wait`` seconds; ``None`` once the error is printed."""
+    from ._live import find_socket, permission_message
 
     try:
-        answer = request(find_socket(log_dir), req, timeout=60.0)
+        path = find_socket(log_dir)
+        try:
+            answer = request(path, req, timeout=wait)
+        except PermissionError:
+            raise PermissionError(permission_message(path)) from None
+        except ConnectionRefusedError:
+            raise ConnectionRefusedError(
+                f"{path} does not answer: its job ended without removing it (killed?); "
+                "no aiolaunch group is running there"
+            ) from None
     except (OSError, ValueError) as exc:
         print(f"aiolaunch {verb}: {exc}", file=sys.stderr)
         return None
@@ -131,9 +158,12 @@ def status_main(argv: Sequence[str]) -> int:
 def stacks_main(argv: Sequence[str]) -> int:
     """``aiolaunch stacks [LOG_DIR] [--json]``: dump every rank's stacks and the verdict."""
     p = _parser("stacks", "Dump every rank's Python stacks and name the outlier.")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per dump")
+    p.add_argument(
+        "--timeout", type=_seconds, default=5.0, help="seconds to wait per dump (default: 5)"
+    )
     args = p.parse_args(list(argv))
-    answer = _ask("stacks", args.log_dir, {"cmd": "stacks", "timeout": args.timeout})
+    req = {"cmd": "stacks", "timeout": args.timeout}
+    answer = _ask("stacks", args.log_dir, req, wait=60.0 + args.timeout)
     if answer is None:
         return 1
     if args.json:
@@ -155,9 +185,25 @@ def top_main(argv: Sequence[str]) -> int:
     return top_main(argv)
 
 
+def events_main(argv: Sequence[str]) -> int:
+    """``aiolaunch events [LOG_DIR] [--json]``: lifecycle events, live (``_events.py``)."""
+    from ._events import events_main
+
+    return events_main(argv)
+
+
+def attach_main(argv: Sequence[str]) -> int:
+    """``aiolaunch attach RANK [LOG_DIR]``: pdb inside a running rank (``_attach.py``)."""
+    from ._attach import attach_main
+
+    return attach_main(argv)
+
+
 VERBS: dict[str, Callable[[Sequence[str]], int]] = {
     "status": status_main,
     "stacks": stacks_main,
     "top": top_main,
+    "events": events_main,
+    "attach": attach_main,
 }
 """``aiolaunch VERB ...``: the client verbs, each its own ``main(argv) -> status``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,10 @@ class WorkerSpec:
         the agent's ``CUDA_VISIBLE_DEVICES``, else ``local_rank``), as torch.
     :param watchdog: a :class:`aiolaunch.Watchdog` for every attempt's group
         (a restarted group is watched again from scratch).
+    :param metrics_port: serve every attempt's Prometheus metrics on this
+        port (see :func:`aiolaunch.start_processes`; the port is bound again
+        for each attempt); ``None``: no metrics.
+    :param metrics_host: the address to serve them on (``127.0.0.1``).
     """
 
     role: str
@@ -98,6 +103,8 @@ class WorkerSpec:
     duplicate_stderr_filters: list[str] | None = None
     virtual_local_rank: bool = False
     watchdog: Watchdog | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         # Validate here, before anything starts: each message names the field
@@ -127,12 +134,18 @@ class WorkerSpec:
             or self.max_restarts < 0
         ):
             raise ValueError(f"max_restarts={self.max_restarts!r} must be an int >= 0")
-        if not isinstance(self.monitor_interval, int | float) or self.monitor_interval <= 0:
+        if (
+            isinstance(self.monitor_interval, bool)
+            or not isinstance(self.monitor_interval, int | float)
+            or not 0 < self.monitor_interval < math.inf
+        ):
             raise ValueError(
                 f"monitor_interval={self.monitor_interval!r} must be a number > 0 (seconds)"
             )
         if self.master_port is not None and (
-            not isinstance(self.master_port, int) or not 0 < self.master_port < 65536
+            isinstance(self.master_port, bool)
+            or not isinstance(self.master_port, int)
+            or not 0 < self.master_port < 65536
         ):
             raise ValueError(
                 f"master_port={self.master_port!r} must be an int in 1..65535, "
@@ -143,6 +156,10 @@ class WorkerSpec:
 
             if not isinstance(self.watchdog, Watchdog):
                 raise TypeError(f"watchdog={self.watchdog!r} must be an aiolaunch.Watchdog or None")
+        if self.metrics_port is not None:
+            from .._validate import check_port
+
+            check_port("metrics_port", self.metrics_port, zero=True)
         for what, value in (("redirects", self.redirects), ("tee", self.tee)):
             if isinstance(value, dict):
                 bad = [r for r in value if not isinstance(r, int) or r >= self.local_world_size]
