@@ -60,13 +60,16 @@ def test_failures_built_in_sequence_order_by_creation_to_the_sub_second() -> Non
 async def test_a_failure_is_timestamped_when_its_exit_was_detected(tmp_path: Path) -> None:
     """Not when the result is built: a peer that ignores SIGTERM delays that by the grace."""
     t0 = time.time()
+    ready = tmp_path / "trapped"
     async with aiolaunch.start_processes(
         name="ts",
         entrypoint="/bin/sh",
         args={
-            0: ("-c", "exit 3"),
+            # Fails once rank 1 ignores SIGTERM (a handshake: rank 0 exiting
+            # first would stop rank 1 before its trap).
+            0: ("-c", f"while [ ! -e '{ready}' ]; do sleep 0.01; done; exit 3"),
             # Outlives the fail-fast SIGTERM; SIGKILLed after the 1 s grace.
-            1: ("-c", "trap '' TERM; while :; do sleep 0.1; done"),
+            1: ("-c", f"trap '' TERM; : > '{ready}'; while :; do sleep 0.1; done"),
         },
         envs={0: {}, 1: {}},
         log_dir=str(tmp_path / "logs"),
