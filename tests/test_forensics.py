@@ -537,7 +537,7 @@ async def test_group_files_are_made_as_start_processes_returns(tmp_path: Path) -
 def test_register_makes_the_stacks_folder_a_worker_gets_to_first(tmp_path: Path) -> None:
     # A worker can run its bootstrap before the supervisor made the folder.
     folder = tmp_path / "later" / ".aiolaunch-stacks"
-    code = "import os; from aiolaunch._dump_handler import register; print(register(), os.getpid())"
+    code = "import os; from aiolaunch._workers._dump_handler import register; print(register(), os.getpid())"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(sys.path),

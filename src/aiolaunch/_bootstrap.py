@@ -9,7 +9,7 @@ the current folder for ``-m``), and the exit status is the program's (an
 uncaught exception: its traceback, without the bootstrap's frames, and
 status 1; ``sys.exit(n)``: ``n``).
 
-Before the program starts, :func:`aiolaunch._dump_handler.register` installs the
+Before the program starts, :func:`aiolaunch._workers._dump_handler.register` installs the
 stack-dump handler when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it).
 """
 
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
             "usage: python -m aiolaunch._bootstrap (script.py | -m module) [args...]\n"
         )
         raise SystemExit(2)
-    from aiolaunch._dump_handler import register
+    from aiolaunch._workers._dump_handler import register
 
     register()
     try:

@@ -1,10 +1,11 @@
 """Stack dumps of live workers, and the verdict on which rank is the odd one out.
 
-Worker side (:func:`register`, run by the function-worker bootstrap and by
-``python -m aiolaunch._bootstrap``): :mod:`faulthandler` is registered for
-:data:`DUMP_SIGNAL` (a real-time signal: Slurm and libkineto own SIGUSR1/2),
-appending every thread's stack to ``{dir}/{pid}.txt``, and a marker
-``{dir}/{pid}.ok`` is written *after* the handler is in place.
+Worker side (:mod:`._workers._dump_handler`, installed by the function-worker
+bootstrap and by ``python -m aiolaunch._bootstrap``): :mod:`faulthandler` is
+registered for :data:`DUMP_SIGNAL` (a real-time signal: Slurm and libkineto
+own SIGUSR1/2), appending every thread's stack to ``{dir}/{pid}.txt``; a
+Python handler for :data:`TASKS_SIGNAL` appends the asyncio tasks of the main
+thread's loop; a marker ``{dir}/{pid}.ok`` is written *after* both are in place.
 
 Supervisor side (:func:`dump_stacks`): a worker is signalled only when its
 marker exists, names its current process start time (a recycled pid is not
@@ -14,36 +15,63 @@ would terminate the process: those workers get an entry saying why instead
 (or a ``py-spy dump`` where py-spy is installed), never the signal.
 
 faulthandler writes from inside the signal handler, in C, so a main thread
-stuck in C code or holding the GIL still dumps. The supervisor knows a dump is
-complete when the file stops growing and ends with a newline.
+stuck in C code or holding the GIL still dumps. The supervisor knows a thread
+dump is complete when the file stops growing and ends with a newline. Ranks
+whose main thread then turns out to wait in an idle asyncio loop get the
+second signal, and their answer ends with :data:`TASKS_END`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._dump_handler import DUMP_SIGNAL, STACKS_DIR_ENV, register, start_time
+from ._dump_text import idle_loop_text, rank_where
+from ._workers._dump_handler import (
+    DUMP_SIGNAL,
+    STACKS_DIR_ENV,
+    TASKS_END,
+    TASKS_SIGNAL,
+    register,
+)
+from ._workers._proc import read_stat
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["DUMP_SIGNAL", "STACKS_DIR_ENV", "StackReport", "dump_stacks", "register"]
+__all__ = [
+    "DUMP_SIGNAL",
+    "STACKS_DIR_ENV",
+    "TASKS_SIGNAL",
+    "StackReport",
+    "dump_stacks",
+    "register",
+]
+
+#: At most this long for an idle asyncio loop's task dump (its handler runs
+#: as soon as the signal interrupts the loop's select()).
+_TASKS_TIMEOUT = 1.0
 
 
-def _sigcgt(pid: int) -> bool:
+def handles(pid: int, sig: int) -> bool:
+    """Whether ``/proc/<pid>/status`` shows a handler for ``sig`` (``SigCgt``)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if line.startswith(b"SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (DUMP_SIGNAL - 1) & 1)
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     except (OSError, ValueError):
         pass
     return False
+
+
+def start_time(pid: int) -> str | None:
+    """The process start time in clock ticks since boot: with the pid, one process."""
+    stat = read_stat(pid)
+    return None if stat is None else str(stat.starttime)
 
 
 def registered(directory: str, pid: int) -> str | None:
@@ -58,7 +86,7 @@ def registered(directory: str, pid: int) -> str | None:
         )
     if started and started != start_time(pid):
         return "not registered for stack dumps (its pid belongs to another process now)"
-    if not _sigcgt(pid):
+    if not handles(pid, DUMP_SIGNAL):
         return "no longer handles the dump signal (it exec'd another program?)"
     return None
 
@@ -85,55 +113,110 @@ async def _py_spy(pid: int, timeout: float) -> str | None:
     return f"(py-spy dump)\n{out.decode(errors='replace')}" if proc.returncode == 0 else None
 
 
-async def dump_stacks(directory: str, pids: Mapping[int, int], timeout: float) -> dict[int, str]:
+async def dump_stacks(
+    directory: str, pids: Mapping[int, int], timeout: float, *, fallback: bool = True
+) -> dict[int, str]:
     """Signal every registered worker in ``pids`` (``{rank: pid}``) at once; collect.
 
-    Returns ``{rank: text}`` for every rank: faulthandler's dump, or one line
+    Returns ``{rank: text}`` for every rank: faulthandler's dump (plus the
+    asyncio task section of a rank idle in its event loop), or one line
     starting with ``<`` that says why there is none (unregistered, exited,
-    no answer within ``timeout``).
+    no answer within ``timeout``). ``fallback``: ``py-spy dump`` an
+    unregistered worker where py-spy is installed (a process per worker: not
+    for periodic samples).
     """
     out: dict[int, str] = {}
-    offsets: dict[int, int] = {}
+    targets: dict[int, int] = {}
     for rank, pid in pids.items():
         why = registered(directory, pid)
-        if why is not None:
-            spy = await _py_spy(pid, timeout)
-            out[rank] = spy if spy is not None else f"<pid {pid} {why}>"
+        if why is None:
+            targets[rank] = pid
             continue
-        path = os.path.join(directory, f"{pid}.txt")
-        try:
-            offsets[rank] = os.stat(path).st_size
-            os.kill(pid, DUMP_SIGNAL)
-        except (OSError, ProcessLookupError):
-            out[rank] = f"<pid {pid} has exited>"
+        spy = await _py_spy(pid, timeout) if fallback else None
+        out[rank] = spy if spy is not None else f"<pid {pid} {why}>"
     deadline = time.monotonic() + timeout
-    sizes: dict[int, int] = {}
-    pending = dict(offsets)
-    while pending:
-        # faulthandler writes the whole dump from its signal handler, usually in
-        # well under a millisecond; a file that stopped growing and ends in a
-        # newline is complete.
-        await asyncio.sleep(0.005)  # allowed: no completion event exists for a dump
-        for rank in list(pending):
-            pid = pids[rank]
-            size = _size(os.path.join(directory, f"{pid}.txt"))
-            if size > pending[rank] and size == sizes.get(rank):
-                text = _read_from(os.path.join(directory, f"{pid}.txt"), pending[rank])
-                if text.endswith("\n"):
-                    out[rank] = text
-                    del pending[rank]
-                    continue
-            sizes[rank] = size
-        if time.monotonic() > deadline:
-            for rank in pending:
-                pid = pids[rank]
-                partial = _read_from(os.path.join(directory, f"{pid}.txt"), pending[rank])
-                out[rank] = partial or (
-                    f"<pid {pids[rank]} did not answer within {timeout:g}s "
-                    "(stopped, or in uninterruptible sleep)>"
-                )
-            break
+    texts = await _collect(directory, targets, DUMP_SIGNAL, deadline, _thread_dump_done)
+    for rank, pid in targets.items():
+        text = texts.get(rank)
+        out[rank] = text or (
+            f"<pid {pid} did not answer within {timeout:g}s (stopped, or in uninterruptible sleep)>"
+        )
+    idle = {
+        rank: pid
+        for rank, pid in targets.items()
+        if idle_loop_text(texts.get(rank, "")) and handles(pid, TASKS_SIGNAL)
+    }
+    if idle:
+        bound = min(deadline, time.monotonic() + _TASKS_TIMEOUT)
+        tasks = await _collect(directory, idle, TASKS_SIGNAL, bound, _tasks_done)
+        for rank, text in tasks.items():
+            if _tasks_done(text):
+                out[rank] += text
     return {rank: out[rank] for rank in sorted(out)}
+
+
+def _thread_dump_done(text: str) -> bool:
+    # faulthandler writes a dump line by line from its signal handler and has
+    # no end marker; a worker preempted mid-dump stops growing for a while,
+    # so "stopped growing" alone would cut a dump under load. The main
+    # thread comes last, and its outermost frame is the program's: <module>
+    # (a script, -c, a spawned child) or runpy's _run_module_as_main (-m);
+    # "..." ends a dump cut at faulthandler's depth or thread limits.
+    if not text.endswith("\n"):
+        return False
+    last = text[text.rstrip("\n").rfind("\n") + 1 :].strip()
+    return last.endswith((" in <module>", " in _run_module_as_main")) or last in (
+        "...",
+        "<no Python frame>",
+    )
+
+
+def _tasks_done(text: str) -> bool:
+    return text.rstrip().endswith(TASKS_END)
+
+
+#: A dump that stopped growing for this long without its known end is
+#: taken as complete (a main thread with an unusual outermost frame).
+_QUIET_S = 0.2
+
+
+async def _collect(
+    directory: str, pids: Mapping[int, int], sig: int, deadline: float,
+    done: Callable[[str], bool],
+) -> dict[int, str]:  # fmt: skip
+    """Send ``sig`` to every pid; ``{rank: what its file grew by}``: once it
+    stopped growing and is ``done`` (or has not grown for :data:`_QUIET_S`),
+    or whatever came by ``deadline``."""
+    offsets: dict[int, int] = {}
+    for rank, pid in pids.items():
+        try:
+            offsets[rank] = os.stat(os.path.join(directory, f"{pid}.txt")).st_size
+            os.kill(pid, sig)
+        except OSError:  # gone (ProcessLookupError), or its file is
+            offsets.pop(rank, None)
+    out: dict[int, str] = {}
+    sizes: dict[int, tuple[int, float]] = {}  # rank: (size, since when)
+    pause = 0.001
+    while offsets:
+        await asyncio.sleep(pause)  # allowed: no completion event exists for a dump
+        pause = min(pause * 2, 0.01)
+        now = time.monotonic()
+        last = now > deadline
+        for rank in list(offsets):
+            path = os.path.join(directory, f"{pids[rank]}.txt")
+            size = _size(path)
+            prev, since = sizes.get(rank, (-1, now))
+            if size != prev:
+                sizes[rank] = (size, now)
+                if not last:
+                    continue  # nothing yet, or still growing: look again
+            if size <= offsets[rank] and not last:
+                continue
+            text = _read_from(path, offsets[rank]) if size > offsets[rank] else ""
+            if last or done(text) or now - since >= _QUIET_S:
+                out[rank] = text
+                del offsets[rank]
+    return out
 
 
 def _size(path: str) -> int:
@@ -153,45 +236,6 @@ def _read_from(path: str, offset: int) -> str:
 
 
 # -- the verdict -------------------------------------------------------------
-
-_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<func>.*)$')
-_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
-# py-spy's format: 'Thread 123 (idle): "MainThread"' then '    func (file.py:41)'
-_SPY_THREAD = re.compile(r"^Thread (0x)?[0-9a-fA-F]+ .*:")
-_SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^()]+):(?P<line>\d+)\)$")
-#: innermost frames of the main thread that identify "where a rank is"
-_DEPTH = 3
-
-
-def _main_thread_frames(text: str) -> list[tuple[str, str, str]]:
-    """Frames (func, file basename, line) of the main thread, innermost first.
-
-    CPython lists the newest thread first, so the main thread is the last
-    block of a faulthandler dump; py-spy names it ``"MainThread"``.
-    """
-    blocks: list[list[tuple[str, str, str]]] = []
-    main: list[tuple[str, str, str]] | None = None
-    for line in text.splitlines():
-        if _THREAD.match(line) or line.startswith("Stack (most recent call first)"):
-            blocks.append([])
-            continue
-        if _SPY_THREAD.match(line):
-            blocks.append([])
-            if '"MainThread"' in line:
-                main = blocks[-1]
-            continue
-        m = _FRAME.match(line) or _SPY_FRAME.match(line)
-        if m:
-            if not blocks:
-                blocks.append([])
-            blocks[-1].append((m["func"], os.path.basename(m["file"]), m["line"]))
-    if main is not None:
-        return main
-    return blocks[-1] if blocks else []
-
-
-def _where(frames: list[tuple[str, str, str]]) -> str:
-    return " <- ".join(f"{func} ({file}:{line})" for func, file, line in frames[:_DEPTH])
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -217,6 +261,9 @@ class StackReport:
     ``groups``: ``[(ranks, summary), ...]``, the largest group first, where
     ``summary`` names the innermost frames of the main thread (``func
     (file:line) <- caller (file:line)``), or the reason a rank has no dump.
+    An asyncio rank whose main thread waits in its idle event loop is placed
+    by its deepest task's await chain instead (``task: load_batch (data.py:41)
+    <- step (train.py:9)``): every asyncio rank waits in that same loop.
     ``outliers``: ranks outside the one largest group (empty when every rank
     is in one place, or when no group is larger than all others: then there
     is no majority to differ from). ``str(report)`` is the readable form::
@@ -233,14 +280,7 @@ class StackReport:
         """Build the report from :meth:`PContext.dump_stacks`'s ``{rank: text}``."""
         by_where: dict[str, list[int]] = {}
         for rank in sorted(dumps):
-            text = dumps[rank]
-            frames = _main_thread_frames(text)
-            if frames:
-                where = _where(frames)
-            else:
-                first = text.strip().splitlines()[0] if text.strip() else "<empty dump>"
-                where = first if first.startswith("<") else "<no Python frames>"
-            by_where.setdefault(where, []).append(rank)
+            by_where.setdefault(rank_where(dumps[rank]), []).append(rank)
         groups = sorted(
             ((ranks, where) for where, ranks in by_where.items()), key=lambda g: (-len(g[0]), g[0])
         )

@@ -28,9 +28,11 @@ import os
 import re
 from dataclasses import dataclass
 
-from ._workers._proc import ProcStat, parse_stat, read_proc_file, read_stat
+from ._descendants import Descendants
+from ._stall_rule import RankSample
+from ._workers._proc import parse_stat
 
-__all__ = ["ProcSample", "RankActivity", "Watchdog", "read_proc"]
+__all__ = ["RankActivity", "Watchdog", "wchan"]
 
 _ACTIONS = ("observe", "fail", "restart")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -112,39 +114,6 @@ class Watchdog:
         return min(max(1.0, self.stall_after / 10), 30.0)
 
 
-@dataclass(frozen=True)
-class ProcSample:
-    """One reading of ``/proc/<pid>``."""
-
-    state: str
-    cpu_s: float
-    rss: int
-    wchar: int | None
-
-
-def read_proc(pid: int, with_io: bool = True) -> ProcSample | None:
-    """Read ``/proc/<pid>/stat`` (and ``io``); ``None`` when the process is gone."""
-    stat = read_stat(pid)
-    if stat is None:
-        return None
-    return _sample(stat, _read_wchar(pid) if with_io else None)
-
-
-def _parse_stat(raw: bytes, wchar: int | None) -> ProcSample | None:
-    stat = parse_stat(raw)
-    return None if stat is None else _sample(stat, wchar)
-
-
-def _sample(stat: ProcStat, wchar: int | None) -> ProcSample:
-    cpu = (stat.utime + stat.stime) / _CLK_TCK
-    return ProcSample(stat.state, cpu, stat.rss_pages * _PAGE, wchar)
-
-
-def _read_wchar(pid: int) -> int | None:
-    data = read_proc_file(pid, "io", 1024)
-    return None if data is None else _parse_wchar(data)
-
-
 def _parse_wchar(data: bytes) -> int | None:
     i = data.find(b"wchar:")
     if i < 0:
@@ -163,7 +132,16 @@ def wchan(pid: int) -> str:
 
 
 class RankActivity:
-    """Activity bookkeeping of one worker process between samples."""
+    """Activity bookkeeping of one worker process between samples.
+
+    Each :meth:`sample` reads the main thread's CPU (``schedstat``), the whole
+    process's (``stat``: every thread, plus the children it reaped) and its
+    writes (``io``), and - only while the process's own threads are idle -
+    its live descendants' (:class:`Descendants`). What the interval showed is
+    :attr:`interval` (a :class:`RankSample` without a stack, for the stall
+    rule); :attr:`last_active` is the end of the last interval with output or
+    with any CPU in the whole worker.
+    """
 
     def __init__(self, pid: int, now: float) -> None:
         self.pid = pid
@@ -172,9 +150,13 @@ class RankActivity:
         self.cpu_percent = 0.0
         self.rss = 0
         self.state = "?"
+        #: what the last sample saw, since the one before
+        self.interval = RankSample()
         self._t = now
-        self._cpu: float | None = None
+        self._main: float | None = None
+        self._whole: float | None = None
         self._wchar: int | None = None
+        self._discount = 0
         #: a progress line matched since the last sample
         self.progressed = False
         # /proc/<pid>/stat and io kept open and re-read with pread(): a third
@@ -182,6 +164,7 @@ class RankActivity:
         # read a recycled pid: it fails with ESRCH once the process is gone).
         self._fds: dict[str, int | None] = {}
         self._schedstat = True
+        self._descendants = Descendants(pid, _CLK_TCK)
 
     def _pread(self, name: str, size: int) -> bytes | None:
         fd = self._fds.get(name, -1)
@@ -209,6 +192,7 @@ class RankActivity:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._fds.clear()
+        self._descendants.close()
 
     def _wchar_now(self) -> int | None:
         data = self._pread("io", 1024)
@@ -217,55 +201,83 @@ class RankActivity:
     def refresh_stat(self) -> bool:
         """Read state and RSS from ``/proc/<pid>/stat``; ``False`` if it is gone."""
         raw = self._pread("stat", 4096)
-        s = None if raw is None else _parse_stat(raw, None)
+        s = None if raw is None else parse_stat(raw)
         if s is None:
             return False
-        self.state, self.rss = s.state, s.rss
+        self.state, self.rss = s.state, s.rss_pages * _PAGE
         return True
 
-    def _cpu_now(self) -> float | None:
-        # schedstat (CPU time in ns) is three times cheaper to read than stat.
+    def _cpu_now(self) -> tuple[float, float | None] | None:
+        """``(whole process incl. reaped children, main thread or None)`` CPU
+        seconds; ``None`` when the process is gone."""
+        raw = self._pread("stat", 4096)
+        s = None if raw is None else parse_stat(raw)
+        if s is None:
+            return None
+        whole = (s.utime + s.stime + s.cutime + s.cstime) / _CLK_TCK
+        main = None
         if self._schedstat:
-            raw = self._pread("schedstat", 128)
+            raw = self._pread("schedstat", 128)  # the main thread's, in ns
             if raw:
                 with contextlib.suppress(ValueError):
-                    return int(raw.split(None, 1)[0]) / 1e9
-        raw = self._pread("stat", 4096)
-        s = None if raw is None else _parse_stat(raw, None)
-        if s is None:
-            return None  # gone
-        self._schedstat = False  # the process is there, its schedstat is not
-        return s.cpu_s
+                    main = int(raw.split(None, 1)[0]) / 1e9
+            if main is None:
+                self._schedstat = False  # the process is there, its schedstat is not
+        return whole, main
 
-    def sample(self, now: float, *, progress: bool) -> bool:
-        """Take a sample; update activity. ``False`` when the process is gone.
+    def sample(self, now: float, *, progress: bool, output: bool = False) -> bool:
+        """Take a sample; update :attr:`interval` and activity. ``False`` when
+        the process is gone.
 
-        State and RSS are not read here (see :meth:`refresh_stat`): a process
-        in D state has no CPU and no output anyway, so it is caught as idle.
+        ``output``: read the writes even when the CPU already says "active"
+        (the stall rule of a sampled rank needs both). State and RSS are not
+        read here (see :meth:`refresh_stat`): a process in D state has no CPU
+        and no output anyway, so it is caught as idle.
         """
         cpu = self._cpu_now()
         if cpu is None:
             return False
+        whole, main = cpu
         dt = now - self._t
-        busy = False
-        if self._cpu is not None and dt > 0:
-            used = cpu - self._cpu
+        floor = CPU_BUSY_FRACTION * dt
+        main_busy = helpers_busy = False
+        used = 0.0
+        if self._whole is not None and dt > 0:
+            used = max(0.0, whole - self._whole)
+            if main is not None and self._main is not None:
+                main_used = main - self._main
+                main_busy = main_used >= floor
+                helpers_busy = used - main_used >= floor
+            else:
+                main_busy = used >= floor  # one number for every thread
+        if self._whole is not None and dt > 0 and not main_busy and not helpers_busy:
+            # The process's own threads rest: do its descendants work?
+            helpers = self._descendants.look(now)
+            used += helpers.cpu_s
+            helpers_busy = helpers.cpu_s >= floor or helpers.wrote
+        if dt > 0 and self._whole is not None:
             self.cpu_percent = 100.0 * used / dt
-            busy = used >= CPU_BUSY_FRACTION * dt
+        busy = main_busy or helpers_busy
         wrote = False
         if not progress:
-            # Skip the second read when the CPU already says "active".
-            wchar = None if busy and self._wchar is not None else self._wchar_now()
+            # Skip the read when the CPU already says "active", unless asked.
+            skip = busy and not output and self._wchar is not None
+            wchar = None if skip else self._wchar_now()
             if wchar is not None:
-                wrote = self._wchar is not None and wchar != self._wchar
-                self._wchar = wchar
+                if self._wchar is not None:
+                    wrote = wchar - self._wchar > self._discount
+                self._wchar, self._discount = wchar, 0
         else:
             wrote, self.progressed = self.progressed, False
         if wrote:
             self.last_output = now
         if busy or wrote:
             self.last_active = now
-        self._t, self._cpu = now, cpu
+        self.interval = RankSample(
+            output=wrote, main_busy=main_busy, helpers_busy=helpers_busy,
+            cpu_percent=round(self.cpu_percent, 1),
+        )  # fmt: skip
+        self._t, self._whole, self._main = now, whole, main
         return True
 
     @property
@@ -278,6 +290,11 @@ class RankActivity:
         if self.last_output is None or when > self.last_output:
             self.last_output = when
         self.last_active = max(self.last_active, when)
+
+    def discount(self, nbytes: int) -> None:
+        """The worker wrote ``nbytes`` of a stack dump since the last sample:
+        not output."""
+        self._discount += nbytes
 
     def rebase(self) -> None:
         """Forget writes made since the last sample (our own stack dump, say)."""

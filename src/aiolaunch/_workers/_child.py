@@ -182,7 +182,7 @@ def run_worker(spec: ChildSpec) -> None:
     _redirect(spec)
     _reset_asyncio_after_fork()
     os.environ.update(spec.env)
-    from .._dump_handler import register
+    from ._dump_handler import register
 
     register()  # stack dumps on request (before user code: a hang can come early)
     try:

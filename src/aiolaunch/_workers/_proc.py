@@ -115,6 +115,9 @@ class ProcStat(NamedTuple):
     starttime: int
     #: resident set size, in pages
     rss_pages: int
+    #: CPU time of its reaped children (those it waited for), in clock ticks
+    cutime: int = 0
+    cstime: int = 0
 
     @property
     def alive(self) -> bool:
@@ -161,6 +164,8 @@ def parse_stat(raw: bytes) -> ProcStat | None:
             stime=int(fields[12]),
             starttime=int(fields[19]),
             rss_pages=int(fields[21]),
+            cutime=int(fields[13]),
+            cstime=int(fields[14]),
         )
     except ValueError:
         return None
