@@ -96,7 +96,7 @@ def fisher_less(k: int, n: int, total_k: int, total_n: int) -> float:
     base = _lchoose(total_n, n)
     p = sum(
         math.exp(_lchoose(total_k, x) + _lchoose(total_n - total_k, n - x) - base)
-        for x in range(lo, k + 1)
+        for x in range(lo, min(k, total_k) + 1)
     )
     return min(1.0, p)
 
