@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ._events import WorkerRestarting as WorkerRestarting
     from ._events import WorkerStalled as WorkerStalled
     from ._events import WorkerStarted as WorkerStarted
+    from ._events import WorkerStraggling as WorkerStraggling
     from ._kinds import MultiprocessContext as MultiprocessContext
     from ._kinds import SubprocessContext as SubprocessContext
     from ._logs import set_console_hook as set_console_hook
@@ -90,6 +91,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerRestarting": "._events",
     "WorkerStalled": "._events",
     "WorkerStarted": "._events",
+    "WorkerStraggling": "._events",
     "WorkerStatus": "._control",
     "free_port": "._api",
     "launch": "._api",
@@ -130,6 +132,7 @@ __all__ = [
     "WorkerStalled",
     "WorkerStarted",
     "WorkerStatus",
+    "WorkerStraggling",
     "__version__",
     "free_port",
     "launch",

@@ -81,6 +81,7 @@ class Watchdog:
     stall_after: float = 600.0
     progress: str | None = None
     action: str = "fail"
+    stragglers: float | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -91,6 +92,15 @@ class Watchdog:
         ):
             raise ValueError(
                 f"Watchdog(stall_after={self.stall_after!r}) must be a number of seconds > 0"
+            )
+        if self.stragglers is not None and (
+            isinstance(self.stragglers, bool)
+            or not isinstance(self.stragglers, int | float)
+            or not 0.1 <= self.stragglers < float("inf")
+        ):
+            raise ValueError(
+                f"Watchdog(stragglers={self.stragglers!r}) must be a stack-sample period in "
+                "seconds >= 0.1, or None (off)"
             )
         if self.action not in _ACTIONS:
             raise ValueError(

@@ -378,17 +378,32 @@ def _watchdog(args: argparse.Namespace) -> Any:
         for flag, value in (
             ("--on-stall", args.on_stall),
             ("--progress-regex", args.progress_regex),
+            ("--straggler-sample", args.straggler_sample),
         ):
             if value is not None:
                 raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
         return None
     from .._watchdog import Watchdog
 
-    return Watchdog(
-        stall_after=float(args.stall_timeout),
-        progress=args.progress_regex or None,
-        action=args.on_stall or "fail",
-    )
+    try:
+        return Watchdog(
+            stall_after=float(args.stall_timeout),
+            progress=args.progress_regex or None,
+            action=args.on_stall or "fail",
+            stragglers=None if args.straggler_sample is None else float(args.straggler_sample),
+        )
+    except ValueError as exc:  # name the flag, not the field
+        text = str(exc)
+        for field, flag in (
+            ("Watchdog(stall_after=", "--stall-timeout "),
+            ("Watchdog(progress=", "--progress-regex "),
+            ("Watchdog(stragglers=", "--straggler-sample "),
+        ):
+            end = max(text.rfind(") must "), text.rfind(") is not "))
+            if text.startswith(field) and end > 0:
+                value, rest = text[len(field) : end], text[end + 1 :]
+                raise ValueError(f"{flag}{value}{rest}".replace(", or None (off)", "")) from None
+        raise
 
 
 def _std(std_cls: Any, flag: str, value: str) -> Any:
