@@ -1,13 +1,15 @@
 """What a worker's descendants do: CPU and writes of DataLoader workers, a child
 it waits on, the Python behind a shell wrapper. Linux ``/proc`` only.
 
-Found through ``/proc/<pid>/task/<tid>/children`` (every thread's children,
-recursively), which costs a read per thread: so the tree is looked up again
-only every :data:`RESCAN_S` seconds (or when one of them is gone), and read at
-all only while the worker itself looks idle (the caller's choice: a worker
-whose own threads work needs no helpers to look active). Each descendant's
-``stat`` and ``io`` are kept open and re-read with ``pread``; one born since
-the previous look counts from its second look on.
+Read only while the worker's own threads rest (the caller's choice: a worker
+whose threads work needs no helpers to look active). Each :meth:`look` reads
+the children of the worker's main thread and of every known descendant's
+(``/proc/<pid>/task/<pid>/children``, held open: one ``pread`` each, and
+just that for a worker with no children) and each known descendant's ``stat``
+and ``io``. Children that a *helper thread* started hang off that thread
+instead; a ``full`` look (the caller asks when a rank has rested for a while,
+at most every :data:`RESCAN_S`) reads every thread's children file. A
+descendant counts from its second look on (its first reading is the base).
 """
 
 from __future__ import annotations
@@ -15,16 +17,15 @@ from __future__ import annotations
 import contextlib
 import os
 
-from ._workers._proc import parse_stat
-
 __all__ = ["Descendants", "HelperActivity"]
 
-#: Seconds between two lookups of a worker's tree.
+#: Seconds between two full lookups of a worker's tree.
 RESCAN_S = 10.0
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
 
 class HelperActivity:
-    """CPU seconds and written bytes of the descendants, since the previous look."""
+    """CPU seconds and whether they wrote, since the previous look."""
 
     __slots__ = ("cpu_s", "wrote")
 
@@ -33,13 +34,22 @@ class HelperActivity:
         self.wrote = wrote
 
 
-class _Proc:
-    __slots__ = ("cpu", "io_fd", "stat_fd", "wchar")
+_NOTHING = HelperActivity()
 
-    def __init__(self, stat_fd: int, io_fd: int | None) -> None:
-        self.stat_fd, self.io_fd = stat_fd, io_fd
+
+class _Proc:
+    __slots__ = ("children_fd", "cpu", "io_fd", "stat_fd", "wchar")
+
+    def __init__(self, pid: int) -> None:
+        self.stat_fd = os.open(f"/proc/{pid}/stat", _FLAGS)
+        self.io_fd = _open(f"/proc/{pid}/io")
+        self.children_fd = _open(f"/proc/{pid}/task/{pid}/children")
         self.cpu: float | None = None
         self.wchar: int | None = None
+
+    def close(self) -> None:
+        for fd in (self.stat_fd, self.io_fd, self.children_fd):
+            _close(fd)
 
 
 class Descendants:
@@ -49,69 +59,78 @@ class Descendants:
         self.pid = pid
         self._tck = clk_tck
         self._procs: dict[int, _Proc] = {}
-        self._scanned: float | None = None
+        self._children_fd: int | None = -1  # the worker's main thread's (-1: not opened)
+        self._full: float | None = None
 
     def close(self) -> None:
         """Close every held fd. Idempotent."""
         for p in self._procs.values():
-            _close(p.stat_fd)
-            _close(p.io_fd)
+            p.close()
         self._procs.clear()
-        self._scanned = None
+        if self._children_fd is not None and self._children_fd >= 0:
+            _close(self._children_fd)
+        self._children_fd = -1
 
-    def look(self, now: float) -> HelperActivity:
+    def look(self, now: float, *, full: bool = False) -> HelperActivity:
         """What the descendants did since the previous look (nothing at the first)."""
-        if self._scanned is None or now - self._scanned >= RESCAN_S:
-            self._rescan(now)
+        if full and (self._full is None or now - self._full >= RESCAN_S):
+            self._full = now
+            found = _tree(self.pid)
+        else:
+            if self._children_fd == -1:
+                self._children_fd = _open(f"/proc/{self.pid}/task/{self.pid}/children")
+            kids = _children(self._children_fd)
+            if not kids and not self._procs:
+                return _NOTHING  # the usual case: one pread
+            found = self._quick_tree(kids)
+        for pid in [p for p in self._procs if p not in found]:
+            self._procs.pop(pid).close()
         out = HelperActivity()
-        gone: list[int] = []
-        for pid, p in self._procs.items():
-            try:
-                stat = parse_stat(os.pread(p.stat_fd, 4096, 0))
-            except OSError:
-                stat = None
-            if stat is None or not stat.alive:
-                gone.append(pid)
-                continue
-            cpu = (stat.utime + stat.stime) / self._tck
-            if p.cpu is not None:
-                out.cpu_s += max(0.0, cpu - p.cpu)
-            p.cpu = cpu
-            if p.io_fd is not None:
-                wchar = _wchar(p.io_fd)
-                if wchar is not None:
-                    out.wrote |= p.wchar is not None and wchar != p.wchar
-                    p.wchar = wchar
-        for pid in gone:
-            p = self._procs.pop(pid)
-            _close(p.stat_fd)
-            _close(p.io_fd)
-            self._scanned = None  # the tree changed: look it up again next time
+        for pid in found:
+            p = self._procs.get(pid)
+            if p is None:
+                try:
+                    p = self._procs[pid] = _Proc(pid)
+                except OSError:  # gone already, or out of fds: skip it
+                    continue
+            if not self._read(p, out):
+                self._procs.pop(pid).close()
         return out
 
-    def _rescan(self, now: float) -> None:
-        self._scanned = now
-        found = _tree(self.pid)
-        for pid in list(self._procs):
-            if pid not in found:
-                p = self._procs.pop(pid)
-                _close(p.stat_fd)
-                _close(p.io_fd)
-        for pid in found:
-            if pid in self._procs:
+    def _read(self, p: _Proc, out: HelperActivity) -> bool:
+        try:
+            raw = os.pread(p.stat_fd, 4096, 0)
+            fields = raw[raw.rfind(b")") + 2 :].split(None, 13)
+            if fields[0] in (b"Z", b"X"):
+                return False
+            cpu = (int(fields[11]) + int(fields[12])) / self._tck
+        except (OSError, ValueError, IndexError):
+            return False  # gone (a held fd reads ESRCH then)
+        if p.cpu is not None:
+            out.cpu_s += max(0.0, cpu - p.cpu)
+        p.cpu = cpu
+        wchar = _wchar(p.io_fd)
+        if wchar is not None:
+            out.wrote |= p.wchar is not None and wchar != p.wchar
+            p.wchar = wchar
+        return True
+
+    def _quick_tree(self, kids: list[int]) -> set[int]:
+        found: set[int] = set()
+        stack = [*kids, *self._procs]
+        while stack:
+            pid = stack.pop()
+            if pid in found or pid == self.pid:
                 continue
-            try:
-                stat_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:  # gone already, or out of fds: skip it
-                continue
-            try:
-                io_fd: int | None = os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                io_fd = None
-            self._procs[pid] = _Proc(stat_fd, io_fd)
+            found.add(pid)
+            p = self._procs.get(pid)
+            if p is not None:
+                stack += _children(p.children_fd)
+        return found
 
 
 def _tree(pid: int) -> set[int]:
+    """Every descendant, through every thread's children file."""
     found: set[int] = set()
     stack = [pid]
     while stack:
@@ -134,13 +153,34 @@ def _tree(pid: int) -> set[int]:
     return found
 
 
-def _wchar(fd: int) -> int | None:
+def _children(fd: int | None) -> list[int]:
+    if fd is None or fd < 0:
+        return []
+    try:
+        data = os.pread(fd, 4096, 0)
+        if len(data) == 4096:  # hundreds of children: read them all
+            data = os.pread(fd, 1 << 20, 0)
+        return [int(k) for k in data.split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _wchar(fd: int | None) -> int | None:
+    if fd is None:
+        return None
     try:
         data = os.pread(fd, 1024, 0)
+        i = data.find(b"wchar:")
+        return None if i < 0 else int(data[i + 6 : data.index(b"\n", i)])
+    except (OSError, ValueError):
+        return None
+
+
+def _open(path: str) -> int | None:
+    try:
+        return os.open(path, _FLAGS)
     except OSError:
         return None
-    i = data.find(b"wchar:")
-    return None if i < 0 else int(data[i + 6 : data.index(b"\n", i)])
 
 
 def _close(fd: int | None) -> None:

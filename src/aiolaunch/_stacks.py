@@ -44,11 +44,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DUMP_SIGNAL",
+    "QUIET_S",
     "STACKS_DIR_ENV",
     "TASKS_SIGNAL",
     "StackReport",
     "dump_stacks",
     "register",
+    "registered",
+    "tasks_done",
+    "thread_dump_done",
 ]
 
 #: At most this long for an idle asyncio loop's task dump (its handler runs
@@ -135,7 +139,7 @@ async def dump_stacks(
         spy = await _py_spy(pid, timeout) if fallback else None
         out[rank] = spy if spy is not None else f"<pid {pid} {why}>"
     deadline = time.monotonic() + timeout
-    texts = await _collect(directory, targets, DUMP_SIGNAL, deadline, _thread_dump_done)
+    texts = await _collect(directory, targets, DUMP_SIGNAL, deadline, thread_dump_done)
     for rank, pid in targets.items():
         text = texts.get(rank)
         out[rank] = text or (
@@ -148,14 +152,14 @@ async def dump_stacks(
     }
     if idle:
         bound = min(deadline, time.monotonic() + _TASKS_TIMEOUT)
-        tasks = await _collect(directory, idle, TASKS_SIGNAL, bound, _tasks_done)
+        tasks = await _collect(directory, idle, TASKS_SIGNAL, bound, tasks_done)
         for rank, text in tasks.items():
-            if _tasks_done(text):
+            if tasks_done(text):
                 out[rank] += text
     return {rank: out[rank] for rank in sorted(out)}
 
 
-def _thread_dump_done(text: str) -> bool:
+def thread_dump_done(text: str) -> bool:
     # faulthandler writes a dump line by line from its signal handler and has
     # no end marker; a worker preempted mid-dump stops growing for a while,
     # so "stopped growing" alone would cut a dump under load. The main
@@ -171,13 +175,13 @@ def _thread_dump_done(text: str) -> bool:
     )
 
 
-def _tasks_done(text: str) -> bool:
+def tasks_done(text: str) -> bool:
     return text.rstrip().endswith(TASKS_END)
 
 
 #: A dump that stopped growing for this long without its known end is
 #: taken as complete (a main thread with an unusual outermost frame).
-_QUIET_S = 0.2
+QUIET_S = 0.2
 
 
 async def _collect(
@@ -185,8 +189,8 @@ async def _collect(
     done: Callable[[str], bool],
 ) -> dict[int, str]:  # fmt: skip
     """Send ``sig`` to every pid; ``{rank: what its file grew by}``: once it
-    stopped growing and is ``done`` (or has not grown for :data:`_QUIET_S`),
-    or whatever came by ``deadline``."""
+    is ``done``, or has not grown for :data:`QUIET_S`, or whatever came by
+    ``deadline``."""
     offsets: dict[int, int] = {}
     for rank, pid in pids.items():
         try:
@@ -196,10 +200,10 @@ async def _collect(
             offsets.pop(rank, None)
     out: dict[int, str] = {}
     sizes: dict[int, tuple[int, float]] = {}  # rank: (size, since when)
-    pause = 0.001
+    pause = 0.002
     while offsets:
         await asyncio.sleep(pause)  # allowed: no completion event exists for a dump
-        pause = min(pause * 2, 0.01)
+        pause = min(pause * 2, 0.02)
         now = time.monotonic()
         last = now > deadline
         for rank in list(offsets):
@@ -208,12 +212,10 @@ async def _collect(
             prev, since = sizes.get(rank, (-1, now))
             if size != prev:
                 sizes[rank] = (size, now)
-                if not last:
-                    continue  # nothing yet, or still growing: look again
             if size <= offsets[rank] and not last:
-                continue
+                continue  # nothing yet
             text = _read_from(path, offsets[rank]) if size > offsets[rank] else ""
-            if last or done(text) or now - since >= _QUIET_S:
+            if last or done(text) or (size == prev and now - since >= QUIET_S):
                 out[rank] = text
                 del offsets[rank]
     return out

@@ -39,6 +39,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: CPU time below this fraction of one core between samples is "not advancing"
 CPU_BUSY_FRACTION = 0.10
+_IDLE = RankSample()
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,10 @@ class RankActivity:
     with any CPU in the whole worker.
     """
 
-    def __init__(self, pid: int, now: float) -> None:
+    def __init__(self, pid: int, now: float, *, suspect_after: float = 5.0) -> None:
         self.pid = pid
+        #: after resting this long, look for descendants through every thread
+        self.suspect_after = suspect_after
         self.last_active = now
         self.last_output: float | None = None
         self.cpu_percent = 0.0
@@ -217,23 +220,28 @@ class RankActivity:
         self.state, self.rss = s.state, s.rss_pages * _PAGE
         return True
 
-    def _cpu_now(self) -> tuple[float, float | None] | None:
-        """``(whole process incl. reaped children, main thread or None)`` CPU
-        seconds; ``None`` when the process is gone."""
+    def _whole_now(self) -> float | None:
+        """CPU seconds of every thread of the process and of the children it
+        reaped; ``None`` when it is gone."""
         raw = self._pread("stat", 4096)
-        s = None if raw is None else parse_stat(raw)
-        if s is None:
+        if not raw:
             return None
-        whole = (s.utime + s.stime + s.cutime + s.cstime) / _CLK_TCK
-        main = None
+        # Only utime, stime, cutime, cstime (fields 14-17): no full parse.
+        fields = raw[raw.rfind(b")") + 2 :].split(None, 15)
+        try:
+            return sum(map(int, fields[11:15])) / _CLK_TCK
+        except (ValueError, IndexError):
+            return None
+
+    def _main_now(self) -> float | None:
+        """CPU seconds of the main thread (``schedstat``, in ns), or ``None``."""
         if self._schedstat:
-            raw = self._pread("schedstat", 128)  # the main thread's, in ns
+            raw = self._pread("schedstat", 128)
             if raw:
                 with contextlib.suppress(ValueError):
-                    main = int(raw.split(None, 1)[0]) / 1e9
-            if main is None:
-                self._schedstat = False  # the process is there, its schedstat is not
-        return whole, main
+                    return int(raw.split(None, 1)[0]) / 1e9
+            self._schedstat = False  # none here: one number for every thread
+        return None
 
     def sample(self, now: float, *, progress: bool, output: bool = False) -> bool:
         """Take a sample; update :attr:`interval` and activity. ``False`` when
@@ -244,28 +252,30 @@ class RankActivity:
         read here (see :meth:`refresh_stat`): a process in D state has no CPU
         and no output anyway, so it is caught as idle.
         """
-        cpu = self._cpu_now()
-        if cpu is None:
+        whole = self._whole_now()
+        if whole is None:
             return False
-        whole, main = cpu
         dt = now - self._t
         floor = CPU_BUSY_FRACTION * dt
         main_busy = helpers_busy = False
         used = 0.0
+        main = None
         if self._whole is not None and dt > 0:
             used = max(0.0, whole - self._whole)
-            if main is not None and self._main is not None:
-                main_used = main - self._main
-                main_busy = main_used >= floor
-                helpers_busy = used - main_used >= floor
+            if used >= floor:  # whose? (else no thread of it worked: no second read)
+                main = self._main_now()
+                if main is not None and self._main is not None:
+                    main_used = main - self._main
+                    main_busy = main_used >= floor
+                    helpers_busy = used - main_used >= floor
+                else:
+                    main_busy = True  # one number for every thread
             else:
-                main_busy = used >= floor  # one number for every thread
-        if self._whole is not None and dt > 0 and not main_busy and not helpers_busy:
-            # The process's own threads rest: do its descendants work?
-            helpers = self._descendants.look(now)
-            used += helpers.cpu_s
-            helpers_busy = helpers.cpu_s >= floor or helpers.wrote
-        if dt > 0 and self._whole is not None:
+                # The process's own threads rest: do its descendants work?
+                suspect = now - self.last_active >= self.suspect_after
+                helpers = self._descendants.look(now, full=suspect)
+                used += helpers.cpu_s
+                helpers_busy = helpers.cpu_s >= floor or helpers.wrote
             self.cpu_percent = 100.0 * used / dt
         busy = main_busy or helpers_busy
         wrote = False
@@ -283,10 +293,15 @@ class RankActivity:
             self.last_output = now
         if busy or wrote:
             self.last_active = now
-        self.interval = RankSample(
-            output=wrote, main_busy=main_busy, helpers_busy=helpers_busy,
-            cpu_percent=round(self.cpu_percent, 1),
-        )  # fmt: skip
+        if wrote or busy:
+            self.interval = RankSample(
+                output=wrote, main_busy=main_busy, helpers_busy=helpers_busy,
+                cpu_percent=round(self.cpu_percent, 1),
+            )  # fmt: skip
+        else:
+            self.interval = _IDLE
+        # A main-thread reading is kept only when it was taken this time: the
+        # next split needs both ends of one interval.
         self._t, self._whole, self._main = now, whole, main
         return True
 
