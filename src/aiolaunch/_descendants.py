@@ -1,15 +1,27 @@
-"""What a worker's descendants do: CPU and writes of DataLoader workers, a child
-it waits on, the Python behind a shell wrapper. Linux ``/proc`` only.
+"""What a worker's helpers do: its other threads, and its descendants
+(DataLoader workers, a child it waits on, the Python behind a shell wrapper).
+Linux ``/proc`` only.
 
-Read only while the worker's own threads rest (the caller's choice: a worker
-whose threads work needs no helpers to look active). Each :meth:`look` reads
-the children of the worker's main thread and of every known descendant's
-(``/proc/<pid>/task/<pid>/children``, held open: one ``pread`` each, and
-just that for a worker with no children) and each known descendant's ``stat``
-and ``io``. Children that a *helper thread* started hang off that thread
-instead; a ``full`` look (the caller asks when a rank has rested for a while,
-at most every :data:`RESCAN_S`) reads every thread's children file. A
-descendant counts from its second look on (its first reading is the base).
+*Wanting* the CPU counts, not only getting it: on a loaded host a busy
+thread may get a few percent of a core (the kernel gives each session an
+equal share, and a function worker shares its session with the supervisor),
+yet it waits on the run queue the rest of the time. ``schedstat`` has both
+(time on a CPU, time runnable but waiting), per thread.
+
+Both are read only while the worker's own threads look idle (the caller's
+choice: a worker whose threads visibly work needs no helpers):
+
+- :class:`Descendants`: each look reads the children of the worker's main
+  thread and of every known descendant's (``/proc/<pid>/task/<pid>/children``,
+  held open: one ``pread``, and just that for a worker with no children), and
+  each descendant's main-thread ``schedstat`` and ``io``. Children that a
+  *helper thread* started hang off that thread instead; a ``full`` look (the
+  caller asks when a rank has rested a while) reads every thread's children
+  file, at most every :data:`RESCAN_S`.
+- :class:`Threads`: every thread's ``schedstat`` (a read per thread: only on
+  request, and at most as often as the caller says).
+
+A process or thread counts from its second reading on (the first is its base).
 """
 
 from __future__ import annotations
@@ -17,15 +29,27 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["Descendants", "HelperActivity"]
+__all__ = ["Descendants", "HelperActivity", "Threads", "read_schedstat"]
 
 #: Seconds between two full lookups of a worker's tree.
 RESCAN_S = 10.0
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
 
+def read_schedstat(fd: int | None) -> float | None:
+    """Seconds on a CPU plus seconds runnable on the run queue (``schedstat``)."""
+    if fd is None:
+        return None
+    try:
+        on_cpu, waiting, _ = os.pread(fd, 128, 0).split(None, 2)
+        return (int(on_cpu) + int(waiting)) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 class HelperActivity:
-    """CPU seconds and whether they wrote, since the previous look."""
+    """CPU seconds wanted (on a CPU or waiting for one), and whether they
+    wrote, since the previous look."""
 
     __slots__ = ("cpu_s", "wrote")
 
@@ -38,26 +62,25 @@ _NOTHING = HelperActivity()
 
 
 class _Proc:
-    __slots__ = ("children_fd", "cpu", "io_fd", "stat_fd", "wchar")
+    __slots__ = ("children_fd", "cpu", "io_fd", "sched_fd", "wchar")
 
     def __init__(self, pid: int) -> None:
-        self.stat_fd = os.open(f"/proc/{pid}/stat", _FLAGS)
+        self.sched_fd = os.open(f"/proc/{pid}/schedstat", _FLAGS)
         self.io_fd = _open(f"/proc/{pid}/io")
         self.children_fd = _open(f"/proc/{pid}/task/{pid}/children")
         self.cpu: float | None = None
         self.wchar: int | None = None
 
     def close(self) -> None:
-        for fd in (self.stat_fd, self.io_fd, self.children_fd):
+        for fd in (self.sched_fd, self.io_fd, self.children_fd):
             _close(fd)
 
 
 class Descendants:
     """The live descendants of one worker process, and what they did."""
 
-    def __init__(self, pid: int, clk_tck: int) -> None:
+    def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._tck = clk_tck
         self._procs: dict[int, _Proc] = {}
         self._children_fd: int | None = -1  # the worker's main thread's (-1: not opened)
         self._full: float | None = None
@@ -98,13 +121,8 @@ class Descendants:
         return out
 
     def _read(self, p: _Proc, out: HelperActivity) -> bool:
-        try:
-            raw = os.pread(p.stat_fd, 4096, 0)
-            fields = raw[raw.rfind(b")") + 2 :].split(None, 13)
-            if fields[0] in (b"Z", b"X"):
-                return False
-            cpu = (int(fields[11]) + int(fields[12])) / self._tck
-        except (OSError, ValueError, IndexError):
+        cpu = read_schedstat(p.sched_fd)
+        if cpu is None:
             return False  # gone (a held fd reads ESRCH then)
         if p.cpu is not None:
             out.cpu_s += max(0.0, cpu - p.cpu)
@@ -127,6 +145,48 @@ class Descendants:
             if p is not None:
                 stack += _children(p.children_fd)
         return found
+
+
+class Threads:
+    """The CPU every thread but the main one of a process wanted."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._last: dict[str, float] = {}
+        self._at: float | None = None
+
+    def look(self, now: float, every: float) -> float | None:
+        """Seconds of CPU wanted per second by the other threads since the
+        previous reading; ``None`` when not read (less than ``every`` seconds
+        since the previous one, or the first)."""
+        if self._at is not None and now - self._at < every:
+            return None
+        try:
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except OSError:
+            return None
+        wanted = 0.0
+        seen: dict[str, float] = {}
+        for tid in tids:
+            if tid == str(self.pid):
+                continue
+            try:
+                fd = os.open(f"/proc/{self.pid}/task/{tid}/schedstat", _FLAGS)
+            except OSError:
+                continue
+            try:
+                cpu = read_schedstat(fd)
+            finally:
+                os.close(fd)
+            if cpu is None:
+                continue
+            seen[tid] = cpu
+            if tid in self._last:
+                wanted += max(0.0, cpu - self._last[tid])
+        first, self._last = self._at is None, seen
+        elapsed = 0.0 if self._at is None else now - self._at
+        self._at = now
+        return None if first or elapsed <= 0 else wanted / elapsed
 
 
 def _tree(pid: int) -> set[int]:

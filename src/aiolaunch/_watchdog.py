@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ._descendants import Descendants
+from ._descendants import Descendants, Threads
 from ._stall_rule import RankSample
 from ._workers._proc import parse_stat
 
@@ -145,18 +145,20 @@ def wchan(pid: int) -> str:
 class RankActivity:
     """Activity bookkeeping of one worker process between samples.
 
-    Each :meth:`sample` reads the main thread's CPU (``schedstat``), the whole
-    process's (``stat``: every thread, plus the children it reaped) and its
-    writes (``io``), and - only while the process's own threads are idle -
-    its live descendants' (:class:`Descendants`). What the interval showed is
-    :attr:`interval` (a :class:`RankSample` without a stack, for the stall
+    Each :meth:`sample` reads the CPU of the whole process (``stat``: every
+    thread, plus the children it reaped), its main thread's (``schedstat``:
+    time on a CPU *and* waiting for one) and its writes (``io``); and - only
+    while its own threads look idle - its helpers' (:mod:`._descendants`:
+    other threads that want the CPU, descendants). What the interval showed
+    is :attr:`interval` (a :class:`RankSample` without a stack, for the stall
     rule); :attr:`last_active` is the end of the last interval with output or
-    with any CPU in the whole worker.
+    with CPU anywhere in the worker.
     """
 
-    def __init__(self, pid: int, now: float, *, suspect_after: float = 5.0) -> None:
+    def __init__(self, pid: int, now: float, *, suspect_after: float = 2.0) -> None:
         self.pid = pid
-        #: after resting this long, look for descendants through every thread
+        #: after resting this long, the costlier looks: every thread's CPU,
+        #: the children of every thread (each at most every few seconds)
         self.suspect_after = suspect_after
         self.last_active = now
         self.last_output: float | None = None
@@ -166,7 +168,7 @@ class RankActivity:
         #: what the last sample saw, since the one before
         self.interval = RankSample()
         self._t = now
-        self._main: float | None = None
+        self._main: tuple[float, float] | None = None
         self._whole: float | None = None
         self._wchar: int | None = None
         self._discount = 0
@@ -177,7 +179,8 @@ class RankActivity:
         # read a recycled pid: it fails with ESRCH once the process is gone).
         self._fds: dict[str, int | None] = {}
         self._schedstat = True
-        self._descendants = Descendants(pid, _CLK_TCK)
+        self._descendants = Descendants(pid)
+        self._threads = Threads(pid)
 
     def _pread(self, name: str, size: int) -> bytes | None:
         fd = self._fds.get(name, -1)
@@ -220,26 +223,28 @@ class RankActivity:
         self.state, self.rss = s.state, s.rss_pages * _PAGE
         return True
 
-    def _whole_now(self) -> float | None:
+    def _whole_now(self) -> tuple[float, int] | None:
         """CPU seconds of every thread of the process and of the children it
-        reaped; ``None`` when it is gone."""
+        reaped, and its number of threads; ``None`` when it is gone."""
         raw = self._pread("stat", 4096)
         if not raw:
             return None
-        # Only utime, stime, cutime, cstime (fields 14-17): no full parse.
-        fields = raw[raw.rfind(b")") + 2 :].split(None, 15)
+        # Only utime, stime, cutime, cstime and num_threads (fields 14-17, 20).
+        fields = raw[raw.rfind(b")") + 2 :].split(None, 18)
         try:
-            return sum(map(int, fields[11:15])) / _CLK_TCK
+            return sum(map(int, fields[11:15])) / _CLK_TCK, int(fields[17])
         except (ValueError, IndexError):
             return None
 
-    def _main_now(self) -> float | None:
-        """CPU seconds of the main thread (``schedstat``, in ns), or ``None``."""
+    def _main_now(self) -> tuple[float, float] | None:
+        """The main thread's seconds on a CPU and runnable waiting for one
+        (``schedstat``), or ``None``."""
         if self._schedstat:
             raw = self._pread("schedstat", 128)
             if raw:
                 with contextlib.suppress(ValueError):
-                    return int(raw.split(None, 1)[0]) / 1e9
+                    on_cpu, waiting, _ = raw.split(None, 2)
+                    return int(on_cpu) / 1e9, int(waiting) / 1e9
             self._schedstat = False  # none here: one number for every thread
         return None
 
@@ -252,31 +257,37 @@ class RankActivity:
         read here (see :meth:`refresh_stat`): a process in D state has no CPU
         and no output anyway, so it is caught as idle.
         """
-        whole = self._whole_now()
-        if whole is None:
+        reading = self._whole_now()
+        if reading is None:
             return False
+        whole, threads = reading
+        main = self._main_now()
         dt = now - self._t
         floor = CPU_BUSY_FRACTION * dt
         main_busy = helpers_busy = False
-        used = 0.0
-        main = None
         if self._whole is not None and dt > 0:
             used = max(0.0, whole - self._whole)
-            if used >= floor:  # whose? (else no thread of it worked: no second read)
-                main = self._main_now()
-                if main is not None and self._main is not None:
-                    main_used = main - self._main
-                    main_busy = main_used >= floor
-                    helpers_busy = used - main_used >= floor
-                else:
-                    main_busy = True  # one number for every thread
-            else:
-                # The process's own threads rest: do its descendants work?
-                suspect = now - self.last_active >= self.suspect_after
-                helpers = self._descendants.look(now, full=suspect)
-                used += helpers.cpu_s
-                helpers_busy = helpers.cpu_s >= floor or helpers.wrote
             self.cpu_percent = 100.0 * used / dt
+            if main is not None and self._main is not None:
+                main_cpu = main[0] - self._main[0]
+                # Wanting the CPU counts: on a loaded host a busy thread may
+                # get a few percent of a core and wait on the run queue.
+                main_busy = main_cpu + main[1] - self._main[1] >= floor
+                helpers_busy = used - main_cpu >= floor
+            else:
+                main_busy = used >= floor  # one number for every thread
+            if not main_busy and not helpers_busy:
+                # The process's own threads look idle: do its helpers work?
+                idle = now - self.last_active
+                suspect = idle >= self.suspect_after
+                if suspect and threads > 1:
+                    # A read per thread: once a second at first, then less
+                    # often the longer the rank rests (a hung rank, observed).
+                    wanted = self._threads.look(now, every=min(max(1.0, idle / 4), 30.0))
+                    helpers_busy = wanted is not None and wanted >= CPU_BUSY_FRACTION
+                if not helpers_busy:
+                    helpers = self._descendants.look(now, full=suspect)
+                    helpers_busy = helpers.cpu_s >= floor or helpers.wrote
         busy = main_busy or helpers_busy
         wrote = False
         if not progress:
@@ -300,8 +311,6 @@ class RankActivity:
             )  # fmt: skip
         else:
             self.interval = _IDLE
-        # A main-thread reading is kept only when it was taken this time: the
-        # next split needs both ends of one interval.
         self._t, self._whole, self._main = now, whole, main
         return True
 
