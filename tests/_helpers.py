@@ -244,3 +244,11 @@ async def together(*coros: Any) -> list[Any]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def exited(ctx: aiolaunch.PContext, rank: int) -> aiolaunch.WorkerExited:
+    """The first :class:`WorkerExited` of ``rank`` (replayed if it happened already)."""
+    async for event in ctx.events():
+        if isinstance(event, aiolaunch.WorkerExited) and event.rank == rank:
+            return event
+    raise AssertionError(f"the group stopped without an exit of rank {rank}")

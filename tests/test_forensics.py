@@ -18,7 +18,7 @@ import aiolaunch
 from aiolaunch import StackReport, Std, Watchdog, WorkerStalled
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
 
 # -- workers ------------------------------------------------------------------
 
@@ -374,7 +374,9 @@ async def test_watchdog_restart_uses_the_restart_policy(tmp_path: Path) -> None:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and not result.is_failed(), result
     assert result.return_values == {0: "second life"}
-    assert [type(e).__name__ for e in ctx._bus.history].count("WorkerStalled") == 1
+    assert [type(e).__name__ for e in ctx._bus.history].count("WorkerStalled") == 1, (
+        ctx._bus.history
+    )
     assert (tmp_path / "0" / "stacks-1.txt").exists()
 
 
@@ -486,8 +488,8 @@ async def test_control_server_cancelled_while_starting_leaves_no_stale_reader(
     # its reader must fire.
     from aiolaunch._control import ControlServer
 
-    async def handler(req: dict[str, object]) -> dict[str, object]:
-        return {}
+    async def handler(req: object) -> AsyncIterator[dict[str, object]]:
+        yield {}
 
     loop = asyncio.get_running_loop()
     probe = os.open(os.devnull, os.O_RDONLY)
@@ -558,7 +560,7 @@ async def test_control_socket_with_a_path_too_long_for_af_unix(tmp_path: Path) -
         await _wait_lines(deep, 1, "up")
         link = deep / "control.sock"
         assert link.is_symlink()
-        from aiolaunch._control import request
+        from aiolaunch._cli._client import request
 
         answer = await asyncio.to_thread(request, str(link), {"cmd": "status"})
         assert answer["ok"] and answer["workers"][0]["pid"] == ctx.pids()[0]

@@ -128,3 +128,24 @@ def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
         assert job.poll() is None  # dumping did not hurt the job
         job.terminate()
         job.communicate(timeout=60)
+
+
+def test_client_verbs_are_one_table_outside_the_server() -> None:
+    # Each client verb is one function of _cli/_client.VERBS, dispatched by
+    # main(); _control keeps the server, the registry writer and the wire
+    # format only (issue #21 item 5).
+    import aiolaunch._control as control
+    from aiolaunch._cli._client import VERBS
+
+    assert set(VERBS) == {"status", "stacks", "top"}
+    for name in ("find_socket", "request", "running_jobs", "format_status", "status_main"):
+        assert not hasattr(control, name), name
+    for verb in VERBS:
+        r = subprocess.run(
+            _cli(verb, "--help"), env=_env(), capture_output=True, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+        assert r.returncode == 0 and f"usage: aiolaunch {verb}" in r.stdout, r.stderr
+    assert control.decode(control.encode({"cmd": "status"})) == {"cmd": "status"}
+    with pytest.raises(ValueError, match="JSON object"):
+        control.decode(b"[1, 2]\n")

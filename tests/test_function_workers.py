@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import aiolaunch
-from _helpers import start
+from _helpers import exited, start
 from aiolaunch import Std
 
 METHODS = ["spawn", "fork", "forkserver"]
@@ -149,9 +149,9 @@ async def test_returned_worker_exits_without_waiting_for_others(tmp_path: Path) 
         log_dir=str(tmp_path / "b"),
     ) as ctx:
         assert await ctx.wait(timeout=0.1) is None
-        w0 = ctx._workers[0]
-        await asyncio.wait_for(w0.exited.wait(), 30)
-        assert w0.returncode == 0 and w0.return_value == 0
+        event = await asyncio.wait_for(exited(ctx, 0), 30)  # rank 1 sleeps on
+        assert event.exitcode == 0
+        assert await ctx.wait(timeout=0) is None  # rank 0's exit decided nothing
     assert ctx.pids()
 
 

@@ -224,7 +224,7 @@ def test_cli_run_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_prune_removes_every_empty_folder_and_never_follows_a_symlink(tmp_path: Path) -> None:
-    from aiolaunch._logs_specs import prune_empty_dirs
+    from aiolaunch._logs._specs import prune_empty_dirs
 
     outside = tmp_path / "outside"
     (outside / "empty").mkdir(parents=True)

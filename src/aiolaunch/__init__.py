@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from ._api import launch as launch
     from ._api import start_processes as start_processes
     from ._context import PContext as PContext
-    from ._control import WorkerStatus as WorkerStatus
     from ._error_file import record as record
     from ._errors import ChildFailedError as ChildFailedError
     from ._errors import MainProcessError as MainProcessError
@@ -45,9 +44,9 @@ if TYPE_CHECKING:
     from ._kinds import MultiprocessContext as MultiprocessContext
     from ._kinds import SubprocessContext as SubprocessContext
     from ._logs import set_console_hook as set_console_hook
-    from ._logs_specs import DefaultLogsSpecs as DefaultLogsSpecs
-    from ._logs_specs import LogsDest as LogsDest
-    from ._logs_specs import LogsSpecs as LogsSpecs
+    from ._logs._specs import DefaultLogsSpecs as DefaultLogsSpecs
+    from ._logs._specs import LogsDest as LogsDest
+    from ._logs._specs import LogsSpecs as LogsSpecs
     from ._ready import ReadinessProbe as ReadinessProbe
     from ._ready import ReadyFile as ReadyFile
     from ._ready import ReadyLine as ReadyLine
@@ -56,6 +55,7 @@ if TYPE_CHECKING:
     from ._results import ProcessFailure as ProcessFailure
     from ._results import RunProcsResult as RunProcsResult
     from ._stacks import StackReport as StackReport
+    from ._status import WorkerStatus as WorkerStatus
     from ._types import Std as Std
     from ._types import to_map as to_map
     from ._watchdog import Watchdog as Watchdog
@@ -63,13 +63,13 @@ if TYPE_CHECKING:
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
     "ChildFailedError": "._errors",
-    "DefaultLogsSpecs": "._logs_specs",
+    "DefaultLogsSpecs": "._logs._specs",
     "Event": "._events",
     "EventsDropped": "._events",
     "GroupStopped": "._events",
     "LogLine": "._events",
-    "LogsDest": "._logs_specs",
-    "LogsSpecs": "._logs_specs",
+    "LogsDest": "._logs._specs",
+    "LogsSpecs": "._logs._specs",
     "MainProcessError": "._errors",
     "MultiprocessContext": "._kinds",
     "PContext": "._context",
@@ -91,8 +91,8 @@ _EXPORTS: dict[str, str] = {
     "WorkerRestarting": "._events",
     "WorkerStalled": "._events",
     "WorkerStarted": "._events",
+    "WorkerStatus": "._status",
     "WorkerStraggling": "._events",
-    "WorkerStatus": "._control",
     "free_port": "._api",
     "launch": "._api",
     "record": "._error_file",

@@ -15,11 +15,11 @@ from ._errors import MainProcessError, SignalException, WorkerError
 from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs import LogWiring
 from ._logs._filters import check_filters
-from ._logs_specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
+from ._logs._specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
-from ._signals import (
+from ._signal_plan import (
     DEFAULT_SIGNALS_TO_HANDLE,
     FORWARD_SIGNALS_ENV,
     SIGNALS_TO_HANDLE_ENV,
@@ -58,7 +58,7 @@ class _Starting:
     async def _start(self) -> PContext:
         _require_asyncio()  # before the log folder, pipes or any process exist
         ctx = self._make()
-        await ctx._start()
+        await ctx.start()
         return ctx
 
     def __await__(self) -> Generator[Any, None, PContext]:

@@ -1,9 +1,11 @@
-"""The live status endpoint: ``{log_dir}/control.sock`` and ``aiolaunch status|stacks``.
+"""The live status endpoint, server side: ``{log_dir}/control.sock``, the
+per-user registry of running groups (the writer side) and the wire format.
+The clients (``aiolaunch status|stacks``) are in ``_cli/_client.py``.
 
-Protocol: one JSON object per line each way. Requests ``{"cmd": "status"}``
-and ``{"cmd": "stacks", "timeout": 5.0}``; answers ``{"ok": true, ...}`` or
-``{"ok": false, "error": "..."}``. One request per connection is enough for
-the CLI, but a client may send several.
+Protocol (:func:`encode` / :func:`decode`): one JSON object per line each
+way. Requests ``{"cmd": "status"}`` and ``{"cmd": "stacks", "timeout": 5.0}``;
+answers ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``. One
+request per connection is enough for the CLI, but a client may send several.
 
 The socket is created with mode 0600 (bound inside a private 0700 folder,
 then renamed into place: no window where another user could connect) and
@@ -22,50 +24,30 @@ import os
 import shutil
 import socket
 import stat
-import sys
 import tempfile
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import AsyncIterator, Callable
 
-__all__ = ["ControlServer", "WorkerStatus", "request", "stacks_main", "status_main"]
+__all__ = ["MAX_LINE", "SOCKET_NAME", "ControlServer", "decode", "encode", "registry_dir"]
 
 SOCKET_NAME = "control.sock"
+MAX_LINE = 1 << 20  # the longest request or answer line
 _MAX_PATH = 107  # sun_path is 108 bytes with the trailing NUL
-_MAX_LINE = 1 << 20
 
 
-@dataclass(frozen=True)
-class WorkerStatus:
-    """One worker as :meth:`PContext.status` sees it now.
+def encode(message: dict[str, Any]) -> bytes:
+    """One request or answer as it goes on the wire: a JSON line."""
+    return json.dumps(message).encode() + b"\n"
 
-    :param rank: local rank.
-    :param pid: process id of its current incarnation.
-    :param state: ``"running"``, ``"sleeping"``, ``"disk-sleep"`` (D state),
-        ``"stopped"``, ``"stalled"`` (flagged by the watchdog),
-        ``"restarting"`` or ``"exited"``.
-    :param restarts: how many times this rank was restarted.
-    :param last_output_s: seconds since it last wrote anything (``None`` until
-        known: the first sample only sets the baseline).
-    :param cpu_percent: CPU use since the previous sample, % of one core.
-    :param rss: resident memory in bytes.
-    :param exitcode: the exit status once ``"exited"``, else ``None``.
-    """
 
-    rank: int
-    pid: int
-    state: str
-    restarts: int
-    last_output_s: float | None
-    cpu_percent: float
-    rss: int
-    exitcode: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict of the fields."""
-        return asdict(self)
+def decode(line: bytes) -> dict[str, Any]:
+    """The request or answer of one line; :class:`ValueError` if it is not a JSON object."""
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError(f"expected a JSON object, got {type(message).__name__}")
+    return message
 
 
 class ControlServer:
@@ -80,9 +62,11 @@ class ControlServer:
 
     @classmethod
     async def start(
-        cls, log_dir: str, handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+        cls, log_dir: str, handler: Callable[[object], AsyncIterator[dict[str, Any]]]
     ) -> ControlServer:
-        """Listen on ``{log_dir}/control.sock``; ``handler(request) -> answer``."""
+        """Listen on ``{log_dir}/control.sock``; ``handler(request)`` gives the
+        answers to one request (one, or several for a streaming command) and
+        never raises for a bad one (``_commands.dispatch``)."""
         sock, link, real, tmpdir = _bind(log_dir)
         try:
 
@@ -90,12 +74,12 @@ class ControlServer:
                 try:
                     while line := await reader.readline():
                         try:
-                            req = json.loads(line)
-                            answer = await handler(req)
-                        except Exception as exc:  # a bad request must not kill the server
-                            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                        writer.write(json.dumps(answer).encode() + b"\n")
-                        await writer.drain()
+                            req: object = decode(line)
+                        except ValueError as exc:  # a bad request must not kill the server
+                            req = {"cmd": None, "error": str(exc)}
+                        async for answer in handler(req):
+                            writer.write(encode(answer))
+                            await writer.drain()
                 except (ConnectionError, asyncio.IncompleteReadError, ValueError):
                     pass
                 finally:
@@ -104,7 +88,7 @@ class ControlServer:
             # Not listening yet, and no await point: a cancellation cannot
             # land between the server taking the socket and us holding it.
             server = await asyncio.start_unix_server(
-                serve, sock=sock, limit=_MAX_LINE, start_serving=False
+                serve, sock=sock, limit=MAX_LINE, start_serving=False
             )
         except BaseException:
             sock.close()
@@ -146,10 +130,21 @@ class ControlServer:
             self._entry = None
 
 
+def _fits(path: str) -> bool:
+    return len(os.fsencode(os.path.abspath(path))) <= _MAX_PATH
+
+
 def _bind(log_dir: str) -> tuple[socket.socket, str, str, str | None]:
     link = os.path.join(log_dir, SOCKET_NAME)
-    long_path = len(os.fsencode(os.path.abspath(link))) > _MAX_PATH
-    private = tempfile.mkdtemp(prefix=".ctl-", dir=None if long_path else log_dir)
+    # The socket is bound in a private folder first, then renamed into place:
+    # ".XXXXXXXX/s" is shorter than "control.sock", so wherever the final
+    # name fits, the temporary one does too (regression: a ".ctl-" prefix
+    # made it 3 bytes longer, and log dirs whose control.sock was 105-107
+    # bytes long got no socket at all).
+    # Where it does not fit, the socket lives in a short private folder of the
+    # temp dir and control.sock is a symlink to it.
+    long_path = not _fits(link)
+    private = tempfile.mkdtemp(prefix=".", dir=None if long_path else log_dir)
     tmp = os.path.join(private, "s")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -219,167 +214,3 @@ def _register(sock: str) -> str | None:
             return None
         return os.path.join(folder, entry)
     return None
-
-
-def running_jobs() -> list[str]:
-    """Control sockets of this user's running groups (stale entries are removed)."""
-    folder = registry_dir()
-    if folder is None:
-        return []
-    out: list[str] = []
-    for name in sorted(os.listdir(folder)):
-        entry = os.path.join(folder, name)
-        try:
-            pid = int(name.split("-", 1)[0])
-            target = os.readlink(entry)
-        except (ValueError, OSError):
-            continue
-        alive = True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            pass
-        if alive and os.path.exists(target):
-            out.append(target)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(entry)
-    if not out:
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)  # only if empty: stale entries were all removed
-    return out
-
-
-# -- client -------------------------------------------------------------------
-
-
-def find_socket(log_dir: str | None) -> str:
-    """The newest ``control.sock`` in ``log_dir`` or up to 3 levels below it.
-
-    (torch's layout puts it in ``{log_dir}/{run_id}_xxx/attempt_N/``.) Without
-    ``log_dir``: the one group of this user that is running.
-
-    :raises FileNotFoundError: there is none: the job is not running.
-    :raises ValueError: no ``log_dir`` and several groups are running.
-    """
-    if log_dir is None:
-        jobs = running_jobs()
-        if len(jobs) == 1:
-            return jobs[0]
-        if not jobs:
-            raise FileNotFoundError("no running aiolaunch job of yours was found; pass its LOG_DIR")
-        listing = "\n  ".join(os.path.dirname(j) for j in jobs)
-        raise ValueError(f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}")
-    found: list[tuple[float, str]] = []
-    base = os.path.abspath(log_dir)
-    depth0 = base.rstrip(os.sep).count(os.sep)
-    for root, dirs, files in os.walk(base):
-        if root.count(os.sep) - depth0 >= 3:
-            dirs[:] = []
-        if SOCKET_NAME in files or SOCKET_NAME in dirs:
-            path = os.path.join(root, SOCKET_NAME)
-            with contextlib.suppress(OSError):
-                found.append((os.lstat(path).st_mtime, path))
-    if not found:
-        raise FileNotFoundError(
-            f"no {SOCKET_NAME} in {log_dir!r}: no aiolaunch group is running with that log dir"
-        )
-    return max(found)[1]
-
-
-def request(path: str, req: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    """Send one request to the control socket at ``path``; return the answer (blocking)."""
-    if os.path.islink(path):
-        path = os.readlink(path)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(json.dumps(req).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(1 << 16)
-            if not chunk:
-                break
-            buf += chunk
-    answer: dict[str, Any] = json.loads(buf)
-    return answer
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)  # pragma: no cover
-
-
-def format_status(workers: Sequence[dict[str, Any]]) -> str:
-    """The table ``aiolaunch status`` prints."""
-    rows = [("RANK", "STATE", "PID", "RESTARTS", "LAST OUTPUT", "CPU %", "RSS")]
-    for w in workers:
-        age = w.get("last_output_s")
-        state = w["state"] if w.get("exitcode") is None else f"exited ({w['exitcode']})"
-        rows.append(
-            (
-                str(w["rank"]), state, str(w["pid"]), str(w["restarts"]),
-                "-" if age is None else f"{age:.1f}s ago",
-                f"{w['cpu_percent']:.1f}", _fmt_bytes(int(w["rss"])),
-            )
-        )  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
-
-
-def _client(argv: Sequence[str], cmd: str) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog=f"aiolaunch {cmd}")
-    p.add_argument(
-        "log_dir",
-        nargs="?",
-        default=None,
-        help="the job's --log-dir (searched up to 3 levels down); default: your one running job",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    if cmd == "stacks":
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per dump")
-    args = p.parse_args(list(argv))
-    try:
-        path = find_socket(args.log_dir)
-        req: dict[str, Any] = {"cmd": cmd}
-        if cmd == "stacks":
-            req["timeout"] = args.timeout
-        answer = request(path, req, timeout=60.0)
-    except (OSError, ValueError) as exc:
-        print(f"aiolaunch {cmd}: {exc}", file=sys.stderr)  # noqa: T201
-        return 1
-    if not answer.get("ok"):
-        print(f"aiolaunch {cmd}: {answer.get('error')}", file=sys.stderr)  # noqa: T201
-        return 1
-    if args.json:
-        answer.pop("ok", None)
-        print(json.dumps(answer, indent=2))  # noqa: T201
-    elif cmd == "status":
-        print(f"{answer['name']} ({answer['log_dir']})")  # noqa: T201
-        print(format_status(answer["workers"]))  # noqa: T201
-    else:
-        for rank, text in sorted(answer["stacks"].items(), key=lambda kv: int(kv[0])):
-            print(f"===== rank {rank} =====\n{text.rstrip()}\n")  # noqa: T201
-        print(f"----- verdict -----\n{answer['verdict']}")  # noqa: T201
-        files = answer.get("files") or {}
-        if files:
-            print(f"(written to {os.path.dirname(os.path.dirname(next(iter(files.values()))))}"  # noqa: T201
-                  "/<rank>/stacks-*.txt)")  # fmt: skip
-    return 0
-
-
-def status_main(argv: Sequence[str]) -> int:
-    """``aiolaunch status [LOG_DIR] [--json]``: per-rank state of a running job."""
-    return _client(argv, "status")
-
-
-def stacks_main(argv: Sequence[str]) -> int:
-    """``aiolaunch stacks [LOG_DIR] [--json]``: dump every rank's stacks and the verdict."""
-    return _client(argv, "stacks")

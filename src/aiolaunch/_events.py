@@ -34,6 +34,7 @@ __all__ = [
     "EventsDropped",
     "GroupStopped",
     "LogLine",
+    "LogLines",
     "WorkerExited",
     "WorkerReady",
     "WorkerRestarting",
@@ -177,6 +178,23 @@ class _Subscriber:
             self.dropped += 1
         self.queue.append(event)
         self.wakeup.set()
+
+
+class LogLines:
+    """The bus as a line listener of the log pipeline: a :class:`LogLine` per
+    line while an ``events(lines=True)`` consumer listens."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self._bus = bus
+
+    def reads(self, rank: int, stream: str) -> bool:
+        return False  # only the streams the supervisor reads anyway
+
+    def wants(self, rank: int, stream: str) -> bool:
+        return self._bus.wants_lines > 0
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        self._bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=text))
 
 
 class EventBus:

@@ -31,14 +31,15 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ._errors import ChildFailedError
-from ._events import LogLine, WorkerReady
-from ._logs._line import LineSink
+from ._events import WorkerReady
+from ._results import not_ready_failure
 from ._validate import check_port
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Container, Mapping, Sequence
+    from collections.abc import AsyncIterator, Callable, Mapping
 
     from ._events import EventBus
+    from ._group import GroupState
     from ._results import ProcessFailure
     from ._workers._handle import WorkerHandle
 
@@ -205,38 +206,30 @@ class Readiness:
     Per rank: an event set once the current incarnation is ready (at start
     for a rank without probe), the probe's task, and the lines fed to a probe
     that reads output. A probe that raises is recorded and fails
-    :meth:`wait_ready` promptly.
+    :meth:`wait_ready` promptly. Ranks restarting count as not ready, and not
+    as dead; the group's state (:class:`~aiolaunch._group.GroupState`) says
+    which, and its wake-up is notified when a rank becomes ready.
 
-    :param restarting: the ranks with a restart pending (kept current by the
-        group): they count as not ready, and not as dead.
-    :param failure: the failure of a rank that exited for good.
-    :param changed: set whenever a rank becomes ready or a probe fails.
+    :param error_files: ``{rank: path}``, for the failure of a rank that
+        exited before it was ready.
     """
 
     def __init__(
         self,
-        name: str,
-        nprocs: int,
+        state: GroupState,
         probes: Mapping[int, ReadinessProbe],
         *,
         bus: EventBus,
-        changed: asyncio.Event,
-        restarting: Container[int],
-        exited: Sequence[int],
-        failure: Callable[[int], ProcessFailure],
+        error_files: Mapping[int, str],
     ) -> None:
-        self._name = name
+        self._state = state
         self._probes = dict(probes)
         self._bus = bus
-        self._changed = changed
-        self._restarting = restarting
-        self._failure = failure
-        self._ready = {r: asyncio.Event() for r in range(nprocs)}
+        self._error_files = error_files
+        self._ready = {r: asyncio.Event() for r in range(state.nprocs)}
         self._lines: dict[int, _Lines] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._errors: dict[int, BaseException] = {}
-        self._exited = exited  # the group's record: ranks that exited for good
-        self._closed = False
 
     # -- wiring -------------------------------------------------------------
     def reads(self, rank: int, stream: str) -> bool:
@@ -253,42 +246,20 @@ class Readiness:
         if self.listening(rank):
             self._lines[rank].put(line)
 
-    def stream_hooks(
-        self, rank: int, all_lines: bool
-    ) -> tuple[Callable[[str], bool], Callable[[str], LineSink]]:
-        """``watch`` and ``line_sink`` of ``rank``'s streams for ``LogWiring.open``:
-        a stream is watched (split into lines) if ``rank``'s probe reads it or
-        ``all_lines`` (e.g. for the watchdog's progress regex)."""
+    def wants(self, rank: int, stream: str) -> bool:
+        """Line listener: whether ``rank``'s probe waits for ``stream``'s lines now."""
+        return self.reads(rank, stream) and self.listening(rank)
 
-        def watch(stream: str) -> bool:
-            return all_lines or self.reads(rank, stream)
-
-        return watch, lambda stream: self.line_sink(rank, stream, watch(stream))
-
-    def line_sink(self, rank: int, stream: str, watch: bool) -> LineSink:
-        """The sink of ``rank``'s ``stream`` lines: its probe (if ``watch``) and
-        ``events(lines=True)`` consumers as :class:`LogLine` events.
-
-        It splits lines only while someone listens: a probe not yet satisfied,
-        or a lines consumer of the bus.
-        """
-        bus = self._bus
-
-        def wanted() -> bool:
-            return bool(bus.wants_lines) or (watch and self.listening(rank))
-
-        def on_line(line: str) -> None:
-            if watch:
-                self.feed(rank, line)
-            if bus.wants_lines:
-                bus.emit(LogLine(rank=rank, time=time.monotonic(), stream=stream, text=line))
-
-        return LineSink(on_line, wanted)
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """Line listener: one line of ``rank``'s ``stream``, for its probe."""
+        self.feed(rank, text)
 
     # -- lifecycle ----------------------------------------------------------
     def started(self, rank: int, handle: WorkerHandle) -> None:
         """A new incarnation of ``rank`` runs: ready now without a probe, else
-        start its probe, raced against ``handle``'s exit."""
+        start its probe, raced against ``handle``'s exit (an earlier
+        incarnation's readiness no longer counts)."""
+        self.reset(rank)
         probe = self._probes.get(rank)
         if probe is None:
             self._mark(rank, handle.pid)
@@ -299,7 +270,7 @@ class Readiness:
         self._tasks[rank] = asyncio.ensure_future(self._probe(rank, probe, handle, lines))
 
     def reset(self, rank: int) -> None:
-        """``rank`` is about to be restarted: not ready until its next incarnation is."""
+        """``rank`` is not ready until its next incarnation is."""
         self._ready[rank].clear()
         self._lines.pop(rank, None)
         task = self._tasks.pop(rank, None)
@@ -310,18 +281,12 @@ class Readiness:
         return self._ready[rank].is_set()
 
     async def aclose(self) -> None:
-        """The group is shutting down: fail waiters, stop every probe."""
-        self.closing()
+        """The group is ending: stop every probe (waiters fail: ``state.ending``)."""
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    def closing(self) -> None:
-        """The group started shutting down: waiters fail from now on."""
-        self._closed = True
-        self._changed.set()
 
     async def _probe(
         self, rank: int, probe: ReadinessProbe, handle: WorkerHandle, lines: _Lines | None
@@ -343,14 +308,14 @@ class Readiness:
             self._mark(rank, handle.pid)
         else:
             self._errors[rank] = error
-            self._changed.set()
+            self._state.wakeup.notify()
 
     def _mark(self, rank: int, pid: int) -> None:
         if not self._ready[rank].is_set():
             self._ready[rank].set()
             self._lines.pop(rank, None)
             self._bus.emit(WorkerReady(rank=rank, time=time.monotonic(), pid=pid))
-            self._changed.set()
+            self._state.wakeup.notify()
 
     # -- waiting ------------------------------------------------------------
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -364,28 +329,34 @@ class Readiness:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        state = self._state
         while True:
-            self._changed.clear()
+            seen = state.wakeup.version  # before the checks (see Wakeup)
             if self._errors:
                 rank, error = next(iter(self._errors.items()))
                 raise RuntimeError(
                     f"the readiness probe {self._probes[rank]!r} of rank {rank} of "
-                    f"{self._name!r} raised {type(error).__name__}: {error}"
+                    f"{state.name!r} raised {type(error).__name__}: {error}"
                 ) from error
-            if all(ev.is_set() for ev in self._ready.values()) and not any(
-                r in self._restarting for r in self._ready
-            ):
+            if all(ev.is_set() for ev in self._ready.values()) and not state.any_restarting():
                 return
             dead = [
-                r for r in self._exited if not self._ready[r].is_set() and r not in self._restarting
+                r
+                for r in state.exit_order
+                if not self._ready[r].is_set() and not state.restarting(r)
             ]
-            if dead or self._closed:
-                raise ChildFailedError(self._name, {r: self._failure(r) for r in dead})
+            if dead or state.ending:
+                raise ChildFailedError(state.name, {r: self._failure(r) for r in dead})
             remaining = math.inf if deadline is None else deadline - loop.time()
             if remaining <= 0:
                 not_ready = sorted(r for r, ev in self._ready.items() if not ev.is_set())
                 raise TimeoutError(
-                    f"ranks {not_ready} of {self._name!r} not ready after {timeout}s"
+                    f"ranks {not_ready} of {state.name!r} not ready after {timeout}s"
                 )
             with anyio.move_on_after(remaining):
-                await self._changed.wait()
+                await state.wakeup.changed(seen)
+
+    def _failure(self, rank: int) -> ProcessFailure:
+        w = self._state.worker(rank)
+        assert w is not None
+        return not_ready_failure(w, self._error_files.get(rank, ""))

@@ -1,127 +1,209 @@
 """The run report: ``{log_dir}/report.json`` and a readable ``report.txt``.
 
-Written when a group fails (from the context's shutdown) and when the
-watchdog flags a stall (then without an outcome yet). It names the root
-cause - rank, exit code or signal, the recorded exception and traceback, or
-for programs without ``@record`` the last lines of their stderr log - the
-ranks that failed on their own vs. those aiolaunch stopped, and the stalled
-ranks with their stacks and the outlier verdict.
+Written when a group fails (after its result) and when the watchdog flags a
+stall (then without an outcome yet). It names the root cause - rank, exit
+code or signal, the recorded exception and traceback, or for programs
+without ``@record`` the last lines of their stderr log - the ranks that
+failed on their own vs. those aiolaunch stopped, and the stalled ranks with
+their stacks and the outlier verdict.
+
+:class:`RunReport` is a plain frozen dataclass built from plain values
+(:meth:`RunReport.build`); it knows nothing of the context that made it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from ._forensics import Forensics
-    from ._results import RunProcsResult
+from ._results import root_cause, tail_lines
 
-__all__ = ["write_report"]
+if TYPE_CHECKING:
+    from collections.abc import Container, Iterable, Mapping
+
+    from ._results import RunProcsResult
+    from ._stacks import StackReport
+    from ._stall import Stall
+
+__all__ = ["RunReport", "write_report"]
+
+logger = logging.getLogger("aiolaunch")
 
 _TAIL_LINES = 20
 
 
-def _tail(path: str, n: int = _TAIL_LINES) -> list[str]:
-    from ._results import tail_lines
+@dataclass(frozen=True)
+class RootCause:
+    """The failure that came first (:func:`aiolaunch._results.root_cause`)."""
 
-    return tail_lines(path, n)
+    rank: int
+    pid: int
+    exitcode: int
+    signal: str | None
+    message: str
+    traceback: str | None
+    error_file: str
+    stderr_tail: list[str]
 
 
-def build_report(fx: Forensics, result: RunProcsResult | None) -> dict[str, Any]:
-    """The report as a JSON-ready dict."""
-    ctx = fx._ctx
-    data: dict[str, Any] = {
-        "name": ctx.name,
-        "log_dir": fx.log_dir,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "outcome": "running" if result is None else ("failed" if result.is_failed() else "ok"),
-    }
-    if result is not None and result.failures:
-        from ._errors import ChildFailedError
+@dataclass(frozen=True)
+class StalledRank:
+    """A stalled rank as the report shows it."""
 
-        rank, f = ChildFailedError(ctx.name, result.failures).get_first_failure()
-        data["root_cause"] = {
-            "rank": rank,
-            "pid": f.pid,
-            "exitcode": f.exitcode,
-            "signal": None if f.exitcode >= 0 else f.signal_name(),
-            "message": f.error_message,
-            "traceback": f.py_callstack,
-            "error_file": f.error_file,
-            "stderr_tail": _tail(ctx.stderrs.get(rank, "")),
-        }
-        data["failed"] = sorted(r for r in result.failures if r not in fx.failing)
-        data["stopped_by_aiolaunch"] = sorted(
-            r for r, w in ctx._workers.items() if w.stopped_by_us and r not in result.failures
-        )
-    stalls = {**fx.flagged, **fx.failing}
-    if stalls:
-        data["stalled"] = [
-            {
-                "rank": s.rank,
-                "pid": s.pid,
-                "idle_s": s.idle_s,
-                "reason": s.reason,
-                "where": s.verdict_line,
-                "stacks_file": s.stacks_file,
-                "stacks": fx.stall_dumps.get(s.rank, ""),
-            }
-            for _, s in sorted(stalls.items())
+    rank: int
+    pid: int
+    idle_s: float
+    reason: str
+    where: str
+    stacks_file: str
+    stacks: str
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """Everything the report says, as plain values."""
+
+    name: str
+    log_dir: str
+    time: str
+    outcome: str  # "running" (a stall, no outcome yet), "failed" or "ok"
+    root_cause: RootCause | None = None
+    #: ranks that failed on their own (not for a stall)
+    failed: list[int] | None = None
+    stopped_by_aiolaunch: list[int] | None = None
+    stalled: list[StalledRank] = field(default_factory=list)
+    verdict: StackReport | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        name: str,
+        log_dir: str,
+        result: RunProcsResult | None,
+        stopped: Iterable[int] = (),
+        forced: Container[int] = (),
+        stderrs: Mapping[int, str] | None = None,
+        stalls: Iterable[Stall] = (),
+        verdict: StackReport | None = None,
+        dumps: Mapping[int, str] | None = None,
+    ) -> RunReport:
+        """The report of group ``name``.
+
+        :param result: the outcome, or ``None`` while it runs.
+        :param stopped: ranks the supervisor stopped on purpose.
+        :param forced: ranks failed for a stall (not "failed on their own").
+        :param stderrs: ``{rank: stderr log path}`` for the root cause's tail.
+        :param stalls: the stalled ranks, with ``dumps`` their stacks.
+        """
+        outcome = "running" if result is None else ("failed" if result.is_failed() else "ok")
+        cause: RootCause | None = None
+        failed = stopped_list = None
+        if result is not None and result.failures:
+            rank, f = root_cause(result.failures)
+            cause = RootCause(
+                rank=rank,
+                pid=f.pid,
+                exitcode=f.exitcode,
+                signal=None if f.exitcode >= 0 else f.signal_name(),
+                message=f.error_message,
+                traceback=f.py_callstack,
+                error_file=f.error_file,
+                stderr_tail=tail_lines((stderrs or {}).get(rank, ""), _TAIL_LINES),
+            )
+            failed = sorted(r for r in result.failures if r not in forced)
+            stopped_list = sorted(r for r in stopped if r not in result.failures)
+        stalled = [
+            StalledRank(
+                s.rank,
+                s.pid,
+                s.idle_s,
+                s.reason,
+                s.verdict_line,
+                s.stacks_file,
+                (dumps or {}).get(s.rank, ""),
+            )
+            for s in sorted(stalls, key=lambda s: s.rank)
         ]
-    if fx.stall_report is not None:
-        data["verdict"] = {**fx.stall_report.to_json(), "text": str(fx.stall_report)}
-    return data
+        return cls(
+            name=name,
+            log_dir=log_dir,
+            time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            outcome=outcome,
+            root_cause=cause,
+            failed=failed,
+            stopped_by_aiolaunch=stopped_list,
+            stalled=stalled,
+            verdict=verdict,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """``report.json``'s content."""
+        data: dict[str, Any] = {
+            "name": self.name,
+            "log_dir": self.log_dir,
+            "time": self.time,
+            "outcome": self.outcome,
+        }
+        if self.root_cause is not None:
+            data["root_cause"] = vars(self.root_cause).copy()
+            data["failed"] = self.failed
+            data["stopped_by_aiolaunch"] = self.stopped_by_aiolaunch
+        if self.stalled:
+            data["stalled"] = [vars(s).copy() for s in self.stalled]
+        if self.verdict is not None:
+            data["verdict"] = {**self.verdict.to_json(), "text": str(self.verdict)}
+        return data
+
+    def to_text(self) -> str:
+        """``report.txt``: the report for people."""
+        out = [f"aiolaunch report: group {self.name!r} ({self.outcome}), {self.time}"]
+        out.append(f"log dir: {self.log_dir}")
+        root = self.root_cause
+        if root is not None:
+            how = f"signal {root.signal}" if root.signal else f"exit code {root.exitcode}"
+            out += ["", f"Root cause: rank {root.rank} (pid {root.pid}), {how}"]
+            out.append(f"  {root.message}".replace("\n", "\n  "))
+            if root.traceback:
+                out.append("  " + root.traceback.rstrip().replace("\n", "\n  "))
+            if root.stderr_tail:
+                out.append("  last stderr lines:")
+                out += [f"    {line}" for line in root.stderr_tail]
+            out.append(f"Failed on their own: {self.failed or 'none'}")
+            out.append(f"Stopped by aiolaunch: {self.stopped_by_aiolaunch or 'none'}")
+        if self.verdict is not None:
+            out += ["", "Where every rank is (innermost frames of the main thread):"]
+            out.append(str(self.verdict))
+        for s in self.stalled:
+            out += ["", f"Stalled: rank {s.rank} (pid {s.pid}): {s.reason}"]
+            if s.stacks_file:
+                out.append(f"  stacks: {s.stacks_file}")
+            if s.stacks:
+                out.append("  " + s.stacks.rstrip().replace("\n", "\n  "))
+        return "\n".join(out) + "\n"
 
 
-def format_report(data: dict[str, Any]) -> str:
-    """``report.txt``: the report for people."""
-    out = [f"aiolaunch report: group {data['name']!r} ({data['outcome']}), {data['time']}"]
-    out.append(f"log dir: {data['log_dir']}")
-    root = data.get("root_cause")
-    if root:
-        how = f"signal {root['signal']}" if root["signal"] else f"exit code {root['exitcode']}"
-        out += ["", f"Root cause: rank {root['rank']} (pid {root['pid']}), {how}"]
-        out.append(f"  {root['message']}".replace("\n", "\n  "))
-        if root.get("traceback"):
-            out.append("  " + root["traceback"].rstrip().replace("\n", "\n  "))
-        if root.get("stderr_tail"):
-            out.append("  last stderr lines:")
-            out += [f"    {line}" for line in root["stderr_tail"]]
-        out.append(f"Failed on their own: {data.get('failed') or 'none'}")
-        out.append(f"Stopped by aiolaunch: {data.get('stopped_by_aiolaunch') or 'none'}")
-    verdict = data.get("verdict")
-    if verdict:
-        out += ["", "Where every rank is (innermost frames of the main thread):", verdict["text"]]
-    for s in data.get("stalled", []):
-        out += ["", f"Stalled: rank {s['rank']} (pid {s['pid']}): {s['reason']}"]
-        if s["stacks_file"]:
-            out.append(f"  stacks: {s['stacks_file']}")
-        if s["stacks"]:
-            out.append("  " + s["stacks"].rstrip().replace("\n", "\n  "))
-    return "\n".join(out) + "\n"
-
-
-def write_report(fx: Forensics, result: RunProcsResult | None) -> tuple[str, str] | None:
-    """Write ``report.json`` and ``report.txt`` into the group's log dir.
+def write_report(report: RunReport) -> tuple[str, str] | None:
+    """Write ``report.json`` and ``report.txt`` into ``report.log_dir``.
 
     Returns their paths, or ``None`` when they cannot be written (logged:
     a report must never turn into a second failure).
     """
-    import logging
-
-    data = build_report(fx, result)
-    paths = (os.path.join(fx.log_dir, "report.json"), os.path.join(fx.log_dir, "report.txt"))
+    paths = (
+        os.path.join(report.log_dir, "report.json"),
+        os.path.join(report.log_dir, "report.txt"),
+    )
+    texts = (json.dumps(report.to_json(), indent=2), report.to_text())
     try:
-        for path, text in zip(
-            paths, (json.dumps(data, indent=2), format_report(data)), strict=True
-        ):
+        for path, text in zip(paths, texts, strict=True):
             with open(path + ".tmp", "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(path + ".tmp", path)
     except OSError as exc:
-        logging.getLogger("aiolaunch").warning("aiolaunch: cannot write the report: %s", exc)
+        logger.warning("aiolaunch: cannot write the report: %s", exc)
         return None
     return paths

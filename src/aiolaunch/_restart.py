@@ -1,7 +1,7 @@
 """Per-worker restart policies for long-running service groups.
 
-:class:`Restarts` (private) is the mechanism of one group: trackers, attempt
-counts, pending restarts and one restart of a rank at a time.
+:class:`Restarts` (private) is the mechanism of one group: trackers and one
+restart of a rank at a time; the group's state keeps which ranks restart.
 
 This is not the agent's whole-group restart (``max_restarts`` in
 ``aiolaunch.agent``, for training): here a single worker that exits is started
@@ -17,16 +17,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ._cancel import shielded
 from ._events import WorkerRestarting
-from ._shutdown import shielded
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
 
     from ._events import EventBus
+    from ._group import GroupState
     from ._workers._handle import WorkerHandle
 
-__all__ = ["RespawnSteps", "RestartPolicy", "RestartTracker", "Restarts"]
+__all__ = ["RestartPolicy", "RestartTracker", "Restarts"]
 
 _MODES = ("never", "on-failure", "always")
 
@@ -115,77 +116,48 @@ class RestartTracker:
         return delay
 
 
-@dataclass(frozen=True)
-class RespawnSteps:
-    """What a restart asks of its group (given by :class:`PContext`), per rank."""
-
-    #: finish the old incarnation's pipes (its bytes precede the new one's)
-    drain: Callable[[int], Awaitable[None]]
-    #: spawn and wire up the next incarnation
-    start: Callable[[int], Awaitable[None]]
-    #: the group is shutting down: start nothing any more
-    ending: Callable[[], bool]
-    #: a restart was planned: the rank is not ready until the next incarnation is
-    planned: Callable[[int], None]
-    #: the rank exited for good (its restart failed)
-    gone: Callable[[int], None]
-
-
 class Restarts:
     """The per-worker restarts of one group.
 
-    Holds each rank's :class:`RestartTracker`, its attempt count (the
-    worker's ``AIOLAUNCH_RESTART_COUNT``), the ranks with a restart pending
-    (:attr:`pending`, a set kept current in place: others may hold it), and
-    one lock per rank so that restarts of a rank run one at a time, in the
-    order the exits happened.
+    Holds each rank's :class:`RestartTracker` and one lock per rank, so that
+    restarts of a rank run one at a time, in the order the exits happened.
+    What the group must know - which ranks are restarting, how often each was
+    restarted, which exited for good - it tells the group's state
+    (:class:`~aiolaunch._group.GroupState`).
 
-    :param on_change: called whenever a restart finished (or failed), so the
-        group re-evaluates its state.
+    :param state: the group.
     :param bus: where :class:`WorkerRestarting` events go.
-    :param steps: how a restart drains, starts, and reports to the group.
+    :param drain: finishes a rank's old incarnation's pipes (its bytes
+        precede the new one's).
+    :param start: spawns and wires up a rank's next incarnation.
     """
 
     def __init__(
         self,
         policies: Mapping[int, RestartPolicy],
-        nprocs: int,
-        on_change: Callable[[], None],
+        state: GroupState,
         *,
         bus: EventBus,
-        steps: RespawnSteps,
+        drain: Callable[[int], Awaitable[None]],
+        start: Callable[[int], Awaitable[None]],
     ) -> None:
         self._trackers = {r: RestartTracker(p) for r, p in policies.items()}
-        self.attempts: dict[int, int] = dict.fromkeys(range(nprocs), 0)
-        self.pending: set[int] = set()
-        self._counts: dict[int, int] = {}
+        self._state = state
         self._locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._on_change = on_change
         self._bus = bus
-        self._steps = steps
+        self._drain = drain
+        self._start = start
+
+    def has_policy(self, rank: int) -> bool:
+        """Whether ``rank`` has a restart policy."""
+        return rank in self._trackers
 
     def env(self, rank: int) -> dict[str, str]:
         """What a restartable rank's environment adds: its restart count."""
         if rank not in self._trackers:
             return {}
-        return {"AIOLAUNCH_RESTART_COUNT": str(self.attempts[rank])}
-
-    def plan(self, rank: int, failed: bool, now: float) -> tuple[float, int] | None:
-        """An incarnation of ``rank`` exited on its own: restart it?
-
-        :returns: ``(delay, restart number)`` - and ``rank`` is pending from
-            now on - or ``None`` (no policy, not wanted, or budget spent).
-        """
-        tracker = self._trackers.get(rank)
-        if tracker is None:
-            return None
-        delay = tracker.next_delay(1 if failed else 0, now)
-        if delay is None:
-            return None
-        self.pending.add(rank)
-        self._counts[rank] = self._counts.get(rank, 0) + 1
-        return delay, tracker.attempts
+        return {"AIOLAUNCH_RESTART_COUNT": str(self._state.attempts(rank))}
 
     def after_exit(self, handle: WorkerHandle) -> bool:
         """An incarnation exited: restart it if it exited on its own (not
@@ -193,52 +165,62 @@ class Restarts:
         a restart and the budget allows it.
 
         :returns: whether a restart follows (:meth:`respawn`, in a task, after
-            the rank's earlier restarts). If not, a spent budget sets
-            ``handle.failure_reason`` even for exit code 0: ``"always"``
-            promises a service that keeps running, so an exit it cannot
-            restart any more fails the group.
+            the rank's earlier restarts; the rank is restarting meanwhile). If
+            not, a spent budget sets ``handle.failure_reason`` even for exit
+            code 0: ``"always"`` promises a service that keeps running, so an
+            exit it cannot restart any more fails the group.
         """
-        if handle.stopped_by_us or self._steps.ending():
-            return False
         rank = handle.local_rank
+        tracker = self._trackers.get(rank)
+        if tracker is None or handle.stopped_by_us or self._state.ending:
+            return False
         failed = handle.returncode != 0 or handle.failure_reason is not None
-        planned = self.plan(rank, failed, time.monotonic())
-        if planned is None:
+        delay = tracker.next_delay(1 if failed else 0, time.monotonic())
+        if delay is None:
             spent = self.budget_spent(rank)
             if spent is not None and not failed:
                 handle.failure_reason = spent
             return False
-        delay, attempt = planned
-        self._steps.planned(rank)
+        self._state.restart_planned(rank)
         self._bus.emit(
-            WorkerRestarting(rank=rank, time=time.monotonic(), attempt=attempt, delay=delay)
+            WorkerRestarting(
+                rank=rank, time=time.monotonic(), attempt=tracker.attempts, delay=delay
+            )
         )
         # A new incarnation that exits while it is still being wired up
         # queues its own restart behind this one.
-        self.run(rank, lambda: self.respawn(handle, delay))
+        task = asyncio.ensure_future(self._run(rank, lambda: self.respawn(handle, delay)))
+        self._tasks.add(task)
+        # A done callback, not a ``finally``: it runs even for a task cancelled
+        # before its first step (aclose() at once after an exit).
+        task.add_done_callback(lambda t: self._finished(t, rank))
         return True
+
+    def _finished(self, task: asyncio.Task[None], rank: int) -> None:
+        self._tasks.discard(task)
+        self._state.restart_finished(rank)
 
     async def respawn(self, old: WorkerHandle, delay: float) -> None:
         """Start the next incarnation of ``old``'s rank after ``delay`` seconds.
 
         First the old incarnation's pipes are drained and it is released;
-        nothing starts once the group is shutting down. A start that fails
-        marks ``old`` failed (``"restart failed"``), the rank gone, and raises.
+        nothing starts once the group is ending. A start that fails marks
+        ``old`` failed (``"restart failed"``), the rank gone, and raises.
         """
         rank = old.local_rank
         # Shielded: a cancelled drain would lose bytes and fds.
-        await shielded(self._steps.drain(rank))
+        await shielded(self._drain(rank))
         old.release()
         await asyncio.sleep(delay)  # allowed: the policy's backoff
-        if self._steps.ending():
+        if self._state.ending:
             return
-        self.attempts[rank] += 1
+        self._state.next_attempt(rank)
         try:
             # Shielded: once a process is spawned its pipes must be wired.
-            await shielded(self._steps.start(rank))
+            await shielded(self._start(rank))
         except Exception:
             old.failure_reason = old.failure_reason or "restart failed"
-            self._steps.gone(rank)
+            self._state.gone(rank)
             raise
 
     def budget_spent(self, rank: int) -> str | None:
@@ -254,29 +236,14 @@ class Restarts:
             f"{p.window:g}s"
         )
 
-    def run(self, rank: int, restart: Callable[[], Awaitable[None]]) -> None:
-        """Run ``restart()`` for a planned restart of ``rank``, in a task, after
-        the restarts of ``rank`` planned before it; then ``rank`` is no longer
-        pending (once no other restart of it is planned)."""
-        task = asyncio.ensure_future(self._run(rank, restart))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def _run(self, rank: int, restart: Callable[[], Awaitable[None]]) -> None:
-        try:
-            async with self._locks.setdefault(rank, asyncio.Lock()):
-                await restart()
-        finally:
-            self._counts[rank] -= 1
-            if not self._counts[rank]:
-                self.pending.discard(rank)
-            self._on_change()
+        async with self._locks.setdefault(rank, asyncio.Lock()):
+            await restart()
 
     async def aclose(self) -> None:
-        """Cancel every restart in progress; nothing is pending afterwards."""
+        """Cancel every restart in progress; nothing is restarting afterwards."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self.pending.clear()

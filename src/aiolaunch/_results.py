@@ -2,7 +2,7 @@
 
 Both classes are plain dataclasses that pickle by value (no file is read on
 unpickling), so results can cross process boundaries. :func:`build_result`
-makes a group's result from its worker handles. Nearly a leaf module: it imports
+makes a group's result from its state (``_group.GroupState``). Nearly a leaf module: it imports
 the leaf ``_signames``, and ``build_result`` (lazily) the error-file writer.
 """
 
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 from ._signames import exit_signal_name
 
 if TYPE_CHECKING:
-    from collections.abc import Container, Iterable, Mapping
+    from collections.abc import Iterable, Mapping
 
+    from ._group import GroupState
     from ._types import JSON
     from ._workers._handle import WorkerHandle
 
@@ -30,7 +31,6 @@ __all__ = [
     "ProcessFailure",
     "RunProcsResult",
     "build_result",
-    "failed_ranks",
     "not_ready_failure",
     "root_cause",
 ]
@@ -253,40 +253,8 @@ def not_ready_failure(handle: WorkerHandle, error_file: str) -> ProcessFailure:
     )
 
 
-def failed_ranks(
-    workers: Mapping[int, WorkerHandle], exit_order: Iterable[int], restarting: Container[int]
-) -> list[int]:
-    """The ranks whose last incarnation failed, in ``exit_order``.
-
-    A rank stopped by the supervisor, still alive, or ``restarting`` (a new
-    incarnation follows) is not failed; any other one is if it exited non-zero
-    or has a ``failure_reason`` (e.g. a spent restart budget).
-    """
-    failed = []
-    for rank in exit_order:
-        w = workers[rank]
-        if w.stopped_by_us or rank in restarting or w.alive:
-            continue
-        if w.returncode != 0 or w.failure_reason is not None:
-            failed.append(rank)
-    return failed
-
-
-def decided(
-    workers: Mapping[int, WorkerHandle],
-    nprocs: int,
-    exit_order: Iterable[int],
-    restarting: Container[int],
-) -> bool:
-    """Whether a group's outcome is known: a rank failed (:func:`failed_ranks`),
-    or all ``nprocs`` ranks started, none is restarting, and every one exited."""
-    if failed_ranks(workers, exit_order, restarting):
-        return True
-    return len(workers) == nprocs and not restarting and all(not w.alive for w in workers.values())
-
-
 def build_result(
-    workers: Mapping[int, WorkerHandle],
+    state: GroupState,
     failed: Iterable[int],
     error_files: Mapping[int, str],
     stdouts: Mapping[int, str],
@@ -294,43 +262,55 @@ def build_result(
 ) -> RunProcsResult:
     """The result of a finished group.
 
-    :param workers: every started worker (the last incarnation of each rank),
-        all exited.
-    :param failed: the failed ranks, in the order their failure was observed:
-        the order of ``failures``. A failure without an error file whose
-        handle knows why (``failure_reason``, e.g. a function worker that
-        exited 0 without returning) gets that reason written as its error file.
-        A failure the worker did not record itself is timestamped with the
-        moment its exit was detected (sub-second), not when this runs. A
-        function worker that died without a Python exception (``os._exit``,
-        a signal) gets its exit code or signal and the last lines of its
-        stderr log as ``message`` (not torch's "decorate with @record" hint).
+    :param state: the group; every started worker (the last incarnation of
+        each rank) has exited.
+    :param failed: the failed ranks, in the order their failure was observed
+        (:meth:`GroupState.failed_ranks`): the order of ``failures``. A
+        failure forced on a live rank (a stall, :meth:`GroupState.fail`) says
+        why, with the moment it was decided as its timestamp. A failure
+        without an error file whose handle knows why (``failure_reason``,
+        e.g. a function worker that exited 0 without returning) gets that
+        reason written as its error file. A failure the worker did not
+        record itself is timestamped with the moment its exit was detected
+        (sub-second), not when this runs. A function worker that died
+        without a Python exception (``os._exit``, a signal) gets its exit
+        code or signal and the last lines of its stderr log as ``message``
+        (not torch's "decorate with @record" hint).
     :returns: the return values of every rank that exited 0 on its own when
         nothing failed, else the failures only.
     """
     failures: dict[int, ProcessFailure] = {}
+    forced = state.forced
     for rank in failed:
-        w = workers[rank]
+        w = state.worker(rank)
+        assert w is not None and w.returncode is not None
         error_file = error_files.get(rank, "")
         recorded = bool(error_file) and os.path.isfile(error_file)
         if w.failure_reason is not None and error_file and error_file != os.devnull:
             _record_reason(error_file, w.failure_reason)
-        assert w.returncode is not None
         failure = ProcessFailure(
             local_rank=rank, pid=w.pid, exitcode=w.returncode, error_file=error_file
         )
-        if not recorded and w.exit_time is not None:
+        if rank in forced:
+            failure.message = forced[rank].message
+            failure.timestamp = min(failure.timestamp, forced[rank].time)
+        elif not recorded and w.exit_time is not None:
             failure.timestamp = w.exit_time
-        if not recorded and w.failure_reason is None and w.records_exceptions:
+        if (
+            not recorded
+            and rank not in forced
+            and w.failure_reason is None
+            and w.records_exceptions
+        ):
             # "Decorate with @record" cannot help a function worker: it
             # records every exception it raises. It died without one.
             failure.message = _died_without_exception(failure, stderrs.get(rank, ""))
         failures[rank] = failure
     return_values: dict[int, Any] = {}
     if not failures:
-        for rank, w in sorted(workers.items()):
+        for w in state.workers():
             if w.returncode == 0 and not w.stopped_by_us:
-                return_values[rank] = w.return_value
+                return_values[w.local_rank] = w.return_value
     return RunProcsResult(
         return_values=return_values,
         failures=failures,

@@ -33,13 +33,12 @@ import contextlib
 import logging
 import os
 import signal
-import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ._cancel import shielded
 from ._compat import (
     call_handle_soon,
     is_default_handler,
@@ -47,28 +46,11 @@ from ._compat import (
     reinstall_loop_signal_handler,
 )
 from ._errors import SignalException
-from ._shutdown import shielded
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from ._workers._handle import WorkerHandle
 
-__all__ = [
-    "DEFAULT_SIGNALS_TO_HANDLE",
-    "FORWARDED_SIGNALS",
-    "FORWARD_SIGNALS_ENV",
-    "SHUTDOWN_TIMEOUT_ENV",
-    "SIGNALS_TO_HANDLE_ENV",
-    "STOP_DEADLINE_FILE_ENV",
-    "STOP_SIGNALS",
-    "SignalPlan",
-    "SignalWatch",
-    "forward_signal",
-    "parse_signals",
-    "resolve_signals",
-    "watch_signals",
-]
+__all__ = ["FORWARDED_SIGNALS", "STOP_SIGNALS", "SignalWatch", "forward_signal", "watch_signals"]
 
 logger = logging.getLogger("aiolaunch")
 
@@ -108,7 +90,8 @@ class SignalWatch:
         self._on_signal = on_signal
         self._on_repeat = on_repeat
         self._on_forward = on_forward
-        self._hub: _Hub | None = None
+        #: the hub of its loop while it watches (set and cleared by watch_signals)
+        self.hub: _Hub | None = None
 
     def signalled(self) -> None:
         """Say that the workers were sent :attr:`received`.
@@ -116,8 +99,8 @@ class SignalWatch:
         The application's own handler for that signal, if any, runs once every
         waiter that received it said so (or left). Idempotent.
         """
-        if self._hub is not None:
-            self._hub.acknowledge(self)
+        if self.hub is not None:
+            self.hub.acknowledge(self)
 
     async def stop_group(self, sent: asyncio.Event, end: asyncio.Future[Any]) -> NoReturn:
         """Act on :attr:`received`, whose shutdown ``end`` already began.
@@ -137,7 +120,8 @@ class SignalWatch:
         await shielded(end)
         raise SignalException(f"Process {os.getpid()} got signal: {sig.value}", sigval=sig)
 
-    def _deliver(self, sig: signal.Signals) -> None:
+    def deliver(self, sig: signal.Signals) -> None:
+        """The hub received ``sig``: record it or pass it on (see the callbacks)."""
         if sig in self.forward:
             if self._on_forward is not None:
                 self._on_forward(sig)
@@ -266,7 +250,7 @@ class _Hub:
         for watch in list(self.watches):
             if sig in watch.stop and watch.received is None:
                 fresh.append(watch)
-            watch._deliver(sig)
+            watch.deliver(sig)
         if fresh:
             # The application's handler runs once these waiters signalled their
             # workers, so a graceful shutdown of its own finds them stopping.
@@ -338,7 +322,7 @@ def watch_signals(
         _degraded("this event loop cannot take signal handlers")
         yield watch
         return
-    watch._hub = hub
+    watch.hub = hub
     hub.watches.append(watch)
     try:
         yield watch
@@ -346,196 +330,10 @@ def watch_signals(
         hub.watches.remove(watch)
         hub.leave(watch)
         hub.release(taken)
-        watch._hub = None
+        watch.hub = None
         if not hub.watches:
             del _hubs[loop]
         received = watch.received
         if received is not None and not watch.consumed and received not in hub.slots:
             # Arrived after the waiter had decided: hand it to the restored handler.
             signal.raise_signal(received)
-
-
-# -- which signals a group handles, and what its workers are told -----------
-
-#: torch's default for ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
-DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-FORWARD_SIGNALS_ENV = "AIOLAUNCH_FORWARD_SIGNALS"
-#: In every worker's environment: the grace (seconds) between the death signal
-#: and SIGKILL when ``wait()`` stops the group.
-SHUTDOWN_TIMEOUT_ENV = "AIOLAUNCH_SHUTDOWN_TIMEOUT"
-#: In every worker's environment: a file that holds, once the group is being
-#: stopped, the wall-clock time (Unix seconds) at which survivors get SIGKILL.
-STOP_DEADLINE_FILE_ENV = "AIOLAUNCH_STOP_DEADLINE_FILE"
-_DEADLINE_NAME = "stop_deadline"
-
-# Cannot be caught (KILL, STOP), or asyncio reaps children with it (CHLD).
-_UNHANDLED = frozenset({signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD})
-
-
-def _one_signal(item: object) -> signal.Signals:
-    if isinstance(item, bool):
-        raise TypeError(f"{item!r} is not a signal")
-    if isinstance(item, int):
-        return signal.Signals(item)  # ValueError for a number that is no signal
-    if isinstance(item, str):
-        name = item.strip().upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        try:
-            return signal.Signals[name]
-        except KeyError:
-            raise ValueError(f"{item!r} is not a signal name") from None
-    raise TypeError(f"{item!r} is not a signal (a name like 'SIGUSR1', or a number)")
-
-
-def parse_signals(spec: object, *, what: str, strict: bool) -> frozenset[signal.Signals]:
-    """Read a set of signals: ``"SIGTERM,SIGUSR1"`` (torch's form), names or numbers.
-
-    Names may omit ``SIG`` and any case is accepted; empty items are skipped.
-    ``strict`` (a keyword argument): a bad item raises ``ValueError`` or
-    ``TypeError`` naming ``what``; otherwise (an environment variable, as
-    torch reads it) it is skipped with a warning. SIGKILL and SIGSTOP cannot
-    be handled, and SIGCHLD belongs to asyncio: they are refused the same way.
-    """
-    if isinstance(spec, str):
-        items: list[object] = [part for part in spec.split(",") if part.strip()]
-    elif isinstance(spec, int):
-        items = [spec]
-    else:
-        try:
-            items = list(spec)  # type: ignore[call-overload]
-        except TypeError:
-            raise TypeError(
-                f"{what}={spec!r} must be a comma-separated str like 'SIGTERM,SIGUSR1' "
-                "or a list of signal names or numbers"
-            ) from None
-    found: set[signal.Signals] = set()
-    for item in items:
-        try:
-            sig = _one_signal(item)
-            if sig in _UNHANDLED:
-                raise ValueError(f"{sig.name} cannot be handled by the supervisor")
-        except (TypeError, ValueError) as exc:
-            if strict:
-                raise type(exc)(
-                    f"{what}: {exc}; pass names like 'SIGTERM,SIGUSR1' "
-                    "(SIGKILL, SIGSTOP and SIGCHLD excluded)"
-                ) from None
-            logger.warning("aiolaunch: %s: %s; skipped", what, exc)
-            continue
-        found.add(sig)
-    return frozenset(found)
-
-
-def resolve_signals(
-    keyword: object, *, what: str, env: str, default: str
-) -> frozenset[signal.Signals]:
-    """The keyword's signals, or (keyword ``None``) those of ``$env``, or ``default``."""
-    if keyword is not None:
-        return parse_signals(keyword, what=what, strict=True)
-    return parse_signals(os.environ.get(env, default), what=f"${env}", strict=False)
-
-
-class SignalPlan:
-    """One group's signals: which stop it, which are only forwarded, and the stop deadline.
-
-    The deadline file (``$AIOLAUNCH_STOP_DEADLINE_FILE`` in the workers'
-    environment) is empty while the group runs (made by :meth:`make_file` as
-    ``start_processes`` returns, not before the first spawn); before the death
-    signal goes out the supervisor writes the wall-clock time at which
-    survivors get SIGKILL (rewritten to "now" when a second signal
-    escalates). It is removed once the group is gone.
-    """
-
-    def __init__(
-        self,
-        stop: frozenset[signal.Signals],
-        forward: frozenset[signal.Signals],
-        shutdown_timeout: float,
-    ) -> None:
-        self.forward = forward
-        # A signal in both sets is only forwarded (the explicit opt-in wins).
-        self.stop = stop - forward
-        self.shutdown_timeout = shutdown_timeout
-        self._deadline_file = ""
-        self._released = False
-
-    def watch(
-        self,
-        changed: asyncio.Event,
-        escalate: Callable[[str], None],
-        workers: Mapping[int, WorkerHandle],
-        name: str,
-    ) -> contextlib.AbstractContextManager[SignalWatch]:
-        """:func:`watch_signals` for one group's ``wait()``: a stop signal sets
-        ``changed``, a second one calls ``escalate(why)``; a forwarded signal
-        goes to every worker of ``workers``."""
-        return watch_signals(
-            lambda sig: changed.set(),
-            stop=self.stop,
-            forward=self.forward,
-            on_repeat=lambda sig: escalate(f"second {sig.name}"),
-            on_forward=lambda sig: forward_signal(workers.values(), sig, name),
-        )
-
-    def env(self, folder: str | None = None) -> dict[str, str]:
-        """What every worker's environment gets.
-
-        The file is ``{folder}/stop_deadline`` (the group's private folder, so
-        that a supervisor killed by SIGKILL leaves it there, not in the temp
-        folder), made by :meth:`make_file`; without ``folder``, a unique file
-        in the temp folder, made now.
-        """
-        if folder is not None and not self._deadline_file and not self._released:
-            self._deadline_file = os.path.join(folder, _DEADLINE_NAME)
-        if not self._deadline_file and not self._released:
-            try:
-                fd, self._deadline_file = tempfile.mkstemp(
-                    prefix="aiolaunch_stop_deadline_", dir=folder
-                )
-            except OSError as exc:
-                # No writable temp folder: the workers still start, without a deadline file.
-                logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
-                self._released = True
-            else:
-                os.close(fd)
-        return {
-            SHUTDOWN_TIMEOUT_ENV: repr(float(self.shutdown_timeout)),
-            STOP_DEADLINE_FILE_ENV: self._deadline_file,
-        }
-
-    def make_file(self) -> None:
-        """Make the (empty) deadline file that :meth:`env` named; never raises."""
-        if not self._deadline_file or self._released:
-            return
-        try:
-            os.close(os.open(self._deadline_file, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        except OSError as exc:  # the workers run on; set_deadline() tries again
-            logger.warning("aiolaunch: no stop deadline file for the workers: %s", exc)
-
-    def set_deadline(self, grace: float) -> None:
-        """Record that survivors get SIGKILL ``grace`` seconds from now."""
-        if not self._deadline_file:
-            return
-        tmp = self._deadline_file + ".tmp"
-        try:
-            try:
-                f = open(tmp, "w")  # noqa: SIM115
-            except FileNotFoundError:
-                # Stopped before the folder was made (make_file's caller).
-                os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
-                f = open(tmp, "w")  # noqa: SIM115
-            with f:
-                f.write(f"{time.time() + max(0.0, grace):.3f}\n")
-            os.replace(tmp, self._deadline_file)  # a worker never reads half of it
-        except OSError as exc:  # e.g. /tmp full: the signal still goes out
-            logger.warning("aiolaunch: could not write the stop deadline: %s", exc)
-
-    def release(self) -> None:
-        """Remove the deadline file (idempotent)."""
-        self._released = True
-        if self._deadline_file:
-            with contextlib.suppress(OSError):
-                os.unlink(self._deadline_file)
-            self._deadline_file = ""

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import aiolaunch
+from _helpers import exited
 from aiolaunch import Std
 
 
@@ -167,7 +168,7 @@ async def test_slow_console_does_not_stall_workers(
         tee=Std.OUT,
     ) as ctx:
         t0 = time.monotonic()
-        await asyncio.wait_for(ctx._workers[0].exited.wait(), 10)
+        await asyncio.wait_for(exited(ctx, 0), 10)
         worker_time = time.monotonic() - t0
         result = await ctx.wait()
     monkeypatch.undo()

@@ -162,6 +162,10 @@ class LaunchConfig:
     warnings: list[str] = field(default_factory=list)
     #: set in this process's environment before the agent starts
     environ: dict[str, str] = field(default_factory=dict)
+    #: ``--exit-code``: ``"torchrun"`` or ``"root-cause"`` (see ``_exit.py``)
+    exit_code: str = "torchrun"
+    #: one-line notices for stderr (what was taken from Slurm)
+    notices: list[str] = field(default_factory=list)
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -169,8 +173,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     from .._types import Std
     from ..agent import StaticRendezvous, WorkerSpec
     from ..agent._spec import entrypoint_name
+    from ._slurm import apply_slurm
 
     warnings: list[str] = []
+    slurm = apply_slurm(args, os.environ)  # fills what the user left out, under Slurm
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
@@ -296,7 +302,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks
         )
     elif ranks is not None:
-        from .._logs_specs import DefaultLogsSpecs
+        from .._logs._specs import DefaultLogsSpecs
 
         logs_specs = DefaultLogsSpecs(
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks
@@ -340,6 +346,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         torch_handler=torch_handler,
         warnings=warnings,
         environ=environ,
+        exit_code=getattr(args, "exit_code", "torchrun"),
+        notices=[slurm] if slurm else [],
     )
 
 

@@ -6,12 +6,15 @@ import asyncio
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
+from ._client import VERBS
 from ._config import LaunchConfig, config_from_args
-from ._parser import parse_args
+from ._parser import get_args_parser
+from ._preflight import check_entrypoint
 
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Sequence
 
     from ..agent import RunResult
@@ -61,30 +64,69 @@ def _setup_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status.
+    """Run the command line; return the exit status (the table of :mod:`._exit`).
 
     0: every worker succeeded. 1: the group failed after its restarts (the
-    root cause is summarised on stderr) or a signal stopped it (the workers
-    were stopped first), as with torchrun. 2: bad options.
+    root cause is summarised on stderr), as torchrun; with ``--exit-code
+    root-cause``, the root cause's own exit code. 2 (do not retry): bad
+    options, or nothing to run. ``128 + N``: signal ``N`` stopped the run
+    (the workers were stopped first). On a non-zero status the root cause
+    is also written as the termination message.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("status", "stacks"):
-        # `aiolaunch status|stacks LOG_DIR`: talk to a running job's control
+    if argv and argv[0] in VERBS:
+        # `aiolaunch status|stacks|top`: talk to a running job's control
         # socket (a script named "status" still runs as `aiolaunch ./status`).
-        from .._control import stacks_main, status_main
+        return VERBS[argv[0]](argv[1:])
+    from ._init import run_as_init
 
-        return (status_main if argv[0] == "status" else stacks_main)(argv[1:])
-    args = parse_args(argv)
+    init_status = run_as_init()  # PID 1 (a container without an init): reap orphans
+    if init_status is not None:
+        return init_status
+    from ._exit import EXIT_DO_NOT_RETRY, write_termination_message
+
+    args = _parse(argv)
     _setup_logging()
     try:
-        cfg = config_from_args(args)
-    except (ValueError, TypeError, ImportError, NotADirectoryError) as exc:
+        cfg = config_from_args(args)  # bad options first, then what to run
+        check_entrypoint(args)
+    except (ValueError, TypeError, ImportError, NotADirectoryError, FileNotFoundError) as exc:
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
-        return 2
+        write_termination_message(f"aiolaunch: error: {exc}")
+        return EXIT_DO_NOT_RETRY
+    for notice in cfg.notices:
+        print(f"aiolaunch: {notice}", file=sys.stderr)
     for warning in cfg.warnings:
         log.warning(warning)
+    return _run(cfg)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse; a usage error exits 2 (do not retry) with the termination message."""
+    from ._exit import write_termination_message
+
+    parser = get_args_parser()
+    exit_ = parser.exit
+
+    def _exit(status: int = 0, message: str | None = None) -> NoReturn:
+        if status and message:
+            write_termination_message(message.strip())
+        exit_(status, message)
+
+    parser.exit = _exit  # type: ignore[method-assign]
+    return parser.parse_args(argv)
+
+
+def _run(cfg: LaunchConfig) -> int:
     from .._errors import ChildFailedError, SignalException
     from ..agent._numa import NumaBindingError
+    from ._exit import (
+        EXIT_DO_NOT_RETRY,
+        failure_exit_status,
+        failure_message,
+        signal_exit_status,
+        write_termination_message,
+    )
 
     # The supervisor reads its signal lists from the environment (as torch's
     # PContext does); set for the run, restored after it for in-process callers.
@@ -95,13 +137,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NumaBindingError as exc:
         # torchrun fails the same way (a traceback, exit 1) where it cannot bind
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
+        write_termination_message(f"aiolaunch: error: {exc}")
         return 1
+    except FileNotFoundError as exc:
+        # start_processes' check: the binary to run is not on PATH
+        print(f"aiolaunch: error: {exc}", file=sys.stderr)
+        write_termination_message(f"aiolaunch: error: {exc}")
+        return EXIT_DO_NOT_RETRY
     except SignalException as exc:
         from .._signames import describe_signal
 
         name = describe_signal(exc.sigval)
         print(f"aiolaunch: received {name}; all workers were stopped", file=sys.stderr)
-        return 1
+        write_termination_message(f"aiolaunch: stopped by {name}; all workers were stopped")
+        return signal_exit_status(exc.sigval)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -111,5 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.is_failed():
         err = ChildFailedError(cfg.entrypoint_name, result.failures)
         print(err.format_msg(), file=sys.stderr)
-        return 1
+        write_termination_message(failure_message(cfg.entrypoint_name, result.failures))
+        _, root = err.get_first_failure()
+        return failure_exit_status(root, cfg.exit_code)
     return 0

@@ -17,12 +17,15 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MASTER_PORT",
     "DEFAULT_SIGNALS",
+    "GIVEN",
     "NUMA_MODES",
     "get_args_parser",
     "parse_args",
 ]
 
 DEFAULT_MASTER_PORT = 29500
+#: the namespace attribute with the dests given on the command line (``_Env`` options)
+GIVEN = "given_options"
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 #: torch.numa.binding.AffinityMode values (spelled out: the parser imports no torch)
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
@@ -45,6 +48,12 @@ class _Env(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, values)
+        # which options the command line gave (Slurm's defaults fill the others)
+        given = getattr(namespace, GIVEN, None)
+        if given is None:
+            given = set()
+            setattr(namespace, GIVEN, given)
+        given.add(self.dest)
 
 
 class _CheckEnv(argparse.Action):
@@ -375,6 +384,18 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_CheckEnv,
         help="Every worker gets LOCAL_RANK=0 and sees only its own GPU through "
         "CUDA_VISIBLE_DEVICES (torchrun's virtual local rank mode).",
+    )
+    # -- schedulers and engines (aiolaunch's own; see _exit.py, _slurm.py) --
+    add(
+        "--exit-code",
+        "--exit_code",
+        action=_Env,
+        choices=("torchrun", "root-cause"),
+        default="torchrun",
+        help="Exit status when the workers fail: 1 as torchrun (torchrun, the default), or "
+        "the root cause's own exit code, 128+N for a worker killed by signal N (root-cause). "
+        "Whatever this says: 2 means bad arguments or nothing to run (do not retry), 128+N "
+        "that signal N stopped aiolaunch (143: SIGTERM).",
     )
     add(
         "training_script",

@@ -38,6 +38,10 @@ from .._types import PerProcess
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
 
 MAX_PENDING = 8 * 1024 * 1024
+# Tee'd lines are on the console before wait()/close() return - unless the
+# console takes nothing for this long (stuck), which must not hang the
+# supervisor. A console that is merely slow is waited for: no line is lost.
+CONSOLE_FLUSH_TIMEOUT = 5.0
 # The console thread joins small writes into writes of at most this size.
 _PIECE = 1 << 20
 STATUS_INTERVAL = 0.1
@@ -161,6 +165,10 @@ class ConsoleWriter:
     def backlog(self) -> int:
         """Characters queued and not yet taken by the console thread."""
         return self._pending
+
+    def room(self) -> bool:
+        """Whether the backlog is within ``MAX_PENDING``: a lossless writer may queue more."""
+        return self._pending <= MAX_PENDING
 
     def when_room(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once on this loop when the console thread takes its next batch."""

@@ -10,6 +10,8 @@ from ._framer import LineFramer
 from ._sink import Sink
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._dedup import ConsoleDedup
 
 __all__ = ["ConsoleSink"]
@@ -66,8 +68,9 @@ class ConsoleSink(Sink):
       tqdm bar in a worker never floods the console with one line per update.
     - A final line without newline is flushed, with a newline, at EOF.
     - With ``strip_ansi`` escape sequences are removed from the console copy.
-    - ``lossless``: the feeder bounds the console backlog itself (a followed
-      log file), so the console never drops these lines.
+    - ``lossless``: the sink has no :meth:`room` while the console is
+      ``MAX_PENDING`` behind, and its feeder (a followed log file) waits, so
+      the console never drops these lines.
     """
 
     def __init__(
@@ -97,6 +100,12 @@ class ConsoleSink(Sink):
             self._fast = False
         #: the fast path's pending line: undecoded bytes, no "\n" or "\r"
         self._carry = b""
+
+    def room(self) -> bool:
+        return not self._lossless or console().room()
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        console().when_room(callback)
 
     def feed(self, data: bytes) -> None:
         if self._fast and self._framer.idle and self._feed_fast(data):

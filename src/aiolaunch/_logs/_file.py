@@ -2,8 +2,9 @@
 
 :class:`FileSink` batches chunks and writes them with ``os.write`` on a small
 dedicated thread pool, one write in flight per file, so bytes stay in order.
-Past a high-water mark it asks its pump to pause reading: the worker then
-blocks on a full pipe instead of the supervisor growing without bound.
+Past a high-water mark it has no :meth:`~FileSink.room`: its pump pauses
+reading, and the worker blocks on a full pipe instead of the supervisor
+growing without bound.
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ class FileSink(Sink):
         self._drained.set()
         self._closed = False
         self.error: BaseException | None = None
-        #: set by the pump: called with True to pause reading, False to resume
-        self.flow_control: Callable[[bool], None] | None = None
-        self._paused = False
+        #: when_room callbacks, called once the backlog is below the low-water mark
+        self._room: list[Callable[[], None]] = []
 
     def feed(self, data: bytes) -> None:
         if self._closed or self.error is not None:
@@ -79,9 +79,15 @@ class FileSink(Sink):
         self._pending_bytes += len(data)
         if self._in_flight is None:
             self._start_write()
-        elif self._pending_bytes > _HIGH_WATER and not self._paused and self.flow_control:
-            self._paused = True
-            self.flow_control(True)
+
+    def room(self) -> bool:
+        return self._pending_bytes <= _HIGH_WATER
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        if self._pending_bytes < _LOW_WATER:
+            asyncio.get_running_loop().call_soon(callback)
+        else:
+            self._room.append(callback)
 
     def _start_write(self) -> None:
         chunks, self._pending = self._pending, []
@@ -112,9 +118,10 @@ class FileSink(Sink):
             self._start_write()
         if self._in_flight is None:
             self._drained.set()
-        if self._paused and self._pending_bytes < _LOW_WATER and self.flow_control:
-            self._paused = False
-            self.flow_control(False)
+        if self._room and self._pending_bytes < _LOW_WATER:
+            room, self._room = self._room, []
+            for callback in room:
+                callback()
 
     async def flush(self) -> None:
         """Wait until every byte fed so far is written (or the file failed)."""

@@ -18,19 +18,17 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ._line import LineSink
-
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from typing import TextIO
 
-    from .._logs_specs import LogsDest
+    from ._specs import LogsDest
 
-__all__ = ["DuplicateFilter", "check_filters", "open_duplicate_filters"]
+__all__ = ["DuplicateFilter", "DuplicateFilters", "check_filters"]
 
 
 class DuplicateFilter:
-    """One ``filtered_std*.log`` file and the per-rank line sinks that feed it.
+    """One ``filtered_std*.log`` file.
 
     :param path: the file (created, truncated, never through a symlink).
     :param needles: a line is copied when any of these substrings is in it.
@@ -54,40 +52,60 @@ class DuplicateFilter:
         """Whether ``line`` contains any of the filter strings."""
         return any(needle in line for needle in self.needles)
 
-    def sink(self, prefix: str) -> LineSink:
-        """A sink for one rank's stream: matching lines, prefixed, into the file."""
-
-        def on_line(line: str) -> None:
-            if not self.file.closed and self.matches(line):
-                self.file.write(f"{prefix}{line}\n")
-
-        return LineSink(on_line, lambda: True)
-
     def close(self) -> None:
         """Flush and close the file (idempotent); later lines are dropped."""
         self.file.close()
 
 
-def open_duplicate_filters(
-    dest: LogsDest,
-    stdout_filters: Sequence[str] | None,
-    stderr_filters: Sequence[str] | None,
-) -> dict[str, DuplicateFilter]:
-    """Open the filtered log files a context needs: ``{"stdout"|"stderr": filter}``.
+class DuplicateFilters:
+    """The duplicate filters of one group: a line listener of its tap.
 
-    A stream whose filter list is empty or ``None`` gets no file (torch's rule).
+    Wants the lines of tee'd streams whose kind has a filter, and copies the
+    matching ones, with the rank's console prefix, into that kind's file.
+
+    :param tees: ``{"stdout"|"stderr": ranks tee'd}``.
+    :param prefix: the console prefix of a rank.
     """
-    out: dict[str, DuplicateFilter] = {}
-    try:
-        if stdout_filters:
-            out["stdout"] = DuplicateFilter(dest.filtered_stdout, stdout_filters)
-        if stderr_filters:
-            out["stderr"] = DuplicateFilter(dest.filtered_stderr, stderr_filters)
-    except BaseException:
-        for dup in out.values():
+
+    def __init__(
+        self,
+        dest: LogsDest,
+        stdout_filters: Sequence[str] | None,
+        stderr_filters: Sequence[str] | None,
+        prefix: Callable[[int], str],
+    ) -> None:
+        self._prefix = prefix
+        self._tees = {"stdout": set(dest.tee_stdouts), "stderr": set(dest.tee_stderrs)}
+        self._filters: dict[str, DuplicateFilter] = {}
+        try:
+            if stdout_filters:
+                self._filters["stdout"] = DuplicateFilter(dest.filtered_stdout, stdout_filters)
+            if stderr_filters:
+                self._filters["stderr"] = DuplicateFilter(dest.filtered_stderr, stderr_filters)
+        except BaseException:
+            self.close()
+            raise
+
+    def file(self, stream: str) -> TextIO | None:
+        """The open file of ``stream``'s filter, or ``None`` (no filter)."""
+        dup = self._filters.get(stream)
+        return None if dup is None else dup.file
+
+    def reads(self, rank: int, stream: str) -> bool:
+        return False  # tee'd streams are read anyway
+
+    def wants(self, rank: int, stream: str) -> bool:
+        return stream in self._filters and rank in self._tees[stream]
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        dup = self._filters[stream]
+        if not dup.file.closed and dup.matches(text):
+            dup.file.write(f"{self._prefix(rank)}{text}\n")
+
+    def close(self) -> None:
+        """Flush and close every file (idempotent)."""
+        for dup in self._filters.values():
             dup.close()
-        raise
-    return out
 
 
 def check_filters(what: str, value: object) -> list[str] | None:

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import TYPE_CHECKING
 
 import anyio
 
-from ._file import FileSink
-
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from ._sink import Sink
 
 __all__ = ["StreamPump"]
 
 _READ_SIZE = 1 << 20
+# After a worker is gone, how long its pipe may take to reach EOF before we
+# read what the kernel buffers and close our end (a surviving descendant in
+# another session may hold it).
+DRAIN_TIMEOUT = 0.25
 
 
 class StreamPump(asyncio.Protocol):
@@ -29,6 +32,10 @@ class StreamPump(asyncio.Protocol):
     still buffers - every byte the worker wrote before exiting is there - and
     closes our end.
 
+    Backpressure: after each chunk, a sink without :meth:`~Sink.room` pauses
+    reading (the worker blocks on the full pipe) until it calls back
+    (:meth:`~Sink.when_room`).
+
     Fd ownership: the read end belongs to the transport from :meth:`open` on;
     the transport closes it after EOF or :meth:`drain`'s ``close()``. The pump
     keeps no fd number (a closed number is reused at once by the next
@@ -36,35 +43,27 @@ class StreamPump(asyncio.Protocol):
     through the transport's file object, only while it is not closing.
     """
 
-    def __init__(
-        self,
-        sinks: Sequence[Sink],
-        rank: int = -1,
-        on_data: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, sinks: Sequence[Sink], rank: int = -1) -> None:
         self.sinks = list(sinks)
-        self._on_data = on_data
         self.rank = rank
+        #: time.monotonic() of the last chunk read
+        self._last: float | None = None
         self.transport: asyncio.ReadTransport | None = None
         self.eof = asyncio.Event()
         self._closed = False
-        for sink in self.sinks:
-            if isinstance(sink, FileSink):
-                sink.flow_control = self._flow_control
+        #: reading paused: a sink has no room
+        self._paused = False
+        #: not started yet (the worker is being spawned)
+        self._held = True
 
     @classmethod
-    async def open(
-        cls,
-        read_fd: int,
-        sinks: Sequence[Sink],
-        rank: int = -1,
-        on_data: Callable[[int], None] | None = None,
-    ) -> StreamPump:
-        """Start reading ``read_fd`` (ownership passes to the pump's transport).
+    async def open(cls, read_fd: int, sinks: Sequence[Sink], rank: int = -1) -> StreamPump:
+        """Open ``read_fd`` for reading, held until :meth:`start`.
 
-        ``on_data(rank)`` is called for every chunk read (the output age).
+        Ownership of ``read_fd`` passes to the pump at the call (it is closed
+        here if the transport cannot be made).
         """
-        pump = cls(sinks, rank, on_data)
+        pump = cls(sinks, rank)
         loop = asyncio.get_running_loop()
         pipe = os.fdopen(read_fd, "rb", buffering=0)
         try:
@@ -72,7 +71,18 @@ class StreamPump(asyncio.Protocol):
         except BaseException:
             pipe.close()
             raise
+        # Held: nothing is read before start(), so a line listener that
+        # starts with the worker sees its first line.
+        if pump.transport is not None:
+            pump.transport.pause_reading()
         return pump
+
+    def start(self) -> None:
+        """Begin reading (the worker runs)."""
+        if self._held:
+            self._held = False
+            if not self._paused:
+                self._set_reading(True)
 
     # -- asyncio.Protocol -------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -80,10 +90,11 @@ class StreamPump(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if self._on_data is not None:
-            self._on_data(self.rank)
+        self._last = time.monotonic()
         for sink in self.sinks:
             sink.feed(data)
+        if not self._paused:
+            self._check_room()
 
     def eof_received(self) -> bool | None:
         return None  # let the transport close itself
@@ -92,13 +103,31 @@ class StreamPump(asyncio.Protocol):
         self.eof.set()
 
     # -- ours -------------------------------------------------------------
-    def _flow_control(self, pause: bool) -> None:
-        if self.transport is None or self.transport.is_closing():
+    def age(self) -> float | None:
+        """Seconds since the last chunk was read, or ``None`` (nothing yet)."""
+        return None if self._last is None else time.monotonic() - self._last
+
+    def _check_room(self) -> None:
+        """Pause reading while a sink has no room; resume once all have."""
+        for sink in self.sinks:
+            if not sink.room():
+                if not self._paused:
+                    self._paused = True
+                    self._set_reading(False)
+                sink.when_room(self._check_room)
+                return
+        if self._paused:
+            self._paused = False
+            self._set_reading(True)
+
+    def _set_reading(self, on: bool) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._closed or self._held:
             return
-        if pause:
-            self.transport.pause_reading()
+        if on:
+            transport.resume_reading()
         else:
-            self.transport.resume_reading()
+            transport.pause_reading()
 
     def _read_rest(self) -> None:
         transport = self.transport
@@ -119,7 +148,11 @@ class StreamPump(asyncio.Protocol):
                 return
             self.data_received(data)
 
-    async def drain(self, timeout: float) -> None:
+    async def abandon(self) -> None:
+        """Close without waiting (the worker never started)."""
+        await self.drain(0)
+
+    async def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
         """Finish the stream: EOF within ``timeout`` or read what is buffered; close.
 
         Called after the writer exited. Idempotent.
@@ -127,6 +160,7 @@ class StreamPump(asyncio.Protocol):
         if self._closed:
             return
         self._closed = True
+        self._held = False
         transport = self.transport
         if transport is not None and not self.eof.is_set():
             if not transport.is_closing():

@@ -49,7 +49,7 @@ class _ExitProtocol(asyncio.SubprocessProtocol):
     def process_exited(self) -> None:
         assert self.transport is not None
         rc = self.transport.get_returncode()
-        self.handle._set_exited(rc if rc is not None else -1)
+        self.handle.set_exited(rc if rc is not None else -1)
 
 
 class BinaryWorker(WorkerHandle):
@@ -60,6 +60,28 @@ class BinaryWorker(WorkerHandle):
         self._popen: subprocess.Popen[bytes] | None = None
         self._pidfd: int | None = None
 
+    def follow_popen(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop) -> None:
+        """Own ``popen``: its exit is read from a pidfd on ``loop``.
+
+        :raises OSError: no pidfd could be opened (the process is killed and
+            reaped first: nothing is left behind).
+        """
+        self._popen = popen
+        self.pid = popen.pid
+        try:
+            self._pidfd = os.pidfd_open(popen.pid)
+        except OSError:  # pragma: no cover - our own unreaped child
+            popen.kill()
+            with contextlib.suppress(OSError):
+                popen.wait()
+            raise
+        loop.add_reader(self._pidfd, self._on_exit_readable)
+
+    def follow_transport(self, transport: asyncio.SubprocessTransport) -> None:
+        """Own asyncio's ``transport`` (no pidfd here): its protocol reports the exit."""
+        self.transport = transport
+        self.pid = transport.get_pid()
+
     def _on_exit_readable(self) -> None:
         assert self._popen is not None and self._pidfd is not None
         rc = self._popen.poll()
@@ -68,7 +90,7 @@ class BinaryWorker(WorkerHandle):
         asyncio.get_running_loop().remove_reader(self._pidfd)
         close_fd(self._pidfd)
         self._pidfd = None
-        self._set_exited(rc)
+        self.set_exited(rc)
 
     def release(self) -> None:
         if self.returncode is None:
@@ -132,18 +154,9 @@ async def spawn_binary(
             close_fds=True,
             **group,
         )
-        handle._popen = popen
-        handle.pid = popen.pid
         if g is not None:
-            g.watch(handle.pid)
-        try:
-            handle._pidfd = os.pidfd_open(popen.pid)
-        except OSError:  # pragma: no cover - our own unreaped child
-            popen.kill()
-            with contextlib.suppress(OSError):
-                popen.wait()
-            raise
-        loop.add_reader(handle._pidfd, handle._on_exit_readable)
+            g.watch(popen.pid)
+        handle.follow_popen(popen, loop)
         return handle
     transport, _ = await loop.subprocess_exec(
         lambda: _ExitProtocol(handle),
@@ -155,8 +168,7 @@ async def spawn_binary(
         close_fds=True,
         **group,
     )
-    handle.transport = transport
-    handle.pid = transport.get_pid()
+    handle.follow_transport(transport)
     if g is not None:
         g.watch(handle.pid)
     return handle

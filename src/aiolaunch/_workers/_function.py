@@ -150,7 +150,7 @@ class FunctionWorker(WorkerHandle):
                 )
             self._result.close()
             self._result = None
-        self._set_exited(rc)
+        self.set_exited(rc)
         self.release()
 
     def release(self) -> None:

@@ -45,7 +45,9 @@ class WorkerHandle:
     def alive(self) -> bool:
         return self.returncode is None
 
-    def _set_exited(self, returncode: int) -> None:
+    def set_exited(self, returncode: int) -> None:
+        """Record the exit (called once by the spawner's exit reader; later calls
+        are ignored): set :attr:`exited` and call :attr:`on_exit`, on the loop."""
         if self.returncode is not None:
             return
         self.returncode = returncode

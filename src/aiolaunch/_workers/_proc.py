@@ -72,21 +72,24 @@ def proc_pids(since: int = 0) -> list[int]:
     return [p for p in pids if p >= since or p <= wrapped_to]
 
 
-def find_tagged(token: str, since: int = 0, exclude: Iterable[int] = ()) -> set[int]:
+def find_tagged(
+    token: str, since: int = 0, exclude: Iterable[int] = (), *, pids: Iterable[int] | None = None
+) -> set[int]:
     """Live processes whose environment holds ``CONTEXT_ENV=token``.
 
     Reads ``/proc/<pid>/environ`` - the environment the process was *exec'd*
-    with - of pids >= ``since`` (see :class:`ProcTable` for that bound), other
-    than ours and ``exclude``. So it finds what a binary worker and its
-    descendants inherit; a process that only changed ``os.environ`` (a function
-    worker) passes the token on to what it execs, not to its own entry.
+    with - of pids >= ``since`` (see :class:`ProcTable` for that bound), or
+    of ``pids`` when given, other than ours and ``exclude``. So it finds what
+    a binary worker and its descendants inherit; a process that only changed
+    ``os.environ`` (a function worker) passes the token on to what it execs,
+    not to its own entry.
     Processes of other users are unreadable and skipped. Empty without
     ``/proc``. Costs about one ``open``+``read`` per scanned process.
     """
     needle = f"\0{CONTEXT_ENV}={token}\0".encode()
     skip = {os.getpid(), *exclude}
     found: set[int] = set()
-    for pid in proc_pids(since):
+    for pid in proc_pids(since) if pids is None else pids:
         if pid in skip:
             continue
         try:

@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
 import os
-import string
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
-from .._api import start_processes
 from .._errors import SignalException
-from .._logs_specs import attempt_dir_path, make_run_dir, prune_empty_dirs
 from .._results import root_cause
 from .._signames import describe_signal
-from .._validate import START_METHODS, check_log_dir_not_file, log_dir_error
+from .._validate import START_METHODS, check_log_dir_not_file
+from ._attempt import AttemptLogs, run_attempt
 from ._elastic_events import EventRecorder
-from ._env import omp_notice, substitute_local_rank, worker_envs
-from ._numa import numa_cpus, wrap_for_numa
+from ._env import omp_notice
 from ._rendezvous import GroupAssignment, Rendezvous, resolve
 from ._spec import RunResult, WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
-    from .._context import PContext
-    from .._results import ProcessFailure, RunProcsResult
+    from .._results import ProcessFailure
 
 __all__ = ["LocalElasticAgent"]
 
@@ -94,38 +87,26 @@ class LocalElasticAgent:
         restart_backoff: float = 0.0,
         restart_backoff_max: float = 30.0,
     ) -> None:
-        if not isinstance(spec, WorkerSpec):
-            raise TypeError(f"spec={spec!r} must be an aiolaunch.agent.WorkerSpec")
-        if start_method not in START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}"
-            )
-        for what, value in (
-            ("exit_barrier_timeout", exit_barrier_timeout),
-            ("shutdown_timeout", shutdown_timeout),
-            ("restart_backoff", restart_backoff),
-            ("restart_backoff_max", restart_backoff_max),
-        ):
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{what}={value!r} must be a number of seconds >= 0")
-        if logs_specs is not None and log_dir is not None:
-            raise ValueError(
-                "log_dir and logs_specs were both given; pass the folder inside logs_specs"
-            )
-        if log_dir is not None:
-            check_log_dir_not_file("log_dir", os.fspath(log_dir))
+        _check_args(
+            spec,
+            start_method,
+            log_dir,
+            logs_specs,
+            exit_barrier_timeout=exit_barrier_timeout,
+            shutdown_timeout=shutdown_timeout,
+            restart_backoff=restart_backoff,
+            restart_backoff_max=restart_backoff_max,
+        )
         self._spec = spec
         self._start_method = start_method
         self._exit_barrier_timeout = float(exit_barrier_timeout)
-        self._log_dir = None if log_dir is None else os.fspath(log_dir)
-        self._logs_specs = logs_specs
+        self._logs = AttemptLogs(None if log_dir is None else os.fspath(log_dir), logs_specs, spec)
         self._prefix_template = log_line_prefix_template
         self._shutdown_timeout = float(shutdown_timeout)
         self._backoff = float(restart_backoff)
         self._backoff_max = float(restart_backoff_max)
         self._rdzv: Rendezvous = resolve(spec.rdzv_handler, local_addr=spec.local_addr)
         self._state = WorkerState.INIT
-        self._run_log_dir: str | None = None
         self._restart_count = 0
         self._running = False
         self._events = EventRecorder(
@@ -164,7 +145,7 @@ class LocalElasticAgent:
         With ``log_dir=None`` it is a temporary folder: at the end of
         :meth:`run` it is removed if it holds no file (then this is ``None``).
         """
-        return self._run_log_dir
+        return self._logs.run_log_dir
 
     async def run(self) -> RunResult:
         """Run the worker group to its end, restarting it on failure.
@@ -180,7 +161,7 @@ class LocalElasticAgent:
         self._running = True
         try:
             result = await self._invoke_run()
-            self._record_final(result)
+            self._events.run_ended(result, self._last)
             return result
         except SignalException as exc:
             log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
@@ -194,19 +175,7 @@ class LocalElasticAgent:
             raise
         finally:
             self._running = False
-            self._prune_temp_logs()
-
-    def _prune_temp_logs(self) -> None:
-        # log_dir=None: the folders are ours; drop what holds nothing (empty
-        # rank and attempt folders), keep and log what holds logs/error files.
-        if self._log_dir is not None or self._logs_specs is not None:
-            return
-        run_dir = self._run_log_dir
-        if run_dir is None:
-            return
-        prune_empty_dirs([run_dir, os.path.dirname(run_dir)], self._spec.role)
-        if not os.path.isdir(run_dir):
-            self._run_log_dir = None  # a later run() makes fresh ones
+            self._logs.prune()
 
     async def _invoke_run(self) -> RunResult:
         spec = self._spec
@@ -224,27 +193,28 @@ class LocalElasticAgent:
                 master_addr=spec.master_addr,
                 master_port=spec.master_port,
             )
-            # torch records both before the group learns its new size
-            ev = self._events
-            ev.run_id, ev.restart_count = assignment.run_id, self._restart_count
-            ev.record("RENDEZVOUS", "AGENT", duration_ms=(time.perf_counter() - rdzv_start) * 1e3)
-            ev.record("ASSIGN_WORKER_RANKS", "AGENT", duration_ms=0.0)
-            ev.group_rank, ev.group_world_size = assignment.group_rank, assignment.group_world_size
+            self._events.rendezvous_done(
+                assignment, self._restart_count, (time.perf_counter() - rdzv_start) * 1e3
+            )
+            a = assignment
             log.info(
                 "[%s] rendezvous complete: run_id=%s group_rank=%d/%d ranks=%d..%d of %d "
-                "master=%s:%d restart_count=%d",
-                spec.role,
-                assignment.run_id,
-                assignment.group_rank,
-                assignment.group_world_size,
-                assignment.base_global_rank,
-                assignment.base_global_rank + spec.local_world_size - 1,
-                assignment.global_world_size,
-                assignment.master_addr,
-                assignment.master_port,
-                self._restart_count,
+                "master=%s:%d restart_count=%d", spec.role, a.run_id, a.group_rank,
+                a.group_world_size, a.base_global_rank,
+                a.base_global_rank + spec.local_world_size - 1, a.global_world_size,
+                a.master_addr, a.master_port, self._restart_count,
+            )  # fmt: skip
+            result = await run_attempt(
+                spec,
+                assignment,
+                self._rdzv,
+                restart_count=self._restart_count,
+                logs=self._logs.kwargs(assignment.run_id, self._restart_count, membership_round),
+                start_method=self._start_method,
+                shutdown_timeout=self._shutdown_timeout,
+                prefix_template=self._prefix_template,
+                started=functools.partial(self._started, assignment),
             )
-            result = await self._run_attempt(assignment, membership_round)
             if result is None:
                 # membership change: a new round, same restart count (torch:
                 # "membership changes do not count as retries")
@@ -292,161 +262,15 @@ class LocalElasticAgent:
             )
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
-    def _record_final(self, result: RunResult) -> None:
-        # torch's _record_worker_events, then the launcher's agent event
-        if not self._events.enabled or self._last is None:
-            return
-        assignment, pids = self._last
-        for r, pid in pids.items():
-            g = assignment.base_global_rank + r
-            failure = result.failures.get(g)
-            if failure is not None or g in result.return_values:
-                state = result.state.value
-            else:
-                state = "TERMINATED"  # stopped by the agent
-            self._events.record(
-                state,
-                "WORKER",
-                global_rank=g,
-                local_rank=r,
-                role_rank=assignment.base_role_rank + r,
-                role_world_size=assignment.role_world_size,
-                worker_id=str(pid),
-                raw_error=json.dumps(failure.error_file_data) if failure else None,
-                exit_code=failure.exitcode if failure else None,
-                worker_pid=failure.pid if failure else None,
-            )
-        self._events.record(result.state.value, "AGENT")
+    def _started(self, assignment: GroupAssignment, pids: dict[int, int]) -> None:
+        self._state = WorkerState.HEALTHY
+        self._last = (assignment, pids)
+        self._events.workers_started(assignment, pids)
 
     def _backoff_delay(self, restart_count: int) -> float:
         if self._backoff <= 0:
             return 0.0
         return float(min(self._backoff_max, self._backoff * 2 ** (restart_count - 1)))
-
-    async def _run_attempt(
-        self, assignment: GroupAssignment, membership_round: int
-    ) -> RunProcsResult | None:
-        """Start one attempt and await it; ``None`` means "stopped for new nodes"."""
-        spec = self._spec
-        n = spec.local_world_size
-        envs = worker_envs(
-            role=spec.role,
-            local_world_size=n,
-            assignment=assignment,
-            restart_count=self._restart_count,
-            max_restarts=spec.max_restarts,
-            environ=os.environ,
-            virtual_local_rank=spec.virtual_local_rank,
-        )
-        args = {r: substitute_local_rank(spec.args, r) for r in range(n)}
-        entrypoint = spec.entrypoint
-        if spec.numa_options is not None:
-            # torch computes the binding when it starts the workers; so do we
-            entrypoint, args = wrap_for_numa(
-                entrypoint, args, numa_cpus(spec.numa_options, spec.local_world_size)
-            )
-        prefixes: dict[int, str] | None = None
-        if self._prefix_template is not None:
-            template = string.Template(self._prefix_template)
-            prefixes = {
-                r: template.safe_substitute(
-                    role_name=spec.role, rank=assignment.base_global_rank + r, local_rank=r
-                )
-                for r in range(n)
-            }
-        logs: dict[str, Any]
-        if self._logs_specs is not None:
-            logs = {"logs_specs": self._logs_specs}
-        else:
-            logs = {
-                "log_dir": self._attempt_dir(assignment.run_id, membership_round),
-                "redirects": spec.redirects,
-                "tee": spec.tee,
-            }
-        ctx = await start_processes(
-            name=spec.role,
-            entrypoint=entrypoint,
-            args=args,
-            envs=envs,
-            start_method=self._start_method,
-            log_line_prefixes=prefixes,
-            shutdown_timeout=self._shutdown_timeout,
-            duplicate_stdout_filters=spec.duplicate_stdout_filters,
-            duplicate_stderr_filters=spec.duplicate_stderr_filters,
-            watchdog=spec.watchdog,
-            **logs,
-        )
-        self._state = WorkerState.HEALTHY
-        pids = ctx.pids()
-        self._last = (assignment, pids)
-        for r, pid in pids.items():
-            self._events.record(
-                "START",
-                "WORKER",
-                global_rank=assignment.base_global_rank + r,
-                local_rank=r,
-                role_rank=assignment.base_role_rank + r,
-                role_world_size=assignment.role_world_size,
-                worker_id=str(pid),
-            )
-        try:
-            return await self._monitor(ctx)
-        finally:
-            # A no-op after a result; after a membership change, a signal or
-            # a cancellation it stops the group. Shielded so that a cancelled
-            # run() cannot leave workers behind.
-            with anyio.CancelScope(shield=True):
-                await ctx.close(timeout=self._shutdown_timeout)
-
-    def _attempt_dir(self, run_id: str, membership_round: int) -> str:
-        if self._run_log_dir is None:
-            if self._log_dir is None:
-                root = tempfile.mkdtemp(prefix="aiolaunch_")
-            else:
-                try:
-                    os.makedirs(self._log_dir, exist_ok=True)
-                except OSError as exc:
-                    raise log_dir_error("log_dir", self._log_dir, exc) from exc
-                root = self._log_dir
-            self._run_log_dir = make_run_dir(root, run_id)
-        return attempt_dir_path(self._run_log_dir, self._restart_count, membership_round)
-
-    async def _monitor(self, ctx: PContext) -> RunProcsResult | None:
-        if not self._rdzv.elastic:
-            # One machine: nothing but the workers' exits can change anything.
-            result = await ctx.wait()
-            assert result is not None
-            return result
-        wait_task = asyncio.ensure_future(ctx.wait())
-        watch_task = asyncio.ensure_future(self._watch_membership())
-        try:
-            await asyncio.wait({wait_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (watch_task, wait_task):
-                if not task.done():
-                    task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(watch_task, wait_task, return_exceptions=True)
-        if not wait_task.cancelled():
-            result = wait_task.result()  # raises SignalException after a signal
-            if result is not None:
-                return result
-        return None
-
-    async def _watch_membership(self) -> None:
-        """Return when new agents wait to join (torch polls this each monitor tick)."""
-        interval = max(self._spec.monitor_interval, _MEMBERSHIP_POLL_MIN)
-        while True:
-            await asyncio.sleep(interval)  # allowed: torch offers no event for joining nodes
-            try:
-                waiting = await self._rdzv.num_nodes_waiting()
-            except Exception:
-                # The store may go away when the node hosting it finishes; the
-                # workers' exits still decide the attempt.
-                log.warning("membership check failed; no longer watching", exc_info=True)
-                await asyncio.Event().wait()
-            if waiting > 0:
-                return
 
     def __repr__(self) -> str:
         return (
@@ -469,3 +293,26 @@ def _describe(failure: ProcessFailure) -> str:
         what = f"exit code {failure.exitcode}"
     lines = failure.error_message.strip().splitlines()
     return f"{what}: {lines[-1]}" if lines else what
+
+
+def _check_args(
+    spec: WorkerSpec,
+    start_method: str,
+    log_dir: str | os.PathLike[str] | None,
+    logs_specs: Any,
+    **seconds: float,
+) -> None:
+    """LocalElasticAgent's argument checks: each error names the argument and the fix."""
+    if not isinstance(spec, WorkerSpec):
+        raise TypeError(f"spec={spec!r} must be an aiolaunch.agent.WorkerSpec")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}")
+    for what, value in seconds.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{what}={value!r} must be a number of seconds >= 0")
+    if logs_specs is not None and log_dir is not None:
+        raise ValueError(
+            "log_dir and logs_specs were both given; pass the folder inside logs_specs"
+        )
+    if log_dir is not None:
+        check_log_dir_not_file("log_dir", os.fspath(log_dir))

@@ -22,7 +22,13 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ._rendezvous import GroupAssignment
+    from ._spec import RunResult
 
 __all__ = ["EventRecorder"]
 
@@ -126,3 +132,55 @@ class EventRecorder:
             "duration_ms": duration_ms,
         }
         self._record(f"torchelastic.worker.status.{state}", source, metadata)
+
+    def rendezvous_done(
+        self, assignment: GroupAssignment, restart_count: int, duration_ms: float
+    ) -> None:
+        """Record ``RENDEZVOUS`` and ``ASSIGN_WORKER_RANKS`` of a round, as torch
+        does: both before the group learns its new size."""
+        self.run_id, self.restart_count = assignment.run_id, restart_count
+        self.record("RENDEZVOUS", "AGENT", duration_ms=duration_ms)
+        self.record("ASSIGN_WORKER_RANKS", "AGENT", duration_ms=0.0)
+        self.group_rank = assignment.group_rank
+        self.group_world_size = assignment.group_world_size
+
+    def workers_started(self, assignment: GroupAssignment, pids: Mapping[int, int]) -> None:
+        """Record ``START`` for each worker of an attempt (torch's ``_record_worker_events``)."""
+        for r, pid in pids.items():
+            self.record(
+                "START",
+                "WORKER",
+                global_rank=assignment.base_global_rank + r,
+                local_rank=r,
+                role_rank=assignment.base_role_rank + r,
+                role_world_size=assignment.role_world_size,
+                worker_id=str(pid),
+            )
+
+    def run_ended(
+        self, result: RunResult, last: tuple[GroupAssignment, Mapping[int, int]] | None
+    ) -> None:
+        """Record each worker's final state of the last attempt, then the agent's."""
+        if not self.enabled or last is None:
+            return
+        assignment, pids = last
+        for r, pid in pids.items():
+            g = assignment.base_global_rank + r
+            failure = result.failures.get(g)
+            if failure is not None or g in result.return_values:
+                state = result.state.value
+            else:
+                state = "TERMINATED"  # stopped by the agent
+            self.record(
+                state,
+                "WORKER",
+                global_rank=g,
+                local_rank=r,
+                role_rank=assignment.base_role_rank + r,
+                role_world_size=assignment.role_world_size,
+                worker_id=str(pid),
+                raw_error=json.dumps(failure.error_file_data) if failure else None,
+                exit_code=failure.exitcode if failure else None,
+                worker_pid=failure.pid if failure else None,
+            )
+        self.record(result.state.value, "AGENT")

@@ -5,7 +5,8 @@ Two implementations sit behind it:
 - :mod:`._static`: one machine, no torch, nothing to wait for.
 - :mod:`._torch`: adapts a torch ``RendezvousHandler`` (c10d over a TCPStore,
   etcd, static TCP, ...); its blocking calls run in worker threads so the
-  event loop stays responsive. The only module allowed to import torch.
+  event loop stays responsive. With :mod:`._etcd_v3` (loaded only from it,
+  or by torch itself), the only modules allowed to import torch.
 """
 
 from __future__ import annotations

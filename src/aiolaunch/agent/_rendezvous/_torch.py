@@ -66,6 +66,10 @@ def create_handler(
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+    if backend == "etcd-v3":
+        from ._etcd_v3 import register
+
+        register()  # also done by the torchrun.handlers entry point, when installed
     config.setdefault("timeout", _DEFAULT_RDZV_TIMEOUT)
     params = RendezvousParameters(
         backend=backend,
@@ -76,7 +80,107 @@ def create_handler(
         local_addr=local_addr,
         **config,
     )
+    if backend == "c10d" and "is_host" not in config and config.get("store_type", "tcp") == "tcp":
+        return _c10d_handler(params)
     return rdzv_registry.get_rendezvous_handler(params)
+
+
+def _c10d_handler(params: Any) -> Any:
+    """torch's c10d handler, but whether this agent hosts the TCPStore is decided
+    from this machine's interface addresses too, not only its host name.
+
+    torch compares the endpoint with the host name and what it resolves to,
+    so two hosts that share a host name (containers, network namespaces) or a
+    host reached by an address its name does not resolve to never host the
+    store: every agent waits as a client until the rendezvous times out
+    unless ``is_host`` is given. Here an endpoint address that this machine
+    can bind (:func:`is_local_address`) also makes it the host; as in torch,
+    a host that finds the port taken (another agent of the same machine got
+    there first) joins as a client.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        DEFAULT_PORT,
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import (
+        _matches_machine_hostname,
+        parse_rendezvous_endpoint,
+    )
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    is_host = is_local_address(host) or _matches_machine_hostname(host)
+    read_timeout = params.get_as_int("read_timeout", 60)
+    if read_timeout <= 0:
+        raise ValueError("The read timeout must be a positive integer.")
+    store: Any = None
+    for is_server in dict.fromkeys([is_host, False]):
+        try:
+            store = TCPStore(
+                host,
+                port,
+                is_master=is_server,
+                multi_tenant=True,
+                timeout=timedelta(seconds=read_timeout),
+            )
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            if not is_server:
+                raise RendezvousConnectionError(
+                    f"cannot reach the c10d store at {host}:{port}: {exc}"
+                ) from exc
+            continue
+        if is_server:
+            log.info("this agent hosts the c10d rendezvous store on %s:%d", host, port)
+        break
+    backend = C10dRendezvousBackend(store, params.run_id)
+    return create_handler(store, backend, params)
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names this machine: loopback, or an address this machine
+    can bind (one of its interfaces' addresses; the kernel knows them all).
+
+    With ``net.ipv4.ip_nonlocal_bind=1`` any address binds, so only loopback
+    counts there.
+    """
+    import ipaddress
+    import socket
+
+    if host == "localhost":
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    nonlocal_bind = _sysctl("/proc/sys/net/ipv4/ip_nonlocal_bind") == "1"
+    for family, _, _, _, sockaddr in infos:
+        addr = str(sockaddr[0])
+        try:
+            if ipaddress.ip_address(addr.partition("%")[0]).is_loopback:
+                return True
+        except ValueError:
+            continue
+        if nonlocal_bind:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((addr, 0, *sockaddr[2:]))
+            except OSError:
+                continue
+            return True
+    return False
+
+
+def _sysctl(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def accelerator_count(kind: str) -> tuple[int, str]:

@@ -1,9 +1,10 @@
-"""The one shutdown path: death signal -> grace -> SIGKILL -> reaped.
+"""Stopping processes: death signal -> grace -> SIGKILL -> gone.
 
-Every way a context ends (``close()``, fail-fast in ``wait()``, a forwarded
-signal, cancellation, leaving ``async with``) goes through :func:`terminate`,
-run shielded from cancellation by :func:`shielded`, so no path leaves an
-orphan behind.
+Every way a group ends (``close()``, fail-fast in ``wait()``, a forwarded
+signal, cancellation, leaving ``async with``) stops its workers through
+:func:`terminate` (``_ending.GroupEnding`` calls it, shielded from
+cancellation), so no path leaves an orphan behind; :func:`sweep_tagged`
+finds escaped descendants afterwards.
 """
 
 from __future__ import annotations
@@ -14,56 +15,30 @@ import logging
 import math
 import os
 import signal
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import anyio
 
-from ._compat import task_cancelling, task_uncancel
-from ._workers._proc import CONTEXT_ENV, ProcTable, find_tagged, open_exit_fd, read_stat
+from ._compat import task_uncancel
+from ._workers._proc import ProcTable, find_tagged, open_exit_fd, proc_pids, read_stat
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-    from ._results import RunProcsResult
-    from ._signals import SignalPlan
     from ._workers._handle import WorkerHandle
 
-__all__ = ["GroupShutdown", "shielded", "sweep_tagged", "terminate", "terminate_group"]
+__all__ = ["sweep_tagged", "terminate", "terminate_group"]
 
 logger = logging.getLogger("aiolaunch")
-T = TypeVar("T")
 
 # Bound for processes to vanish after SIGKILL (a process in uninterruptible
 # sleep can take a moment; we never wait forever).
 _KILL_WAIT = 10.0
 # Scan-and-SIGKILL rounds at most (a fork tree may grow while it is killed).
 _KILL_ROUNDS = 5
-
-
-async def shielded(aw: Awaitable[T], on_cancel: Callable[[int], None] | None = None) -> T:
-    """Run ``aw`` to completion even if the caller is cancelled.
-
-    Cancellation of the caller is re-raised once ``aw`` finished: cleanup can
-    be delayed by a cancel, never skipped. ``on_cancel(n)`` is called with
-    the count so far for each cancellation that arrives meanwhile (so a
-    caller can hurry the cleanup up, e.g. escalate to SIGKILL).
-    """
-    task = asyncio.ensure_future(aw)
-    cancels = 0
-    with anyio.CancelScope(shield=True):
-        while True:
-            try:
-                result = await asyncio.shield(task)
-                break
-            except asyncio.CancelledError:
-                if task.done():
-                    raise
-                cancels += 1
-                if on_cancel is not None:
-                    on_cancel(cancels)
-    if cancels:
-        raise asyncio.CancelledError
-    return result
+# Processes whose environment one slice of a token scan reads before the loop
+# gets a turn.
+_SCAN_SLICE = 64
 
 
 async def _wait_exited(workers: Sequence[WorkerHandle], timeout: float) -> None:
@@ -247,10 +222,7 @@ async def terminate(
 
 
 async def _tagged(token: str, since: int, workers: Sequence[WorkerHandle]) -> set[int]:
-    # In a thread: one open+read per process from ``since`` on, measured at
-    # ~60 us per process on a loaded 2-core machine (10 ms for 160), too much
-    # to hold the event loop for on a busy host.
-    return await asyncio.to_thread(find_tagged, token, since, [w.pid for w in workers])
+    return await _scan_tagged(token, since, [w.pid for w in workers])
 
 
 async def sweep_tagged(
@@ -323,8 +295,22 @@ async def _grace_period(
 
 
 async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[int]:
-    # In a thread, as _tagged(): one open+read per process from ``since`` on.
-    return await asyncio.to_thread(find_tagged, token, since, list(exclude))
+    """:func:`find_tagged` on the loop, :data:`_SCAN_SLICE` processes at a time.
+
+    One open+read per process from ``since`` on (~20-60 us each on a loaded
+    2-core host): a slice holds the loop for a few milliseconds at most. Not
+    in a thread: a thread waits for the GIL before each of its small
+    syscalls while the loop is busy (the convoy effect: one switch interval,
+    5 ms, per syscall beside a CPU-bound asyncio task), which made close()
+    of 64 exited workers take seconds (issue #27 item 5).
+    """
+    pids = proc_pids(since)
+    found: set[int] = set()
+    for i in range(0, len(pids), _SCAN_SLICE):
+        if i:
+            await asyncio.sleep(0)  # allowed: one loop turn between slices
+        found |= find_tagged(token, exclude=exclude, pids=pids[i : i + _SCAN_SLICE])
+    return found
 
 
 def _leftover_candidates(workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
@@ -348,169 +334,3 @@ def _alive_pids(pids: set[int]) -> set[int]:
         if stat is not None and stat.alive:
             alive.add(pid)
     return alive
-
-
-class GroupShutdown:
-    """The one shutdown of a group: begun once, awaited by every caller.
-
-    Holds what the group's shutdown shares with ``wait()`` and ``close()``:
-    the task (:attr:`task`), the outcome once known (:attr:`result`), the
-    event set once the death signal went out (:attr:`sent`) and the one that
-    ends the grace period (:attr:`kill_now`, set by :meth:`escalate`).
-
-    What no outcome depends on - the ``/proc`` sweep for escaped daemons,
-    file cleanup - runs after the result in :attr:`after` (see :meth:`follow`),
-    which starts once ``wait()`` handed the result over (:meth:`handed_over`)
-    and which :meth:`close` awaits: off ``wait()``'s exit -> return path.
-    """
-
-    def __init__(self, signals: SignalPlan, token: str) -> None:
-        self.task: asyncio.Task[RunProcsResult] | None = None
-        self.result: RunProcsResult | None = None
-        self.sent = asyncio.Event()
-        self.kill_now = asyncio.Event()
-        #: the cleanup that follows the result (:meth:`follow`)
-        self.after: asyncio.Task[None] | None = None
-        self._handed = asyncio.Event()
-        self._signals = signals
-        self.token = token
-
-    def env(self) -> dict[str, str]:
-        """What every worker's environment gets: the token, inherited by every
-        descendant, by which the shutdown finds escaped daemons."""
-        return {CONTEXT_ENV: self.token}
-
-    @property
-    def state(self) -> str:
-        """``"running"`` (not begun), ``"closing"``, then ``"done"`` or ``"failed"``."""
-        if self.result is not None:
-            return "failed" if self.result.is_failed() else "done"
-        return "running" if self.task is None else "closing"
-
-    def begin(
-        self, shutdown: Callable[[], Awaitable[RunProcsResult]]
-    ) -> asyncio.Task[RunProcsResult]:
-        """The shutdown task, started from ``shutdown()`` by the first call."""
-        if self.task is None:
-            self.task = asyncio.ensure_future(shutdown())
-        return self.task
-
-    def escalate(self, why: str) -> None:
-        """End the grace period of the shutdown (now or once it starts): SIGKILL.
-
-        Once only, and not once the outcome is known and the cleanup (its
-        daemon sweep) is done; logs a warning with ``why``.
-        """
-        if self.kill_now.is_set() or (
-            self.result is not None and (self.after is None or self.after.done())
-        ):
-            return
-        self.kill_now.set()
-        self._signals.set_deadline(0.0)
-        logger.warning("aiolaunch: %s during shutdown; sending SIGKILL to the workers now", why)
-
-    async def close(
-        self, finish: Callable[[], asyncio.Task[RunProcsResult]], *, cancelled: bool
-    ) -> None:
-        """Await ``finish()`` shielded; the second cancellation escalates.
-
-        ``cancelled``: the caller leaves ``async with`` because of a
-        cancellation, which counts as the first.
-        """
-        # Cancellations the task already had when close() began (leaving
-        # ``async with`` because of one - seen by __aexit__ on every Python,
-        # by Task.cancelling() on 3.11+): the next one is the second.
-        before = max(int(cancelled), task_cancelling(asyncio.current_task()))
-
-        def on_cancel(count: int) -> None:
-            if before + count >= 2:
-                self.escalate("second cancellation of close()")
-
-        await shielded(finish(), on_cancel)
-        await self.cleaned(on_cancel)
-
-    def handed_over(self) -> None:
-        """``wait()`` returned the result to its caller: the cleanup may start."""
-        self._handed.set()
-
-    async def cleaned(self, on_cancel: Callable[[int], None] | None = None) -> None:
-        """Start the cleanup that follows the result (if any) and await it, shielded."""
-        self._handed.set()
-        if self.after is not None:
-            await shielded(self.after, on_cancel)
-
-    def follow(
-        self,
-        sweep: Sequence[int] | None,
-        death_sig: int,
-        grace: float,
-        drop_files: Callable[[], None],
-        prune: Callable[[], Awaitable[None]],
-    ) -> None:
-        """Start the cleanup that follows the result, once :meth:`handed_over`.
-
-        In order: the stop deadline file and ``drop_files()`` (in a thread),
-        the escaped descendants (:func:`sweep_tagged`; ``sweep``: the worker
-        pids, when :meth:`stop` did not scan for them), then ``prune()``.
-        If the loop cancels it (``asyncio.run`` ending without ``close()``),
-        the escapees get SIGKILL at once instead.
-        """
-
-        def drop() -> None:
-            self._signals.release()
-            drop_files()
-
-        async def cleanup() -> None:
-            try:
-                await self._handed.wait()
-                await asyncio.to_thread(drop)
-                if sweep:
-                    await sweep_tagged(
-                        self.token, min(sweep), sweep, death_sig, grace, escalate=self.kill_now
-                    )
-            except asyncio.CancelledError:
-                task_uncancel(asyncio.current_task())
-                drop()  # idempotent
-                if sweep:
-                    await sweep_tagged(self.token, min(sweep), sweep, signal.SIGKILL, 0.0)
-            finally:
-                await prune()
-
-        self.after = asyncio.ensure_future(cleanup())
-
-    async def stop(
-        self,
-        workers: Sequence[WorkerHandle],
-        death_sig: int,
-        grace: float,
-        *,
-        decided: bool = False,
-    ) -> None:
-        """Stop ``workers`` (:func:`terminate_group`); the workers' stop deadline
-        file says when survivors get SIGKILL, and is removed afterwards.
-
-        ``decided``: ``wait()`` saw the outcome and awaits this. Then only what
-        the outcome needs happens here: the workers, their groups and process
-        trees; the token scan for escaped daemons (a thread hop and ~60 us
-        per process on the host) is left to the cleanup (:meth:`follow`),
-        and so is removing the deadline file - which is not even written
-        when no worker is left alive to read it.
-        """
-        now = death_sig == signal.SIGKILL or self.kill_now.is_set()
-        if not decided or any(w.alive for w in workers):
-            self._signals.set_deadline(0.0 if now else grace)
-        try:
-            await terminate_group(
-                workers,
-                death_sig,
-                grace,
-                on_sent=self.sent.set,
-                escalate=self.kill_now,
-                token=None if decided else self.token,
-                on_torn_down=lambda: self.escalate("cancellation of the event loop's tasks"),
-            )
-        except BaseException:
-            self._signals.release()
-            raise
-        if not decided:
-            self._signals.release()

@@ -23,8 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._types import Std, StdSpec, to_map
-from ._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
+from .._types import Std, StdSpec, to_map
+from .._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -1,0 +1,163 @@
+"""The control socket's clients: ``aiolaunch status|stacks|top [LOG_DIR]``.
+
+One function per verb (``status_main``, ``stacks_main``, and the entry point
+of ``top``, whose code has a module of its own), each listed in :data:`VERBS`:
+a new verb is one function here and its entry there. They share finding the
+socket (``_live.find_socket``), one request (:func:`request`) and the error
+handling (:func:`_ask`). The server, the registry's writer side and
+the wire format are in ``_control.py``, imported when a verb runs (so that
+``aiolaunch --help`` and a launch do not pay for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+__all__ = [
+    "VERBS",
+    "format_status",
+    "request",
+    "stacks_main",
+    "status_main",
+    "top_main",
+]
+
+
+# -- one request --------------------------------------------------------------
+
+
+def request(path: str, req: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """Send one request to the control socket at ``path``; return the answer (blocking)."""
+    import socket
+
+    from .._control import decode, encode
+
+    if os.path.islink(path):
+        path = os.readlink(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(encode(req))
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+    return decode(buf)
+
+
+def _parser(verb: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"aiolaunch {verb}", description=description)
+    p.add_argument(
+        "log_dir",
+        nargs="?",
+        default=None,
+        help="the job's --log-dir (searched up to 3 levels down); default: your one running job",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    return p
+
+
+def _ask(verb: str, log_dir: str | None, req: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's answer to ``req``; ``None`` once the error is printed."""
+    from ._live import find_socket
+
+    try:
+        answer = request(find_socket(log_dir), req, timeout=60.0)
+    except (OSError, ValueError) as exc:
+        print(f"aiolaunch {verb}: {exc}", file=sys.stderr)
+        return None
+    if not answer.get("ok"):
+        print(f"aiolaunch {verb}: {answer.get('error')}", file=sys.stderr)
+        return None
+    answer.pop("ok", None)
+    return answer
+
+
+def _print_json(answer: dict[str, Any]) -> int:
+    print(json.dumps(answer, indent=2))
+    return 0
+
+
+# -- the verbs ----------------------------------------------------------------
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)  # pragma: no cover
+
+
+def format_status(workers: Sequence[dict[str, Any]]) -> str:
+    """The table ``aiolaunch status`` prints."""
+    rows = [("RANK", "STATE", "PID", "RESTARTS", "LAST OUTPUT", "CPU %", "RSS")]
+    for w in workers:
+        age = w.get("last_output_s")
+        state = w["state"] if w.get("exitcode") is None else f"exited ({w['exitcode']})"
+        rows.append(
+            (
+                str(w["rank"]), state, str(w["pid"]), str(w["restarts"]),
+                "-" if age is None else f"{age:.1f}s ago",
+                f"{w['cpu_percent']:.1f}", _fmt_bytes(int(w["rss"])),
+            )
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def status_main(argv: Sequence[str]) -> int:
+    """``aiolaunch status [LOG_DIR] [--json]``: per-rank state of a running job."""
+    args = _parser("status", "Per-rank state of a running job.").parse_args(list(argv))
+    answer = _ask("status", args.log_dir, {"cmd": "status"})
+    if answer is None:
+        return 1
+    if args.json:
+        return _print_json(answer)
+    print(f"{answer['name']} ({answer['log_dir']})")
+    print(format_status(answer["workers"]))
+    return 0
+
+
+def stacks_main(argv: Sequence[str]) -> int:
+    """``aiolaunch stacks [LOG_DIR] [--json]``: dump every rank's stacks and the verdict."""
+    p = _parser("stacks", "Dump every rank's Python stacks and name the outlier.")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per dump")
+    args = p.parse_args(list(argv))
+    answer = _ask("stacks", args.log_dir, {"cmd": "stacks", "timeout": args.timeout})
+    if answer is None:
+        return 1
+    if args.json:
+        return _print_json(answer)
+    for rank, text in sorted(answer["stacks"].items(), key=lambda kv: int(kv[0])):
+        print(f"===== rank {rank} =====\n{text.rstrip()}\n")
+    print(f"----- verdict -----\n{answer['verdict']}")
+    files = answer.get("files") or {}
+    if files:
+        folder = os.path.dirname(os.path.dirname(next(iter(files.values()))))
+        print(f"(written to {folder}/<rank>/stacks-*.txt)")
+    return 0
+
+
+def top_main(argv: Sequence[str]) -> int:
+    """``aiolaunch top [LOG_DIR]``: the ranks live, in the terminal (``_top.py``)."""
+    from ._top import top_main
+
+    return top_main(argv)
+
+
+VERBS: dict[str, Callable[[Sequence[str]], int]] = {
+    "status": status_main,
+    "stacks": stacks_main,
+    "top": top_main,
+}
+"""``aiolaunch VERB ...``: the client verbs, each its own ``main(argv) -> status``."""

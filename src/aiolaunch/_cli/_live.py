@@ -1,0 +1,201 @@
+"""Finding a running job's control socket, and one connection to it kept open.
+
+:func:`find_socket` is how every client verb finds the job (``LOG_DIR``, or
+this user's one running job from the registry).
+
+``aiolaunch status`` sends one request and leaves; ``top`` asks for the status
+once a second on one connection (a connect per poll would cost the
+supervisor an accept and a task each time), ``events`` reads a stream of
+answers, and ``attach`` turns the connection into a byte pipe to a rank's
+debugger after the first answer. All three share this blocking client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import socket
+
+__all__ = ["ControlConnection", "ProtocolError", "find_socket", "running_jobs"]
+
+_MAX_LINE = 1 << 24
+
+
+def running_jobs() -> list[str]:
+    """Control sockets of this user's running groups (stale entries are removed)."""
+    from .._control import registry_dir
+
+    folder = registry_dir()
+    if folder is None:
+        return []
+    out: list[str] = []
+    for name in sorted(os.listdir(folder)):
+        entry = os.path.join(folder, name)
+        try:
+            pid = int(name.split("-", 1)[0])
+            target = os.readlink(entry)
+        except (ValueError, OSError):
+            continue
+        alive = True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            pass
+        if alive and os.path.exists(target):
+            out.append(target)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry)
+    if not out:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if empty: stale entries were all removed
+    return out
+
+
+def find_socket(log_dir: str | None) -> str:
+    """The newest ``control.sock`` in ``log_dir`` or up to 3 levels below it.
+
+    (torch's layout puts it in ``{log_dir}/{run_id}_xxx/attempt_N/``.) Without
+    ``log_dir``: the one group of this user that is running.
+
+    :raises FileNotFoundError: there is none: the job is not running.
+    :raises ValueError: no ``log_dir`` and several groups are running.
+    """
+    from .._control import SOCKET_NAME
+
+    if log_dir is None:
+        jobs = running_jobs()
+        if len(jobs) == 1:
+            return jobs[0]
+        if not jobs:
+            raise FileNotFoundError("no running aiolaunch job of yours was found; pass its LOG_DIR")
+        listing = "\n  ".join(os.path.dirname(j) for j in jobs)
+        raise ValueError(f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}")
+    found: list[tuple[float, str]] = []
+    base = os.path.abspath(log_dir)
+    depth0 = base.rstrip(os.sep).count(os.sep)
+    for root, dirs, files in os.walk(base):
+        if root.count(os.sep) - depth0 >= 3:
+            dirs[:] = []
+        if SOCKET_NAME in files or SOCKET_NAME in dirs:
+            path = os.path.join(root, SOCKET_NAME)
+            with contextlib.suppress(OSError):
+                found.append((os.lstat(path).st_mtime, path))
+    if not found:
+        raise FileNotFoundError(
+            f"no {SOCKET_NAME} in {log_dir!r}: no aiolaunch group is running with that log dir"
+        )
+    return max(found)[1]
+
+
+class ProtocolError(OSError):
+    """The other end sent something that is not a JSON line, or closed mid-answer."""
+
+
+class ControlConnection:
+    """A connection to ``{log_dir}/control.sock`` (found as ``aiolaunch status`` finds it).
+
+    :param log_dir: the job's log dir, or ``None``: this user's one running job.
+    """
+
+    def __init__(self, log_dir: str | None) -> None:
+        self.log_dir = log_dir
+        self.path: str | None = None
+        self.sock: socket.socket | None = None
+        self._buf = b""
+
+    def connect(self) -> None:
+        """Find the socket and connect (again, if connected before).
+
+        :raises FileNotFoundError: no running job (the message says which).
+        :raises ValueError: no ``log_dir`` and several jobs are running.
+        :raises PermissionError: the socket belongs to another user.
+        """
+        import socket
+
+        self.close()
+        path = find_socket(self.log_dir)
+        target = os.readlink(path) if os.path.islink(path) else path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(target)
+        except PermissionError as exc:
+            sock.close()
+            raise PermissionError(
+                exc.errno,
+                f"{path}: permission denied: only the user who started the job can use its "
+                "control socket",
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        self.path, self.sock, self._buf = path, sock, b""
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is open (it may still turn out closed on the next request)."""
+        return self.sock is not None
+
+    def close(self) -> None:
+        """Close the connection. Idempotent."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def __enter__(self) -> ControlConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, req: dict[str, Any]) -> None:
+        """Send one request (a JSON line)."""
+        if self.sock is None:
+            self.connect()
+        assert self.sock is not None
+        self.sock.sendall(json.dumps(req).encode() + b"\n")
+
+    def read_answer(self, timeout: float | None = 30.0) -> dict[str, Any] | None:
+        """The next answer line, or ``None`` when the server closed the connection."""
+        assert self.sock is not None
+        self.sock.settimeout(timeout)
+        while b"\n" not in self._buf:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                if self._buf:
+                    raise ProtocolError("the control socket closed in the middle of an answer")
+                return None
+            self._buf += chunk
+            if len(self._buf) > _MAX_LINE:
+                raise ProtocolError("an answer longer than 16 MiB")
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            answer = json.loads(line)
+        except ValueError as exc:
+            raise ProtocolError(f"not a JSON answer: {line[:80]!r}") from exc
+        if not isinstance(answer, dict):
+            raise ProtocolError(f"not a JSON object: {line[:80]!r}")
+        return answer
+
+    def request(self, req: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
+        """Send ``req``, return its answer.
+
+        :raises ConnectionError: the job ended (the socket closed) before answering.
+        """
+        self.send(req)
+        answer = self.read_answer(timeout)
+        if answer is None:
+            self.close()
+            raise ConnectionResetError("the job's control socket closed (the job ended)")
+        return answer
+
+    def take_buffered(self) -> bytes:
+        """Bytes received after the last answer (``attach``: the session's first bytes)."""
+        data, self._buf = self._buf, b""
+        return data

@@ -1,0 +1,223 @@
+"""The watchdog's loop: sample every rank, apply the stall rule, act on a stall.
+
+The one place that samples on a period: hangs have no event. Once per
+:attr:`Watchdog.period` the :class:`StallWatcher` reads each live rank's
+``/proc`` (:class:`~aiolaunch._watchdog.Sampler`) and hands the sample to the
+pure rule (:class:`~aiolaunch._stall.StallDetector`). A stall is handled in
+this order: a :class:`WorkerStalled` event, the stacks of every rank (the
+others show what the stalled one waits for), the report, *then* the action,
+taken only through the group's own commands (circus's watchdog casts
+``kill``; it never touches the arbiter's insides):
+
+- ``observe``: nothing more;
+- ``restart``: ``GroupState.kill(rank, SIGKILL, why)`` for a rank with a
+  restart policy (its policy restarts it);
+- ``fail``: ``GroupState.fail(rank, message)``: the group is decided, and
+  ``wait()`` stops it through the usual path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from ._events import WorkerStalled
+from ._stacks import StackReport, rank_ranges
+from ._stall import Stall, StallDetector
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._dumper import StackDumper
+    from ._events import Event
+    from ._group import GroupState
+    from ._watchdog import Sampler, Watchdog
+
+__all__ = ["StallWatcher"]
+
+logger = logging.getLogger("aiolaunch")
+
+#: seconds a stall waits for every rank's stacks before it acts anyway
+_STALL_DUMP_TIMEOUT = 5.0
+
+
+class StallWatcher:
+    """The watchdog of one group (see the module docstring).
+
+    With a progress regex it is also a line listener of the log pipeline
+    (``reads``/``wants``/``line``): it needs every stream, and notes when each
+    rank last printed a matching line.
+
+    :param emit: where :class:`WorkerStalled` goes (the event bus).
+    :param restartable: whether a rank has a restart policy.
+    :param write_report: writes the report now; returns its paths or ``None``.
+    """
+
+    def __init__(
+        self,
+        watchdog: Watchdog,
+        state: GroupState,
+        sampler: Sampler,
+        dumper: StackDumper,
+        *,
+        emit: Callable[[Event], None],
+        restartable: Callable[[int], bool],
+        write_report: Callable[[], tuple[str, str] | None],
+    ) -> None:
+        self.watchdog = watchdog
+        self._progress = re.compile(watchdog.progress) if watchdog.progress else None
+        self.detector = StallDetector(watchdog.stall_after, progress=self._progress is not None)
+        self._state = state
+        self._sampler = sampler
+        self._dumper = dumper
+        self._emit = emit
+        self._restartable = restartable
+        self._write_report = write_report
+        self._last_progress: dict[int, float] = {}
+        self._detected: dict[int, float] = {}  # rank -> time.time() of its stall
+        #: every stall seen, the latest per rank, with its place in the verdict
+        self.stalls: dict[int, Stall] = {}
+        #: the verdict and the stacks of the last stall's dump
+        self.verdict: StackReport | None = None
+        self.dumps: dict[int, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Start sampling."""
+        self._tasks.append(asyncio.ensure_future(self._watch()))
+
+    async def stop(self) -> None:
+        """Stop sampling. Idempotent."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stalled(self, rank: int) -> bool:
+        """Whether ``rank`` is flagged now (and was not active since)."""
+        return self.detector.flagged(rank)
+
+    def reported_stalls(self) -> list[Stall]:
+        """The stalls for the report: ranks flagged now, and ranks failed for a stall."""
+        forced = self._state.forced
+        return [
+            s
+            for rank, s in sorted(self.stalls.items())
+            if self.detector.flagged(rank) or rank in forced
+        ]
+
+    # -- the progress regex: a line listener of the log pipeline ---------------
+    def reads(self, rank: int, stream: str) -> bool:
+        """Every stream is read (none is inherited by the worker)."""
+        return True
+
+    def wants(self, rank: int, stream: str) -> bool:
+        """Every line is wanted."""
+        return True
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """One line of ``rank``: progress if it matches the regex."""
+        if self._progress is not None and self._progress.search(text) is not None:
+            self._last_progress[rank] = time.monotonic()
+
+    # -- sampling -------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        period = self.watchdog.period
+        writes = self._progress is None
+        while True:
+            await asyncio.sleep(period)  # allowed: /proc has no change events
+            now = time.monotonic()
+            newly: list[Stall] = []
+            for w in self._state.workers():
+                rank = w.local_rank
+                if not w.alive or self._state.restarting(rank):
+                    self.detector.forget(rank)
+                    continue
+                sample = self._sampler.sample(rank, w.pid, now, writes=writes)
+                if sample is None:
+                    continue
+                if not writes:
+                    sample = dataclasses.replace(
+                        sample, last_progress=self._last_progress.get(rank)
+                    )
+                stall = self.detector.observe(rank, sample, now)
+                if stall is not None:
+                    self._detected[rank] = time.time()
+                    newly.append(stall)
+            if newly:
+                try:
+                    await self._on_stall(newly)
+                except Exception:  # the watchdog must outlive a failed dump or report
+                    logger.exception("aiolaunch: handling a stall of %r failed", self._state.name)
+
+    # -- a stall --------------------------------------------------------------
+    async def _on_stall(self, stalls: list[Stall]) -> None:
+        wd = self.watchdog
+        for s in stalls:
+            self._emit(
+                WorkerStalled(rank=s.rank, time=time.monotonic(), idle_s=s.idle_s, reason=s.reason)
+            )
+        # Every rank's stacks before anything is stopped: the others show what
+        # the stalled one is waiting for (or what waits for it).
+        dump = await self._dumper.dump(None, _STALL_DUMP_TIMEOUT)
+        verdict = StackReport.from_dumps(dump.stacks)
+        self.verdict, self.dumps = verdict, dump.stacks
+        stalls = [
+            dataclasses.replace(
+                s,
+                verdict_line=verdict.line_for(s.rank) or "",
+                stacks_file=dump.files.get(s.rank, ""),
+            )
+            for s in stalls
+        ]
+        self.stalls.update((s.rank, s) for s in stalls)
+        paths = self._write_report()
+        logger.warning(
+            "aiolaunch: %s %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
+            "Report: %s",
+            "rank" if len(stalls) == 1 else "ranks", rank_ranges(s.rank for s in stalls),
+            self._state.name, stalls[0].reason, verdict, paths[1] if paths else "(not written)",
+        )  # fmt: skip
+        if wd.action == "observe":
+            return
+        # Ranks that stalled together usually wait for one another: when some
+        # of them are the odd ones out, those are the failure, and the rest
+        # (stopped by aiolaunch) are listed as stalled in the report only.
+        chosen = [s for s in stalls if s.rank in verdict.outliers]
+        if not chosen:
+            # The odd one out may have gone quiet a moment after the others
+            # (its stall would be detected next period): it is still the cause.
+            chosen = self._quiet_outliers(verdict, dump.files) or stalls
+        outliers = set(verdict.outliers)
+        for s in sorted(chosen, key=lambda s: (s.rank not in outliers, s.rank)):
+            why = f"stalled: {s.reason}"
+            # With "restart", the rank's restart policy takes it from here: a
+            # SIGKILLed worker is a failed exit (its stacks are on disk already).
+            restart = wd.action == "restart" and self._restartable(s.rank)
+            if restart and self._state.kill(s.rank, signal.SIGKILL, why):
+                continue
+            self._state.fail(s.rank, s.message(), when=self._detected.get(s.rank))
+
+    def _quiet_outliers(self, verdict: StackReport, files: dict[int, str]) -> list[Stall]:
+        now = time.monotonic()
+        out: list[Stall] = []
+        for rank in verdict.outliers:
+            idle = self.detector.idle(rank, now)
+            w = self._state.worker(rank)
+            if idle is None or idle < self.watchdog.period or w is None:
+                continue
+            reason = f"no output and no CPU for {idle:.1f}s while its peers stalled"
+            s = Stall(rank, w.pid, round(idle, 3), reason, verdict.line_for(rank) or "")
+            s = dataclasses.replace(s, stacks_file=files.get(rank, ""))
+            self.detector.flag(rank)
+            self._detected[rank] = time.time()
+            self.stalls[rank] = s
+            out.append(s)
+        return out

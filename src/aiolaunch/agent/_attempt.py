@@ -1,0 +1,195 @@
+"""One attempt of the agent's worker group: start it, await it, stop it.
+
+:func:`run_attempt` starts the group of one rendezvous round with torchrun's
+worker environment, awaits its outcome - or, with an elastic rendezvous, new
+nodes waiting to join, which end the attempt without a result - and always
+leaves the group stopped. :class:`AttemptLogs` says where each attempt's
+logs go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import string
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .._api import start_processes
+from .._logs._specs import attempt_dir_path, make_run_dir, prune_empty_dirs
+from .._validate import log_dir_error
+from ._env import substitute_local_rank, worker_envs
+from ._numa import numa_cpus, wrap_for_numa
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from .._context import PContext
+    from .._results import RunProcsResult
+    from ._rendezvous import GroupAssignment, Rendezvous
+    from ._spec import WorkerSpec
+
+__all__ = ["AttemptLogs", "run_attempt"]
+
+log = logging.getLogger("aiolaunch.agent")
+
+#: the slowest pace of the membership check (``num_nodes_waiting``), seconds
+_MEMBERSHIP_POLL_MIN = 1.0
+
+
+class AttemptLogs:
+    """Where the attempts of one agent put their logs.
+
+    Attempt ``k`` of membership round ``m`` goes to
+    ``{log_dir}/{run_id}_<unique>/attempt_{k}[_m]/`` (``log_dir=None``: a
+    temporary folder, pruned of what holds nothing at the end), or follows
+    ``logs_specs`` (torch's layout, its own folders).
+    """
+
+    def __init__(self, log_dir: str | None, logs_specs: Any, spec: WorkerSpec) -> None:
+        self._log_dir = log_dir
+        self._logs_specs = logs_specs
+        self._spec = spec
+        #: ``{log_dir}/{run_id}_<unique>`` once the first attempt started
+        self.run_log_dir: str | None = None
+
+    def kwargs(self, run_id: str, restart_count: int, membership_round: int) -> dict[str, Any]:
+        """The log arguments of ``start_processes`` for one attempt."""
+        if self._logs_specs is not None:
+            return {"logs_specs": self._logs_specs}
+        if self.run_log_dir is None:
+            if self._log_dir is None:
+                root = tempfile.mkdtemp(prefix="aiolaunch_")
+            else:
+                try:
+                    os.makedirs(self._log_dir, exist_ok=True)
+                except OSError as exc:
+                    raise log_dir_error("log_dir", self._log_dir, exc) from exc
+                root = self._log_dir
+            self.run_log_dir = make_run_dir(root, run_id)
+        return {
+            "log_dir": attempt_dir_path(self.run_log_dir, restart_count, membership_round),
+            "redirects": self._spec.redirects,
+            "tee": self._spec.tee,
+        }
+
+    def prune(self) -> None:
+        """``log_dir=None``: drop the folders that hold nothing (empty rank and
+        attempt folders); what holds logs or error files is kept and logged."""
+        if self._log_dir is not None or self._logs_specs is not None:
+            return
+        run_dir = self.run_log_dir
+        if run_dir is None:
+            return
+        prune_empty_dirs([run_dir, os.path.dirname(run_dir)], self._spec.role)
+        if not os.path.isdir(run_dir):
+            self.run_log_dir = None  # a later run() makes fresh ones
+
+
+async def run_attempt(
+    spec: WorkerSpec,
+    assignment: GroupAssignment,
+    rdzv: Rendezvous,
+    *,
+    restart_count: int,
+    logs: Mapping[str, Any],
+    start_method: str,
+    shutdown_timeout: float,
+    prefix_template: str | None,
+    started: Callable[[dict[int, int]], None],
+) -> RunProcsResult | None:
+    """Start one attempt and await it; ``None`` means "stopped for new nodes".
+
+    ``started(pids)`` is called once every worker runs. The group is closed
+    on every way out (shielded: a cancelled agent leaves no worker behind).
+
+    :raises SignalException: a stop signal reached the agent meanwhile.
+    """
+    n = spec.local_world_size
+    envs = worker_envs(
+        role=spec.role,
+        local_world_size=n,
+        assignment=assignment,
+        restart_count=restart_count,
+        max_restarts=spec.max_restarts,
+        environ=os.environ,
+        virtual_local_rank=spec.virtual_local_rank,
+    )
+    args = {r: substitute_local_rank(spec.args, r) for r in range(n)}
+    entrypoint = spec.entrypoint
+    if spec.numa_options is not None:
+        # torch computes the binding when it starts the workers; so do we
+        entrypoint, args = wrap_for_numa(entrypoint, args, numa_cpus(spec.numa_options, n))
+    prefixes: dict[int, str] | None = None
+    if prefix_template is not None:
+        template = string.Template(prefix_template)
+        prefixes = {
+            r: template.safe_substitute(
+                role_name=spec.role, rank=assignment.base_global_rank + r, local_rank=r
+            )
+            for r in range(n)
+        }
+    ctx = await start_processes(
+        name=spec.role,
+        entrypoint=entrypoint,
+        args=args,
+        envs=envs,
+        start_method=start_method,
+        log_line_prefixes=prefixes,
+        shutdown_timeout=shutdown_timeout,
+        duplicate_stdout_filters=spec.duplicate_stdout_filters,
+        duplicate_stderr_filters=spec.duplicate_stderr_filters,
+        watchdog=spec.watchdog,
+        **logs,
+    )
+    started(ctx.pids())
+    try:
+        return await _monitor(ctx, rdzv, spec.monitor_interval)
+    finally:
+        # A no-op after a result; after a membership change, a signal or
+        # a cancellation it stops the group. Shielded so that a cancelled
+        # run() cannot leave workers behind.
+        with anyio.CancelScope(shield=True):
+            await ctx.close(timeout=shutdown_timeout)
+
+
+async def _monitor(ctx: PContext, rdzv: Rendezvous, interval: float) -> RunProcsResult | None:
+    if not rdzv.elastic:
+        # One machine: nothing but the workers' exits can change anything.
+        result = await ctx.wait()
+        assert result is not None
+        return result
+    wait_task = asyncio.ensure_future(ctx.wait())
+    watch_task = asyncio.ensure_future(_watch_membership(rdzv, interval))
+    try:
+        await asyncio.wait({wait_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watch_task, wait_task):
+            if not task.done():
+                task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(watch_task, wait_task, return_exceptions=True)
+    if not wait_task.cancelled():
+        result = wait_task.result()  # raises SignalException after a signal
+        if result is not None:
+            return result
+    return None
+
+
+async def _watch_membership(rdzv: Rendezvous, interval: float) -> None:
+    """Return when new agents wait to join (torch polls this each monitor tick)."""
+    interval = max(interval, _MEMBERSHIP_POLL_MIN)
+    while True:
+        await asyncio.sleep(interval)  # allowed: torch offers no event for joining nodes
+        try:
+            waiting = await rdzv.num_nodes_waiting()
+        except Exception:
+            # The store may go away when the node hosting it finishes; the
+            # workers' exits still decide the attempt.
+            log.warning("membership check failed; no longer watching", exc_info=True)
+            await asyncio.Event().wait()
+        if waiting > 0:
+            return
