@@ -146,12 +146,17 @@ def busy_and_silent(seconds: float) -> str:
     return "done"
 
 
-def heartbeats() -> None:
-    while True:
-        print("heartbeat", flush=True)
-        t = time.monotonic()
-        while time.monotonic() - t < 0.2:
-            pass
+def heartbeats_while_spinning() -> None:
+    # A GPU rank spinning in .item() while a thread of it prints heartbeats.
+    import threading
+
+    def beat() -> None:
+        while True:
+            print("heartbeat", flush=True)
+            time.sleep(0.2)
+
+    threading.Thread(target=beat, daemon=True).start()
+    spin_in_collective()
 
 
 @pending
@@ -169,12 +174,13 @@ async def test_a_moving_stack_is_healthy_and_heartbeats_are_not_progress(tmp_pat
 
     async def beating() -> None:
         async with aiolaunch.start_processes(
-            "beat", heartbeats, {0: ()}, _envs(1), log_dir=tmp_path / "beat",
+            "beat", heartbeats_while_spinning, {0: ()}, _envs(1), log_dir=tmp_path / "beat",
             watchdog=Watchdog(stall_after=stall, progress=r"^step \d+"),
         ) as ctx:  # fmt: skip
             result = await asyncio.wait_for(ctx.wait(), 60)
         assert result is not None and list(result.failures) == [0]
-        assert "no progress line" in str(result.failures[0].message)
+        message = str(result.failures[0].message)
+        assert "no progress line" in message and "spinning" in message
 
     await together(busy(), beating())
 

@@ -18,8 +18,9 @@ choice: a worker whose threads visibly work needs no helpers):
   *helper thread* started hang off that thread instead; a ``full`` look (the
   caller asks when a rank has rested a while) reads every thread's children
   file, at most every :data:`RESCAN_S`.
-- :class:`Threads`: every thread's ``schedstat`` (a read per thread: only on
-  request, and at most as often as the caller says).
+- :class:`Threads`: how long the other threads waited on the run queue
+  (their time on a CPU is in ``/proc/<pid>/stat`` already): a read per
+  thread, so only on request, and at most as often as the caller says.
 
 A process or thread counts from its second reading on (the first is its base).
 """
@@ -148,7 +149,7 @@ class Descendants:
 
 
 class Threads:
-    """The CPU every thread but the main one of a process wanted."""
+    """How long every thread but the main one of a process waited for a CPU."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -156,16 +157,16 @@ class Threads:
         self._at: float | None = None
 
     def look(self, now: float, every: float) -> float | None:
-        """Seconds of CPU wanted per second by the other threads since the
-        previous reading; ``None`` when not read (less than ``every`` seconds
-        since the previous one, or the first)."""
+        """Seconds the other threads spent runnable on the run queue since
+        the previous reading; ``None`` when not read (less than ``every``
+        seconds since the previous one, or the first)."""
         if self._at is not None and now - self._at < every:
             return None
         try:
             tids = os.listdir(f"/proc/{self.pid}/task")
         except OSError:
             return None
-        wanted = 0.0
+        waited = 0.0
         seen: dict[str, float] = {}
         for tid in tids:
             if tid == str(self.pid):
@@ -175,18 +176,16 @@ class Threads:
             except OSError:
                 continue
             try:
-                cpu = read_schedstat(fd)
+                wait = os.pread(fd, 128, 0).split()[1]
+                seen[tid] = int(wait) / 1e9
+            except (OSError, ValueError, IndexError):
+                continue
             finally:
                 os.close(fd)
-            if cpu is None:
-                continue
-            seen[tid] = cpu
             if tid in self._last:
-                wanted += max(0.0, cpu - self._last[tid])
-        first, self._last = self._at is None, seen
-        elapsed = 0.0 if self._at is None else now - self._at
-        self._at = now
-        return None if first or elapsed <= 0 else wanted / elapsed
+                waited += max(0.0, seen[tid] - self._last[tid])
+        first, self._last, self._at = self._at is None, seen, now
+        return None if first else waited
 
 
 def _tree(pid: int) -> set[int]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ._commands import dispatch
 from ._dumper import StackDumper, check_dump_timeout
 from ._report import RunReport, write_report
+from ._sampler import StackSampler
 from ._stacks import STACKS_DIR_ENV
 from ._status import worker_statuses
 from ._watchdog import Sampler
@@ -86,10 +87,11 @@ class Forensics:
             self.stacks_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
         self.sampler = Sampler(logs.last_output)
         self.dumper = StackDumper(state, self.stacks_dir, self._rank_dir, self.sampler.rebase)
+        self.stacks = StackSampler(self.stacks_dir, self.dumper.lock)
         self.watcher: StallWatcher | None = None
         if watchdog is not None:
             self.watcher = StallWatcher(
-                watchdog, state, self.sampler, self.dumper, emit=bus.emit,
+                watchdog, state, self.sampler, self.dumper, self.stacks, emit=bus.emit,
                 restartable=restartable, write_report=lambda: self.write_report(None),
             )  # fmt: skip
         self._server: ControlServer | None = None
@@ -180,6 +182,7 @@ class Forensics:
             self._server.remove()
             self._server = None
         self.sampler.close()
+        self.stacks.close()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
         if self._own_dir and not self.dumper.count and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -67,8 +67,11 @@ class _Target:
 class StackSampler:
     """Stack samples of one group's workers (see the module docstring)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, lock: asyncio.Lock | None = None) -> None:
         self.directory = directory
+        # Shared with the explicit dumps (StackDumper): a worker appends every
+        # answer to one file, read from an offset - one round at a time.
+        self._lock = lock or asyncio.Lock()
         self._targets: dict[int, _Target] = {}  # by pid
         #: bytes each rank wrote into its dump file at the last sample (the
         #: caller discounts them from the rank's output)
@@ -115,6 +118,10 @@ class StackSampler:
     async def sample(self, pids: Mapping[int, int], timeout: float) -> dict[int, str]:
         """``{rank: dump text}`` of the registered workers among ``pids``
         (``{rank: pid}``); ranks without a sample are left out."""
+        async with self._lock:
+            return await self._sample(pids, timeout)
+
+    async def _sample(self, pids: Mapping[int, int], timeout: float) -> dict[int, str]:
         targets = {}
         for rank, pid in pids.items():
             t = self._target(pid)

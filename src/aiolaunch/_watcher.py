@@ -26,9 +26,10 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from ._dump_text import signature
 from ._events import WorkerStalled
 from ._stacks import StackReport, rank_ranges
-from ._stall import Stall, StallDetector
+from ._stall import Sample, Stall, StallDetector
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from ._dumper import StackDumper
     from ._events import Event
     from ._group import GroupState
+    from ._sampler import StackSampler
     from ._watchdog import Sampler, Watchdog
 
 __all__ = ["StallWatcher"]
@@ -44,6 +46,9 @@ logger = logging.getLogger("aiolaunch")
 
 #: seconds a stall waits for every rank's stacks before it acts anyway
 _STALL_DUMP_TIMEOUT = 5.0
+#: at most this long a sample waits for a rank's stack (a stopped rank,
+#: one in D state: it has no CPU and is judged by the CPU rule meanwhile)
+_SAMPLE_TIMEOUT = 2.0
 
 
 class StallWatcher:
@@ -64,6 +69,7 @@ class StallWatcher:
         state: GroupState,
         sampler: Sampler,
         dumper: StackDumper,
+        stacks: StackSampler,
         *,
         emit: Callable[[Event], None],
         restartable: Callable[[int], bool],
@@ -74,7 +80,11 @@ class StallWatcher:
         self.detector = StallDetector(watchdog.stall_after, progress=self._progress is not None)
         self._state = state
         self._sampler = sampler
+        # Costlier looks (every thread, every thread's children) for a rank
+        # idle a third of stall_after: in time for the rule, rare otherwise.
+        sampler.suspect_after = max(1.0, watchdog.stall_after / 3)
         self._dumper = dumper
+        self._stacks = stacks
         self._emit = emit
         self._restartable = restartable
         self._write_report = write_report
@@ -134,15 +144,26 @@ class StallWatcher:
         while True:
             await asyncio.sleep(period)  # allowed: /proc has no change events
             now = time.monotonic()
-            newly: list[Stall] = []
+            samples: dict[int, Sample] = {}
+            pids: dict[int, int] = {}
             for w in self._state.workers():
                 rank = w.local_rank
                 if not w.alive or self._state.restarting(rank):
                     self.detector.forget(rank)
+                    self._stacks.forget(w.pid)
                     continue
                 sample = self._sampler.sample(rank, w.pid, now, writes=writes)
-                if sample is None:
-                    continue
+                if sample is not None:
+                    samples[rank], pids[rank] = sample, w.pid
+            # Where each rank is: the dump signal, then the texts' signatures
+            # (a rank that cannot be sampled keeps stack=None: the CPU rule).
+            texts = await self._stacks.sample(pids, min(_SAMPLE_TIMEOUT, period))
+            newly: list[Stall] = []
+            for rank, sample in samples.items():
+                text = texts.get(rank)
+                if text is not None:
+                    self._sampler.discount(pids[rank], rank, self._stacks.wrote.get(rank, 0))
+                    sample = dataclasses.replace(sample, stack=signature(text))
                 if not writes:
                     sample = dataclasses.replace(
                         sample, last_progress=self._last_progress.get(rank)
@@ -187,16 +208,7 @@ class StallWatcher:
         )  # fmt: skip
         if wd.action == "observe":
             return
-        # Ranks that stalled together usually wait for one another: when some
-        # of them are the odd ones out, those are the failure, and the rest
-        # (stopped by aiolaunch) are listed as stalled in the report only.
-        chosen = [s for s in stalls if s.rank in verdict.outliers]
-        if not chosen:
-            # The odd one out may have gone quiet a moment after the others
-            # (its stall would be detected next period): it is still the cause.
-            chosen = self._quiet_outliers(verdict, dump.files) or stalls
-        outliers = set(verdict.outliers)
-        for s in sorted(chosen, key=lambda s: (s.rank not in outliers, s.rank)):
+        for s in sorted(self._culprits(stalls, verdict, dump.files), key=lambda s: s.rank):
             why = f"stalled: {s.reason}"
             # With "restart", the rank's restart policy takes it from here: a
             # SIGKILLed worker is a failed exit (its stacks are on disk already).
@@ -205,19 +217,40 @@ class StallWatcher:
                 continue
             self._state.fail(s.rank, s.message(), when=self._detected.get(s.rank))
 
-    def _quiet_outliers(self, verdict: StackReport, files: dict[int, str]) -> list[Stall]:
+    def _culprits(
+        self, stalls: list[Stall], verdict: StackReport, files: dict[int, str]
+    ) -> list[Stall]:
+        """One story per stall: who fails.
+
+        Ranks that stalled together usually wait for one another. When some of
+        them are the odd ones out of the verdict, those are the failure; when
+        none is - they all wait in one place - the odd ones out are, whatever
+        they do (idle, spinning, or printing "waiting"): the rest were stopped
+        by aiolaunch and are listed as stalled in the report only. Without odd
+        ones out, every stalled rank fails.
+        """
+        chosen = [s for s in stalls if s.rank in verdict.outliers]
+        if chosen:
+            return chosen
         now = time.monotonic()
+        peers = rank_ranges(s.rank for s in stalls)
         out: list[Stall] = []
         for rank in verdict.outliers:
-            idle = self.detector.idle(rank, now)
             w = self._state.worker(rank)
-            if idle is None or idle < self.watchdog.period or w is None:
+            idle = self.detector.idle(rank, now)
+            if w is None or not w.alive or idle is None:
                 continue
-            reason = f"no output and no CPU for {idle:.1f}s while its peers stalled"
+            if self.detector.spinning(rank):
+                doing = f"spinning at the same frames for {idle:.1f}s"
+            elif idle >= self.watchdog.period:
+                doing = f"no output and no CPU for {idle:.1f}s"
+            else:
+                doing = "active, elsewhere"
+            reason = f"the odd one out: {doing} while ranks {peers} stalled"
             s = Stall(rank, w.pid, round(idle, 3), reason, verdict.line_for(rank) or "")
             s = dataclasses.replace(s, stacks_file=files.get(rank, ""))
             self.detector.flag(rank)
-            self._detected[rank] = time.time()
+            self._detected.setdefault(rank, time.time())
             self.stalls[rank] = s
             out.append(s)
-        return out
+        return out or stalls

@@ -121,6 +121,7 @@ class ProcStat(NamedTuple):
     #: CPU time of its reaped children (those it waited for), in clock ticks
     cutime: int = 0
     cstime: int = 0
+    num_threads: int = 1
 
     @property
     def alive(self) -> bool:
@@ -169,6 +170,7 @@ def parse_stat(raw: bytes) -> ProcStat | None:
             rss_pages=int(fields[21]),
             cutime=int(fields[13]),
             cstime=int(fields[14]),
+            num_threads=int(fields[17]),
         )
     except ValueError:
         return None
