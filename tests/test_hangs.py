@@ -16,14 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import aiolaunch
 from _helpers import default_signals, together, wait_lines
 from aiolaunch import Std, Watchdog, WorkerStalled
-
-# Not wired into the watchdog until the #21 split lands (see /work/notes/LEAD.md).
-pending = pytest.mark.xfail(strict=False, reason="integration waits for the #21 split")
 
 
 def _envs(n: int) -> dict[int, dict[str, str]]:
@@ -126,7 +121,6 @@ async def _spinning_cli(tmp: Path, stall: float) -> None:
     assert report["root_cause"]["rank"] == 2 and report["verdict"]["outliers"] == [2]
 
 
-@pending
 async def test_spinning_ranks_are_stalled_and_the_odd_one_named(tmp_path: Path) -> None:
     # The API with function workers and the CLI with script workers, at once.
     await together(_spinning_api(tmp_path / "api", 3.0), _spinning_cli(tmp_path, 3.0))
@@ -159,7 +153,6 @@ def heartbeats_while_spinning() -> None:
     spin_in_collective()
 
 
-@pending
 async def test_a_moving_stack_is_healthy_and_heartbeats_are_not_progress(tmp_path: Path) -> None:
     stall = 3.0
 
@@ -201,7 +194,6 @@ def waiting_for_peers() -> None:
         time.sleep(3600)
 
 
-@pending
 async def test_one_rank_raises_the_others_stacks_are_in_the_report(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
         "raise", parked_then_one_raises, {r: (r,) for r in range(3)}, _envs(3),

@@ -168,10 +168,21 @@ def idle_loop_text(text: str) -> bool:
 def signature(text: str) -> str | None:
     """What must stay equal for "the stack did not move": the main thread's
     frames (every one, the innermost with its current line) and the task
-    section. ``None`` for a dump without frames."""
+    section.
+
+    ``None`` for a dump without frames, and while the main thread imports: a
+    long call into C there (loading a big extension such as torch's, seconds
+    on a loaded host) would look like a spin; a hung import is idle, caught
+    by the CPU rule.
+    """
     threads, tasks = split_tasks(text)
     body = main_block(threads)
     if not body and not tasks:
+        return None
+    if (
+        "importlib._bootstrap" in body.split("\n", 1)[0]
+        or "importlib/_bootstrap" in (body.split("\n", 1)[0])
+    ):
         return None
     if tasks:
         body += "\n" + tasks.strip()  # tasks come and go: that moves too

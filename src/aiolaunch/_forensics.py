@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING
 
 from ._commands import dispatch
 from ._dumper import StackDumper, check_dump_timeout
-from ._report import RunReport, write_report
+from ._report import AtFailure, RunReport, Straggler, write_report
 from ._sampler import StackSampler
-from ._stacks import STACKS_DIR_ENV
+from ._stacks import STACKS_DIR_ENV, StackReport
 from ._status import worker_statuses
+from ._straggler_watch import StragglerWatch
 from ._watchdog import Sampler
 from ._watcher import StallWatcher
 
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["Forensics"]
 
 logger = logging.getLogger("aiolaunch")
+
+#: At a rank's failure, at most this long for the other ranks' stacks.
+AT_FAILURE_TIMEOUT = 2.0
 
 
 class Forensics:
@@ -94,6 +98,14 @@ class Forensics:
                 watchdog, state, self.sampler, self.dumper, self.stacks, emit=bus.emit,
                 restartable=restartable, write_report=lambda: self.write_report(None),
             )  # fmt: skip
+        self.stragglers: StragglerWatch | None = None
+        if watchdog is not None and watchdog.stragglers is not None:
+            self.stragglers = StragglerWatch(
+                watchdog.stragglers, state, self.stacks, emit=bus.emit,
+                discount=self.sampler.discount,
+            )  # fmt: skip
+        #: where every live rank was at the group's first failure (watchdog only)
+        self.at_failure: AtFailure | None = None
         self._server: ControlServer | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -130,6 +142,8 @@ class Forensics:
         self._server_task = asyncio.ensure_future(self._serve(make_files))
         if self.watcher is not None:
             self.watcher.start()
+        if self.stragglers is not None:
+            self.stragglers.start()
 
     async def _serve(self, make_files: Callable[[], None]) -> None:
         from ._control import ControlServer
@@ -154,6 +168,8 @@ class Forensics:
             self._server_task = None
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.stragglers is not None:
+            await self.stragglers.stop()
         if self._server is not None:
             # Stop listening now; the socket's files go in cleanup() (file
             # I/O, off wait()'s path).
@@ -191,7 +207,9 @@ class Forensics:
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now (see :class:`WorkerStatus`)."""
         stalled = self.watcher.stalled if self.watcher is not None else (lambda rank: False)
-        return worker_statuses(self._state, self.sampler, stalled)
+        g = self.stragglers
+        straggling = g.straggling if g is not None else (lambda rank: False)
+        return worker_statuses(self._state, self.sampler, stalled, straggling)
 
     async def dump(self, ranks: Sequence[int] | None, timeout: float) -> Dump:
         """A round of stack dumps (:meth:`StackDumper.dump`)."""
@@ -209,6 +227,33 @@ class Forensics:
             raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
         return (await self.dump(ranks, timeout)).stacks
 
+    # -- the first failure -----------------------------------------------------
+    async def before_stop(self) -> None:
+        """The group is about to be stopped: if a watchdog is configured and a
+        rank failed on its own (not for a stall, whose dump is done), dump
+        every live rank's stacks first - bounded, :data:`AT_FAILURE_TIMEOUT` -
+        for the report and the failure's summary."""
+        failed = [r for r in self._state.failed_ranks() if r not in self._state.forced]
+        if self.watcher is None or not failed or self.at_failure is not None:
+            return
+        live = [w.local_rank for w in self._state.workers() if w.alive]
+        if not live:
+            return
+        try:
+            dump = await self.dumper.dump(live, AT_FAILURE_TIMEOUT)
+        except Exception:  # a report must never turn into a second failure
+            logger.exception("aiolaunch: dumping the stacks at the failure of %r", self.name)
+            return
+        verdict = StackReport.from_dumps(dump.stacks)
+        self.at_failure = AtFailure(failed[0], verdict, dump.stacks, dump.files)
+
+    def annotate(self, result: RunProcsResult) -> None:
+        """Put where the other ranks were (:meth:`before_stop`) on the first
+        failure's ``others``, which its summary shows."""
+        a = self.at_failure
+        if a is not None and a.rank in result.failures:
+            result.failures[a.rank].others = a.lines()
+
     def write_report(self, result: RunProcsResult | None) -> tuple[str, str] | None:
         """Write ``report.json``/``report.txt`` now (``result``: ``None`` while running)."""
         w = self.watcher
@@ -222,6 +267,11 @@ class Forensics:
             stalls=w.reported_stalls() if w is not None else (),
             verdict=w.verdict if w is not None else None,
             dumps=w.dumps if w is not None else None,
+            at_failure=self.at_failure,
+            stragglers=[
+                Straggler(g.rank, g.wait_share, g.peers_wait_share, g.samples)
+                for g in (self.stragglers.named() if self.stragglers is not None else ())
+            ],
         )
         return write_report(report)
 

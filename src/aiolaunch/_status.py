@@ -37,7 +37,8 @@ class WorkerStatus:
     :param pid: process id of its current incarnation.
     :param state: ``"running"``, ``"sleeping"``, ``"disk-sleep"`` (D state),
         ``"stopped"``, ``"stalled"`` (flagged by the watchdog),
-        ``"restarting"`` or ``"exited"``.
+        ``"straggling"`` (named a straggler by the watchdog: its peers wait
+        for it), ``"restarting"`` or ``"exited"``.
     :param restarts: how many times this rank was restarted.
     :param last_output_s: seconds since it last wrote anything (``None`` until
         known: the first sample only sets the baseline).
@@ -61,10 +62,14 @@ class WorkerStatus:
 
 
 def worker_statuses(
-    state: GroupState, sampler: Sampler, stalled: Callable[[int], bool]
+    state: GroupState,
+    sampler: Sampler,
+    stalled: Callable[[int], bool],
+    straggling: Callable[[int], bool] = lambda rank: False,
 ) -> list[WorkerStatus]:
     """Every rank of ``state`` now; live ranks are read through ``sampler``
-    (CPU % since its previous reading), ``stalled(rank)`` marks the watchdog's."""
+    (CPU % since its previous reading), ``stalled(rank)`` and
+    ``straggling(rank)`` mark the watchdog's."""
     now = time.monotonic()
     out: list[WorkerStatus] = []
     for rank in range(state.nprocs):
@@ -80,7 +85,12 @@ def worker_statuses(
         if act is None:
             out.append(WorkerStatus(rank, w.pid, "exited", restarts, None, 0.0, 0, w.returncode))
             continue
-        name = "stalled" if stalled(rank) else _STATES.get(act.state, act.state)
+        if stalled(rank):
+            name = "stalled"
+        elif straggling(rank):
+            name = "straggling"
+        else:
+            name = _STATES.get(act.state, act.state)
         age = None if act.last_output is None else round(now - act.last_output, 3)
         out.append(
             WorkerStatus(rank, w.pid, name, restarts, age, round(act.cpu_percent, 1), act.rss)

@@ -19,7 +19,8 @@ A rank is named when, at ``persist`` consecutive rounds, all of these hold:
 3. it waits at most ``ratio`` (half) as often as its peers;
 4. a one-sided Fisher exact test rejects "it waits as often as its peers" at
    ``alpha`` = 1e-6;
-5. it waited less than its peers in each of the window's four quarters.
+5. it waited less than its peers in each of the window's four quarters in
+   which the peers waited at all (at least three).
 
 Why a balanced run never triggers it: under equal shares (3) alone fails
 most of the time and (4) holds with probability below ``alpha`` per test
@@ -33,7 +34,9 @@ does. The sampler jitters its period (±25 %) so that it cannot lock onto
 the step's rhythm. Once named, a rank stays named (one event) until its share
 is back to ``clear_ratio`` (three quarters) of its peers'.
 
-Detection needs about ``min_samples`` to ``window`` rounds: a rank that never
+The window starts at the first round in which some rank waited (before,
+the job is starting: imports, rendezvous). Detection needs about
+``min_samples`` to ``window`` rounds: a rank that never
 waits among peers waiting half the time is named after ~30 samples, a rank
 waiting 4 % vs its peers' 40 % after ~50.
 
@@ -141,6 +144,8 @@ class StragglerStat:
     def add(self, waits: Mapping[int, bool]) -> list[Straggling]:
         """One round: ``{rank: waiting in a collective}`` for each rank sampled.
         Returns the ranks named at this round (each once per straggling spell)."""
+        if not self._rounds and not any(waits.values()):
+            return []  # no collective yet (the job is starting): nothing to compare
         self._rounds.append(dict(waits))
         for rank, w in waits.items():
             self._k[rank] = self._k.get(rank, 0) + w
@@ -217,12 +222,13 @@ class StragglerStat:
         return all(self._k[r] / self._n[r] > share for r in self._n if r != rank and self._n[r])
 
     def _steady(self, rank: int) -> bool:
-        # Condition 5: less waiting than the peers in each quarter of the window.
+        # Condition 5: less waiting than the peers in each quarter of the
+        # window where the peers waited at all (a quarter in which nobody
+        # waits - the job was starting, say - says nothing); three at least.
         rounds = list(self._rounds)
         size = len(rounds) // 4
-        if size == 0:
-            return False
-        for q in range(4):
+        informative = 0
+        for q in range(4 if size else 0):
             k = n = pk = pn = 0
             for r in rounds[q * size : (q + 1) * size]:
                 for other, w in r.items():
@@ -230,6 +236,9 @@ class StragglerStat:
                         k, n = k + w, n + 1
                     else:
                         pk, pn = pk + w, pn + 1
-            if n == 0 or pn == 0 or k / n >= pk / pn:
+            if pk == 0:
+                continue
+            if n == 0 or k / n >= pk / pn:
                 return False
-        return True
+            informative += 1
+        return informative >= 3

@@ -32,7 +32,7 @@ from ._stacks import StackReport, rank_ranges
 from ._stall import Sample, Stall, StallDetector
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from ._dumper import StackDumper
     from ._events import Event
@@ -96,6 +96,9 @@ class StallWatcher:
         self.verdict: StackReport | None = None
         self.dumps: dict[int, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        #: stalls waiting for their story (see _early), and since when
+        self._pending: dict[int, Stall] = {}
+        self._episode: float | None = None
 
     def start(self) -> None:
         """Start sampling."""
@@ -172,19 +175,28 @@ class StallWatcher:
                 if stall is not None:
                     self._detected[rank] = time.time()
                     newly.append(stall)
-            if newly:
+            if newly or self._pending:
                 try:
                     await self._on_stall(newly)
                 except Exception:  # the watchdog must outlive a failed dump or report
                     logger.exception("aiolaunch: handling a stall of %r failed", self._state.name)
 
     # -- a stall --------------------------------------------------------------
-    async def _on_stall(self, stalls: list[Stall]) -> None:
+    async def _on_stall(self, newly: list[Stall]) -> None:
         wd = self.watchdog
-        for s in stalls:
+        for s in newly:
             self._emit(
                 WorkerStalled(rank=s.rank, time=time.monotonic(), idle_s=s.idle_s, reason=s.reason)
             )
+        # The stalls not acted on yet (an earlier one may wait for its story),
+        # as long as their rank is still stalled.
+        pending = {**self._pending, **{s.rank: s for s in newly}}
+        pending = {r: s for r, s in pending.items() if self.detector.flagged(r)}
+        self._pending = {}
+        if not pending:
+            self._episode = None
+            return
+        self._episode = self._episode or time.monotonic()
         # Every rank's stacks before anything is stopped: the others show what
         # the stalled one is waiting for (or what waits for it).
         dump = await self._dumper.dump(None, _STALL_DUMP_TIMEOUT)
@@ -196,19 +208,25 @@ class StallWatcher:
                 verdict_line=verdict.line_for(s.rank) or "",
                 stacks_file=dump.files.get(s.rank, ""),
             )
-            for s in stalls
+            for s in sorted(pending.values(), key=lambda s: s.rank)
         ]
         self.stalls.update((s.rank, s) for s in stalls)
         paths = self._write_report()
-        logger.warning(
-            "aiolaunch: %s %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
-            "Report: %s",
-            "rank" if len(stalls) == 1 else "ranks", rank_ranges(s.rank for s in stalls),
-            self._state.name, stalls[0].reason, verdict, paths[1] if paths else "(not written)",
-        )  # fmt: skip
+        if newly:
+            logger.warning(
+                "aiolaunch: %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
+                "Report: %s",
+                _ranks(s.rank for s in newly), self._state.name, newly[0].reason, verdict,
+                paths[1] if paths else "(not written)",
+            )  # fmt: skip
         if wd.action == "observe":
+            self._episode = None
             return
-        for s in sorted(self._culprits(stalls, verdict, dump.files), key=lambda s: s.rank):
+        if self._early(stalls, verdict):
+            self._pending = pending  # judged again with the next sample
+            return
+        self._episode = None
+        for s in self._culprits(stalls, verdict, dump.files):
             why = f"stalled: {s.reason}"
             # With "restart", the rank's restart policy takes it from here: a
             # SIGKILLed worker is a failed exit (its stacks are on disk already).
@@ -216,6 +234,24 @@ class StallWatcher:
             if restart and self._state.kill(s.rank, signal.SIGKILL, why):
                 continue
             self._state.fail(s.rank, s.message(), when=self._detected.get(s.rank))
+
+    def _early(self, stalls: list[Stall], verdict: StackReport) -> bool:
+        """Whether the story is not told yet: the verdict names no odd one
+        out while some live rank neither stalled nor spins - it may still be
+        on its way to where the others are (ranks reach a hang at different
+        times). Then the stalls wait, at most ``stall_after``."""
+        if verdict.outliers or self._episode is None:
+            return False
+        if time.monotonic() - self._episode >= self.watchdog.stall_after:
+            return False
+        stalled = {s.rank for s in stalls}
+        return any(
+            w.alive
+            and w.local_rank not in stalled
+            and not self.detector.flagged(w.local_rank)
+            and not self.detector.spinning(w.local_rank)
+            for w in self._state.workers()
+        )
 
     def _culprits(
         self, stalls: list[Stall], verdict: StackReport, files: dict[int, str]
@@ -233,7 +269,7 @@ class StallWatcher:
         if chosen:
             return chosen
         now = time.monotonic()
-        peers = rank_ranges(s.rank for s in stalls)
+        peers = _ranks(s.rank for s in stalls)
         out: list[Stall] = []
         for rank in verdict.outliers:
             w = self._state.worker(rank)
@@ -246,7 +282,7 @@ class StallWatcher:
                 doing = f"no output and no CPU for {idle:.1f}s"
             else:
                 doing = "active, elsewhere"
-            reason = f"the odd one out: {doing} while ranks {peers} stalled"
+            reason = f"the odd one out: {doing} while {peers} stalled"
             s = Stall(rank, w.pid, round(idle, 3), reason, verdict.line_for(rank) or "")
             s = dataclasses.replace(s, stacks_file=files.get(rank, ""))
             self.detector.flag(rank)
@@ -254,3 +290,9 @@ class StallWatcher:
             self.stalls[rank] = s
             out.append(s)
         return out or stalls
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    """``rank 2`` or ``ranks 0-1,3``."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
