@@ -288,9 +288,12 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
     assert report["verdict"]["outliers"] == [2]
     assert "stuck_here" in str(result.failures[2].message)
     assert all((tmp_path / str(r) / "stacks-1.txt").exists() for r in range(4))
-    # Every rank went quiet, but only the odd one out is the failure.
+    # Every rank went quiet, but only the odd one out is the failure. (The
+    # others are stalled too once quiet for stall_after; ranks start at
+    # different times, so some may not be flagged yet when it acts.)
     assert list(result.failures) == [2]
-    assert sorted(s["rank"] for s in report["stalled"]) == [0, 1, 2, 3]
+    assert 2 in {s["rank"] for s in report["stalled"]}
+    assert report["stopped_by_aiolaunch"] == [0, 1, 3]
     assert report["root_cause"]["rank"] == 2
 
 
