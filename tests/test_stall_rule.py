@@ -347,3 +347,20 @@ def test_the_rule_matches_its_definition(ticks: list[Tick], progress: bool) -> N
         t += tick.dt
         got.append(t in stalls)
     assert got == _reference(ticks, progress)
+
+
+def test_only_busy_quiet_ranks_are_worth_a_stack_sample() -> None:
+    det = StallDetector(STALL)
+    det.observe(0, Sample(1, 0.0, main_s=0.0, helpers_s=0.0), 0.0)
+    busy = Sample(1, 1.0, main_s=1.0, helpers_s=0.0, state="R")
+    assert det.wants_stack(0, busy, 1.0)  # CPU without output, running: may spin
+    assert not det.wants_stack(0, Sample(1, 1.0, main_s=1.0, state="S"), 1.0)  # asleep now
+    assert not det.wants_stack(0, Sample(1, 0.0, main_s=0.0, helpers_s=0.0), 1.0)  # idle
+    assert not det.wants_stack(0, Sample(1, 1.0, 0.5, main_s=1.0, helpers_s=0.0), 1.0)  # wrote
+    assert not det.wants_stack(1, busy, 1.0)  # unknown rank
+    assert not det.wants_stack(0, Sample(2, 1.0, main_s=1.0), 1.0)  # a new process
+    # With a regex, plain output does not spare the sample; a progress line does.
+    det = StallDetector(STALL, progress=True)
+    det.observe(0, Sample(1, 0.0, main_s=0.0), 0.0)
+    assert det.wants_stack(0, Sample(1, 1.0, 0.5, main_s=1.0), 1.0)
+    assert not det.wants_stack(0, Sample(1, 1.0, None, 0.5, main_s=1.0), 1.0)

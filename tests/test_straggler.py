@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiolaunch._straggler import StragglerStat, Straggling, fisher_less, waiting_in_collective
+from aiolaunch._straggler import (
+    StragglerStat,
+    Straggling,
+    fisher_less,
+    starting,
+    waiting_in_collective,
+)
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
@@ -130,3 +136,14 @@ def test_forget_drops_a_rank() -> None:
     stat.forget(2)
     assert stat.named == {}
     assert stat.add({0: True, 1: True}) == []
+
+
+def test_starting_frames_are_recognised() -> None:
+    init = [
+        ("_create_c10d_store", "/venv/.../torch/distributed/rendezvous.py", "200"),
+        ("init_process_group", C10D, "1500"),
+        ("main", "/x/train.py", "20"),
+    ]
+    assert starting(init)
+    assert starting([("_find_and_load", "<frozen importlib._bootstrap>", "1176")])
+    assert not starting([("all_reduce", C10D, "2950"), ("main", "/x/train.py", "25")])

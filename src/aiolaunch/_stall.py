@@ -247,6 +247,25 @@ class StallDetector:
             )
         return f"{what} and no CPU for {idle:.1f}s ({limit})"
 
+    def wants_stack(self, rank: int, sample: Sample, now: float) -> bool:
+        """Whether ``rank``'s stack is worth sampling with ``sample`` (before
+        :meth:`observe` takes it): only a main thread that used CPU without
+        output since the previous sample, and runs now (``R``), can be
+        spinning. A sleeping rank (in a collective, a rendezvous: C code that
+        may not like signals - torch's store client logs an interrupted
+        connect) or one that prints is left alone: the CPU rule judges it the
+        same."""
+        m = self._ranks.get(rank)
+        if m is None or m.pid != sample.pid or now <= m.t or sample.state not in ("R", "?"):
+            return False
+        out = sample.last_progress if self.progress else sample.last_output
+        before = m.last.last_progress if self.progress else m.last.last_output
+        if out is not None and (before is None or out > before):
+            return False
+        main = _delta(sample.main_s, m.last.main_s)
+        used = main if main is not None else sample.cpu_s - m.last.cpu_s
+        return used >= CPU_BUSY_FRACTION * (now - m.t)
+
     def idle(self, rank: int, now: float) -> float | None:
         """Seconds ``rank`` has been without activity at ``now``; ``None`` if not tracked."""
         m = self._ranks.get(rank)

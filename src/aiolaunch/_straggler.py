@@ -58,7 +58,14 @@ if TYPE_CHECKING:
 
     from ._dump_text import Frame
 
-__all__ = ["COLLECTIVES", "StragglerStat", "Straggling", "fisher_less", "waiting_in_collective"]
+__all__ = [
+    "COLLECTIVES",
+    "StragglerStat",
+    "Straggling",
+    "fisher_less",
+    "starting",
+    "waiting_in_collective",
+]
 
 #: the autocorrelation is estimated from at most this many ranks' series
 _TAU_RANKS = 16
@@ -74,6 +81,22 @@ COLLECTIVES = frozenset(
         "wait", "wait_tensor", "wait_all", "_wait_for_work",
     }
 )  # fmt: skip
+
+
+#: Functions of a starting rank (importing, ``init_process_group``'s rendezvous).
+_STARTING = frozenset(
+    {
+        "init_process_group", "_new_process_group_helper", "rendezvous", "_create_c10d_store",
+        "_env_rendezvous_handler", "_tcp_rendezvous_handler", "_store_based_barrier",
+        "_find_and_load", "_load_unlocked", "exec_module",
+    }
+)  # fmt: skip
+
+
+def starting(frames: list[Frame]) -> bool:
+    """Whether a main thread's frames are still starting: importing, or in
+    ``torch.distributed``'s rendezvous."""
+    return any(func in _STARTING for func, _, _ in frames)
 
 
 def waiting_in_collective(frames: list[Frame]) -> bool:

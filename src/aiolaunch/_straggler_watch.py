@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from ._dump_text import main_frames
 from ._events import WorkerStraggling
-from ._straggler import StragglerStat, Straggling, waiting_in_collective
+from ._straggler import StragglerStat, Straggling, starting, waiting_in_collective
+from ._workers._proc import read_proc_file
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,6 +61,8 @@ class StragglerWatch:
         self._emit = emit
         self._discount = discount
         self._pids: dict[int, int] = {}
+        self._started: set[int] = set()  # ranks seen past their start
+        self._cpu: dict[int, int | None] = {}  # a starting rank's CPU at the last round
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -100,16 +103,33 @@ class StragglerWatch:
         for rank, pid in list(self._pids.items()):
             if pids.get(rank) != pid:  # exited, or restarted: its samples go
                 self.stat.forget(rank)
+                self._started.discard(rank)
+                self._cpu.pop(rank, None)
                 del self._pids[rank]
         self._pids.update(pids)
-        texts = await self._stacks.sample(pids, min(self.period, 2.0))
+        # A starting rank is signalled only after it used CPU since the
+        # previous round: idle, it may wait in torch's rendezvous, whose store
+        # client logs an interrupted connect as an error. Once seen past its
+        # start, it is sampled whatever it does.
+        wanted = {r: p for r, p in pids.items() if r in self._started or self._worked(r, p)}
+        texts = await self._stacks.sample(wanted, min(self.period, 2.0))
         waits: dict[int, bool] = {}
         for rank, text in texts.items():
             self._discount(pids[rank], rank, self._stacks.wrote.get(rank, 0))
             frames = main_frames(text)
-            if frames:
-                waits[rank] = waiting_in_collective(frames)
+            if not frames:
+                continue
+            if rank not in self._started:
+                if starting(frames):
+                    continue
+                self._started.add(rank)
+            waits[rank] = waiting_in_collective(frames)
         return waits
+
+    def _worked(self, rank: int, pid: int) -> bool:
+        cpu = _cpu_ns(pid)
+        before, self._cpu[rank] = self._cpu.get(rank), cpu
+        return cpu is not None and before is not None and cpu - before > 1_000_000
 
     def _count(self, waits: dict[int, bool]) -> None:
         for s in self.stat.add(waits):
@@ -125,3 +145,12 @@ class StragglerWatch:
                 s.rank, self._state.name, 100 * s.wait_share, s.samples,
                 100 * s.peers_wait_share,
             )  # fmt: skip
+
+
+def _cpu_ns(pid: int) -> int | None:
+    """The main thread's time on a CPU, in ns (``schedstat``)."""
+    raw = read_proc_file(pid, "schedstat", 128)
+    try:
+        return None if not raw else int(raw.split(None, 1)[0])
+    except ValueError:
+        return None

@@ -158,9 +158,11 @@ class StallWatcher:
                 sample = self._sampler.sample(rank, w.pid, now, writes=writes)
                 if sample is not None:
                     samples[rank], pids[rank] = sample, w.pid
-            # Where each rank is: the dump signal, then the texts' signatures
-            # (a rank that cannot be sampled keeps stack=None: the CPU rule).
-            texts = await self._stacks.sample(pids, min(_SAMPLE_TIMEOUT, period))
+            # Where the busy, quiet ranks are (those that may spin): the dump
+            # signal, then the texts' signatures; the others, and ranks that
+            # cannot be sampled, keep stack=None: the CPU rule.
+            busy = {r: p for r, p in pids.items() if self.detector.wants_stack(r, samples[r], now)}
+            texts = await self._stacks.sample(busy, min(_SAMPLE_TIMEOUT, period)) if busy else {}
             newly: list[Stall] = []
             for rank, sample in samples.items():
                 text = texts.get(rank)
