@@ -44,15 +44,36 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 @dataclass(frozen=True)
 class Watchdog:
-    """Detect workers that hang, without changing the worker's code.
+    """Detect workers that hang, and name stragglers, without changing the worker's code.
 
     Pass it as ``start_processes(..., watchdog=Watchdog(...))`` (or
     ``WorkerSpec(watchdog=...)``, CLI ``--stall-timeout``). A worker is
-    *stalled* when for ``stall_after`` seconds it wrote nothing (with
-    ``progress``: no line matching it) **and** its CPU time did not advance
-    by 10 % of a core. A worker in uninterruptible sleep (D state) has
-    neither, and its reason then names the D state and the kernel function
-    it waits in. A worker that keeps writing is never stalled.
+    *stalled* when for ``stall_after`` seconds it shows no activity:
+
+    - no output (with ``progress``: no line matching it - other output,
+      heartbeats included, is not progress; a rank that never prints one, as
+      ranks other than 0 usually don't, goes by the group's progress lines);
+    - and its stack did not move: a Python worker started by aiolaunch (a
+      function worker, or a script run by the CLI) is sampled through the
+      dump signal once a period while its main thread burns CPU without
+      output, and a main thread at the same frames in every sample is
+      *spinning* - a GPU rank in ``.item()`` or an NCCL wait, a Python wait
+      loop - stalled whatever its CPU. A stack that moves is work (a silent
+      compute phase is healthy). Without ``progress``, a main thread that
+      waits while its helpers work (other threads, DataLoader workers, a
+      child it waits on) is active too.
+    - A worker that cannot be sampled (a binary, a program not started
+      through the bootstrap, a Python worker finalizing) keeps the rule from
+      before stacks were sampled: no CPU anywhere in it (every thread, its
+      descendants) for ``stall_after``.
+
+    CPU counts as *wanted* (on a CPU or waiting on the run queue), so a busy
+    worker starved by a loaded host is not idle. A worker in uninterruptible
+    sleep (D state) is caught as idle, and its reason names the D state and
+    the kernel function it waits in. Limits: a Python wait loop that
+    alternates between functions looks like work (its stack moves), and one
+    call into C that computes longer than ``stall_after`` without output
+    looks like a spin.
 
     On a stall the context emits :class:`aiolaunch.WorkerStalled` once per
     stall (again only after the worker was active in between), dumps the
@@ -62,11 +83,31 @@ class Watchdog:
 
     - ``"observe"``: nothing more; the group keeps running.
     - ``"fail"``: the group is stopped and :meth:`PContext.wait` returns a
-      failure for the stalled rank(s), whose ``ProcessFailure.message`` names
-      "stalled", the idle time and the rank's place in the outlier verdict.
+      failure whose ``ProcessFailure.message`` names "stalled", the reason
+      and the rank's place in the outlier verdict. One story: when the
+      stalled ranks wait in one place and another rank is elsewhere (the odd
+      one out of the verdict), that rank is the failure and the root cause,
+      whether idle, spinning or printing; the others are "stopped by
+      aiolaunch".
     - ``"restart"``: a stalled rank with a :class:`RestartPolicy` is killed and
       restarted by it; otherwise as ``"fail"`` (an agent then restarts the
       group within ``max_restarts``).
+
+    With a watchdog, the first failure of a rank also dumps every other live
+    rank's stacks (at most ~2 s) before they are stopped: the report and the
+    ``ChildFailedError`` summary (``others``) show where each rank was.
+
+    ``stragglers`` (a stack-sample period in seconds, off by default): every
+    rank's stack is sampled that often (jittered), each sample classified as
+    waiting inside a ``torch.distributed`` collective or not, and a rank that
+    waits far less than its peers over a window (they wait for it) is named:
+    :class:`aiolaunch.WorkerStraggling`, a warning, ``"straggling"`` in
+    ``status()`` and the report. The statistic (``aiolaunch._straggler``)
+    asks for a large gap, a one-sided Fisher exact test at 1e-6 on effective
+    samples, consistency across the window and persistence, so a balanced
+    run never names anyone; a rank waiting 4 % of the time among peers at
+    40 % is named after ~30-60 samples. DDP's gradient all-reduce runs in C++
+    inside ``backward()``: there only explicit collectives are measured.
 
     Linux: activity is read from ``/proc`` (elsewhere no worker is ever
     flagged). The sampling period is ``stall_after / 10`` within [1, 30] s.
@@ -76,7 +117,10 @@ class Watchdog:
         output (streams the supervisor reads; a non-redirected stream is then
         piped through the supervisor).
     :param action: ``"observe"``, ``"fail"`` or ``"restart"``.
-    :raises ValueError: a bad ``stall_after``, ``progress`` or ``action``.
+    :param stragglers: seconds between two straggler samples (>= 0.1), or
+        ``None`` (off). CLI ``--straggler-sample``.
+    :raises ValueError: a bad ``stall_after``, ``progress``, ``action`` or
+        ``stragglers``.
     """
 
     stall_after: float = 600.0
