@@ -3,6 +3,7 @@
     python benchmarks/bench_writers.py [--rounds 5] [--n 1,4,16] [--modes redirect,tee]
                                        [--redirect-mib 32] [--tee-mib 4]
     python benchmarks/bench_writers.py --cprofile out.prof --modes tee --n 16
+    python benchmarks/bench_writers.py --impls aiolaunch,torch,aiolaunch=/path/to/other/src
 
 Each trial starts a fresh supervisor process (aiolaunch's ``start_processes``
 or torch's ``torch.distributed.elastic.multiprocessing.start_processes``,
@@ -21,6 +22,8 @@ byte and, for tee, the console's line and byte counts. The ratio is the median
 of the per-round ratios (aiolaunch / torch; > 1: aiolaunch's writers faster).
 The 1-minute load average is printed before and after (``uptime``): on a
 loaded host, only the ratio of one interleaved run means anything.
+``aiolaunch=SRC`` runs another aiolaunch (its ``src`` folder first on
+``PYTHONPATH``) in the same interleaved run: a before/after comparison.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ worker = sys.argv[7:]
 n, mib = int(n), int(mib)
 args = {r: tuple(worker[1:]) + (stamp, str(r), str(mib)) for r in range(n)}
 envs = {r: {} for r in range(n)}
-if impl == "aiolaunch":
+if impl.startswith("aiolaunch"):
     import asyncio, aiolaunch
     from aiolaunch import Std
     async def main():
@@ -161,8 +164,11 @@ def trial(impl: str, mode: str, n: int, mib: int, worker: list[str], tmp: str, p
     os.makedirs(log_dir)
     runner = [sys.executable, "-c", RUNNER]
     if prof:
-        code = "import cProfile,sys;sys.argv=['x',*sys.argv[2:]];cProfile.run(sys.argv.pop(1),%r)"
+        code = "import cProfile,sys;sys.argv=['x',*sys.argv[1:]];cProfile.run(sys.argv.pop(1),%r)"
         runner = [sys.executable, "-c", code % prof, RUNNER]
+    env = dict(os.environ)
+    if impl.startswith("aiolaunch="):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [impl[10:], env.get("PYTHONPATH")]))
     counter = subprocess.Popen(["wc", "-lc"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert counter.stdin is not None
     sup = subprocess.run(
@@ -170,6 +176,7 @@ def trial(impl: str, mode: str, n: int, mib: int, worker: list[str], tmp: str, p
         stdout=counter.stdin,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     counter.stdin.close()
     assert counter.stdout is not None
@@ -220,20 +227,27 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--n", default="1,4,16")
     ap.add_argument("--modes", default="redirect,tee")
-    ap.add_argument("--redirect-mib", type=int, default=32)
-    ap.add_argument("--tee-mib", type=int, default=4)
+    ap.add_argument("--redirect-mib", default="32", help="MiB per worker, or one per --n")
+    ap.add_argument("--tee-mib", default="4", help="MiB per worker, or one per --n")
     ap.add_argument("--impls", default="aiolaunch,torch")
     ap.add_argument("--cprofile", default="", help="profile ONE aiolaunch trial into this file")
+    ap.add_argument("--dir", default=None, help="where the logs go (e.g. /dev/shm: no writeback)")
     a = ap.parse_args()
     ns = [int(x) for x in a.n.split(",")]
+
+    def sizes(arg: str) -> dict[int, int]:
+        v = [int(x) for x in arg.split(",")]
+        return dict(zip(ns, v if len(v) == len(ns) else v[:1] * len(ns), strict=True))
+
+    mibs = {"redirect": sizes(a.redirect_mib), "tee": sizes(a.tee_mib)}
     modes = a.modes.split(",")
     impls = a.impls.split(",")
-    tmp = tempfile.mkdtemp(prefix="bench_writers_")
+    tmp = tempfile.mkdtemp(prefix="bench_writers_", dir=a.dir)
     try:
         worker = build_worker(tmp)
         if a.cprofile:
             mode = modes[0]
-            mib = a.tee_mib if mode == "tee" else a.redirect_mib
+            mib = mibs[mode][ns[0]]
             r = trial("aiolaunch", mode, ns[0], mib, worker, tmp, os.path.abspath(a.cprofile))
             print(f"profiled aiolaunch {mode} N={ns[0]}: {r['MiB_s']:.0f} MiB/s -> {a.cprofile}")
             return 0
@@ -242,23 +256,25 @@ def main() -> int:
         res: dict[tuple[str, int, str], list[dict]] = {}
         for k in range(a.rounds):
             for mode in modes:
-                mib = a.tee_mib if mode == "tee" else a.redirect_mib
                 for n in ns:
+                    mib = mibs[mode][n]
                     order = impls if k % 2 == 0 else impls[::-1]
                     for impl in order:
                         r = trial(impl, mode, n, mib, worker, tmp, "")
                         res.setdefault((mode, n, impl), []).append(r)
             print(f"round {k + 1}/{a.rounds} done (load {load()})", flush=True)
         print(f"\nload {load()} at end; {time.monotonic() - t0:.0f} s\n")
-        print("| mode | N | MiB/worker | aiolaunch MiB/s | torch MiB/s | ratio (median of rounds) "
-              "| wait() s aiolaunch / torch |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
+        print("| aiolaunch | mode | N | MiB/worker | aiolaunch MiB/s | torch MiB/s "
+              "| ratio (median of rounds) | wait() s aiolaunch / torch |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
         for mode in modes:
-            mib = a.tee_mib if mode == "tee" else a.redirect_mib
             for n in ns:
-                al = res.get((mode, n, "aiolaunch"), [])
+                mib = mibs[mode][n]
                 to = res.get((mode, n, "torch"), [])
-                print(f"| {mode} | {n} | {mib} | {row(al, to)} |")
+                for impl in impls:
+                    if impl.startswith("aiolaunch"):
+                        al = res.get((mode, n, impl), [])
+                        print(f"| {impl} | {mode} | {n} | {mib} | {row(al, to)} |")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

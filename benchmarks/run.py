@@ -36,6 +36,7 @@ VARIANT_LABEL = {
     "raw": "raw asyncio/mp floor",
     "torchrun": "torchrun",
     "aiolaunch-base": "baseline aiolaunch (--baseline)",
+    "aiolaunch-cold": "aiolaunch --no-preload",
 }
 
 #: Variants that need torch: dropped (with their targets) when it is not installed.
@@ -274,7 +275,45 @@ def plan(quick: bool) -> list[Case]:
             targets=[Target("turnaround_ms", "median", ">=", vs="torchrun", factor=2.0)],
         )
     )
+    cases += warm_cases(q)
     return cases
+
+
+def warm_cases(q: bool) -> list[Case]:
+    """Warm start (#23): first start and restart, side by side with torchrun (bench_warm.py)."""
+    k = 2 if q else 7
+    three = {"aiolaunch": k, "aiolaunch-cold": k, "torchrun": k}
+    return [
+        Case(
+            "warm_start",
+            "first start: 8 torch workers past import torch",
+            "warm",
+            {"mode": "start", "n": 8, "timeout": 300},
+            three,
+            ["all_imported_ms"],
+            warmup=1,
+            # <= 0.3x the time of a plain start (aiolaunch --no-preload, and torchrun)
+            targets=[
+                Target("all_imported_ms", "median", ">=", vs="aiolaunch-cold", factor=1 / 0.3),
+                Target("all_imported_ms", "median", ">=", vs="torchrun", factor=1 / 0.3),
+            ],
+            timeout=400,
+        ),
+        Case(
+            "warm_restart",
+            "restart: gloo DDP, failure -> first all_reduce",
+            "warm",
+            {"mode": "restart", "n": 2, "timeout": 180},
+            {v: (3 if q else 9) for v in three},
+            ["turnaround_ms"],
+            warmup=1,
+            targets=[
+                Target("turnaround_ms", "median", "<=", 150.0),
+                Target("turnaround_ms", "median", ">=", vs="torchrun", factor=1 / 0.15),
+            ],
+            timeout=400,
+        ),
+    ]
 
 
 # --------------------------------------------------------------- drivers
@@ -544,6 +583,7 @@ def main() -> int:
         return 2
     if vers["torch"] is None:
         # The no-torch CI job: aiolaunch against the raw floor only.
+        cases = [c for c in cases if c.bench != "warm"]  # torch workers
         for c in cases:
             c.trials = {v: k for v, k in c.trials.items() if v not in TORCH_VARIANTS}
             c.targets = [t for t in c.targets if t.vs not in TORCH_VARIANTS]
@@ -557,7 +597,7 @@ def main() -> int:
         src = os.path.abspath(a.baseline)
         base_env["PYTHONPATH"] = os.pathsep.join((HERE, src))
         for c in cases:
-            if "aiolaunch" in c.trials and c.bench not in ("e2e", "startup"):
+            if "aiolaunch" in c.trials and c.bench not in ("e2e", "startup", "warm"):
                 c.trials["aiolaunch-base"] = c.trials["aiolaunch"]
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -582,7 +622,7 @@ def main() -> int:
     results = []
     any_fail = False
     cli_ok, cli_why = (True, "")
-    if any(c.bench == "e2e" for c in cases):
+    if any(c.bench in ("e2e", "warm") for c in cases):
         cli_ok, cli_why = cli_available(env)
         if not cli_ok:
             meta["notes"].append(
@@ -594,9 +634,11 @@ def main() -> int:
             tc = mono()
             variants = dict(case.trials)
             skipped = {}
-            if case.bench == "e2e" and not cli_ok:
-                skipped["aiolaunch"] = f"skipped: CLI not available ({cli_why})"
-                variants.pop("aiolaunch")
+            if case.bench in ("e2e", "warm") and not cli_ok:
+                for v in ("aiolaunch", "aiolaunch-cold"):
+                    if v in variants:
+                        skipped[v] = f"skipped: CLI not available ({cli_why})"
+                        variants.pop(v)
 
             def one(variant: str, case: Case = case) -> dict:
                 if case.bench == "startup":
@@ -606,6 +648,10 @@ def main() -> int:
                         return e2e_trial(variant, case.params, env, tmp)
                     except subprocess.TimeoutExpired:
                         return {"ok": False, "error": "timed out"}
+                if case.bench == "warm":
+                    from bench_warm import warm_trial
+
+                    return warm_trial(variant, case.params, env, tmp)
                 impl = variant.split("-")[0]
                 key = variant if variant == "aiolaunch-base" else impl
                 if key not in drivers:
@@ -781,6 +827,8 @@ def caption(meta: dict) -> str:
 def render_md(out: dict) -> str:
     meta = out["meta"]
     variants = ["aiolaunch", "torch", "torch-p0.1", "torchrun", "raw"]
+    if any("aiolaunch-cold" in r["stats"] for r in out["results"]):
+        variants.insert(1, "aiolaunch-cold")
     if any("aiolaunch-base" in r["stats"] for r in out["results"]):
         variants.append("aiolaunch-base")
     load = ""

@@ -154,6 +154,7 @@ def start_processes(
     watchdog: Watchdog | None = None,
     signals_to_handle: str | Iterable[str | int] | None = None,
     forward_signals: str | Iterable[str | int] | None = None,
+    preload: bool | list[str] | tuple[str, ...] | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
 
@@ -217,6 +218,14 @@ def start_processes(
         SIGKILL when ``wait()`` stops the group) and
         ``AIOLAUNCH_STOP_DEADLINE_FILE``: empty while the group runs; once it
         is being stopped, the Unix time at which survivors get SIGKILL.
+    :param preload: warm start (Linux): Python workers - function workers, and
+        binaries that are this interpreter running a script or ``-m`` module -
+        are forked from a *zygote*, a process that imported these modules once
+        (``True``: ``["torch"]``), instead of starting afresh (``start_method``
+        is then moot). One zygote per supervisor process and preload list,
+        kept for later calls. ``None``/``False`` (default): off. A worker the
+        zygote cannot fork faithfully starts the ordinary way, with a one-line
+        warning. See README "Warm start" for what a preloaded module must not do.
     Every argument is checked before anything starts or any folder is made;
     each message names the argument and the fix.
 
@@ -233,6 +242,8 @@ def start_processes(
     :raises PermissionError: a ``log_dir`` that cannot be created or written
         (at the ``await`` where only the attempt can tell, e.g. as root).
     :raises RuntimeError: not running in an asyncio event loop (e.g. trio).
+    :raises ImportError: a ``preload`` module failed to import in the zygote
+        (at the ``await``, before any worker started).
     """
     if isinstance(log_dir, LogsSpecs) or (
         log_dir is not None
@@ -269,6 +280,11 @@ def start_processes(
     only_forwarded = resolve_signals(
         forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default=""
     )
+    warm = None
+    if preload is not None and preload is not False:
+        from ._workers._preload import resolve_preload
+
+        warm = resolve_preload(preload)
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -319,7 +335,13 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
+            "zygote": None,
         }
+        if warm is not None:
+            from ._workers._preload import shared_load_env
+            from ._workers._warm import zygote_for
+
+            common["zygote"] = zygote_for(warm, shared_load_env(envs_))
         try:
             if isinstance(entrypoint, str):
                 return SubprocessContext(**common)

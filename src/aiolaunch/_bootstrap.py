@@ -23,16 +23,21 @@ import sys
 __all__ = ["main"]
 
 
-def main(argv: list[str]) -> None:
-    """Run ``argv`` (``[script, *args]`` or ``["-m", module, *args]``); never returns normally."""
+def main(argv: list[str], dumps: bool = True) -> None:
+    """Run ``argv`` (``[script, *args]`` or ``["-m", module, *args]``); never returns normally.
+
+    ``dumps=False``: no stack-dump handler (a worker forked from the zygote
+    for a plain ``python script.py`` command line, which would have none).
+    """
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
         sys.stderr.write(
             "usage: python -m aiolaunch._bootstrap (script.py | -m module) [args...]\n"
         )
         raise SystemExit(2)
-    from aiolaunch._workers._dump_handler import register
+    if dumps:
+        from aiolaunch._workers._dump_handler import register
 
-    register()
+        register()
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] by the module's path
@@ -70,7 +75,7 @@ def _run_script(path: str) -> None:
 
 def _ours(filename: str) -> bool:
     name = os.path.basename(filename)
-    return name == "_bootstrap.py" or "runpy" in name
+    return name in ("_bootstrap.py", "_forked.py") or "runpy" in name
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ __all__ = [
     "clear_running_loop",
     "dup_fd_for_child",
     "environ_data",
+    "exit_finalizers",
+    "exit_steps",
     "forget_child",
     "is_asyncio_run_sigint_handler",
     "is_default_handler",
@@ -274,3 +276,29 @@ def clear_running_loop() -> None:
     import asyncio.events
 
     asyncio.events._set_running_loop(None)
+
+
+def exit_steps() -> None:
+    """The first steps of the interpreter's exit (``Py_FinalizeEx``), run now.
+
+    Join the non-daemon threads (``threading._shutdown``), then run the
+    ``atexit`` callbacks (``atexit._run_exitfuncs``, which empties the list:
+    the interpreter would not run them twice). For a worker forked from the
+    zygote that ends without tearing the zygote's modules down.
+    """
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    import atexit
+
+    run = getattr(atexit, "_run_exitfuncs", None)
+    if run is not None:
+        run()
+
+
+def exit_finalizers() -> list[Any]:
+    """The live ``weakref.finalize`` objects that would run at exit (``finalize._registry``)."""
+    import weakref
+
+    registry = getattr(weakref.finalize, "_registry", {})
+    return [f for f in registry if f.atexit]

@@ -110,8 +110,8 @@ class PContext:
             token=new_context_token(),
         )
         # The line consumers of the log pipeline: probes, LogLine events, progress.
-        logs.lines.subscribe(self._readiness)
-        logs.lines.subscribe(LogLines(self._bus))
+        self._readiness.lines_wanted = logs.lines.subscribe(self._readiness)
+        self._bus.lines_wanted = logs.lines.subscribe(LogLines(self._bus))
         if self._forensics.progress_lines is not None:
             logs.lines.subscribe(self._forensics.progress_lines)
 

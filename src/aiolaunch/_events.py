@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ._signames import exit_signal_name
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from ._workers._handle import WorkerHandle
 
@@ -180,6 +180,10 @@ class _Subscriber:
         self.wakeup.set()
 
 
+def _nothing() -> None:
+    pass
+
+
 class LogLines:
     """The bus as a line listener of the log pipeline: a :class:`LogLine` per
     line while an ``events(lines=True)`` consumer listens."""
@@ -205,6 +209,8 @@ class EventBus:
         self._subscribers: list[_Subscriber] = []
         self.closed = False
         self.wants_lines = 0
+        #: set by the group to its line tap's notifier: a lines consumer arrived
+        self.lines_wanted: Callable[[], None] = _nothing
 
     def emit(self, event: Event) -> None:
         if not isinstance(event, LogLine):
@@ -240,6 +246,7 @@ class EventBus:
         self._subscribers.append(sub)
         if lines:
             self.wants_lines += 1
+            self.lines_wanted()
         try:
             while True:
                 if not sub.queue:

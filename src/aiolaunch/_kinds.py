@@ -14,6 +14,7 @@ from ._context import PContext
 
 if TYPE_CHECKING:
     from ._workers._handle import WorkerHandle
+    from ._workers._warm import Zygote
 
 __all__ = ["MultiprocessContext", "SubprocessContext"]
 
@@ -28,7 +29,14 @@ class SubprocessContext(PContext):
     guardian's token in its environment (descendants that called
     ``setsid()`` included). No ``PR_SET_PDEATHSIG``: it would reach the
     worker alone, and setting it needs code between fork and exec.
+
+    With a ``zygote`` (``preload``), a Python command line is forked from it
+    instead of exec'd (``_workers/_forks.py``).
     """
+
+    def __init__(self, *, zygote: Zygote | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._zygote = zygote
 
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
         from ._workers._binary import spawn_binary
@@ -36,6 +44,12 @@ class SubprocessContext(PContext):
         assert isinstance(self.entrypoint, str)
         env = {**_environ_snapshot(), **self._env(rank)}
         argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
+        if self._zygote is not None:
+            from ._workers._forks import spawn_script
+
+            forked = await spawn_script(self._zygote, rank, argv, env, stdout, stderr)
+            if forked is not None:
+                return forked
         return await spawn_binary(rank, argv, env, stdout, stderr)
 
 
@@ -72,14 +86,38 @@ class MultiprocessContext(PContext):
     as the function returns and lands in ``result.return_values[rank]``.
     """
 
-    def __init__(self, *, fn_bytes: bytes, args_bytes: dict[int, bytes], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        fn_bytes: bytes,
+        args_bytes: dict[int, bytes],
+        zygote: Zygote | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self._fn_bytes = fn_bytes
         self._args_bytes = args_bytes
+        self._zygote = zygote
 
     async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
         from ._workers._function import spawn_function
 
+        if self._zygote is not None:
+            from ._workers._forks import fork_function
+
+            forked = await fork_function(
+                self._zygote,
+                local_rank=rank,
+                name=self.name,
+                fn=self._fn_bytes,
+                args=self._args_bytes[rank],
+                env=self._env(rank),
+                stdout=stdout,
+                stderr=stderr,
+                error_file=self.error_files.get(rank, ""),
+            )
+            if forked is not None:
+                return forked
         return await spawn_function(
             local_rank=rank,
             name=self.name,

@@ -179,6 +179,10 @@ def _check_interval(cls: str, interval: object) -> None:
         )
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Lines:
     """The lines of one worker incarnation, from the log pipeline to its probe.
 
@@ -230,6 +234,9 @@ class Readiness:
         self._lines: dict[int, _Lines] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._errors: dict[int, BaseException] = {}
+        #: set by the group to its line tap's notifier: a probe starts waiting
+        #: for lines (the log pipeline reads the stream again)
+        self.lines_wanted: Callable[[], None] = _nothing
 
     # -- wiring -------------------------------------------------------------
     def reads(self, rank: int, stream: str) -> bool:
@@ -267,6 +274,7 @@ class Readiness:
         lines = None
         if probe.reads("stdout") or probe.reads("stderr"):
             lines = self._lines[rank] = _Lines()
+            self.lines_wanted()
         self._tasks[rank] = asyncio.ensure_future(self._probe(rank, probe, handle, lines))
 
     def reset(self, rank: int) -> None:

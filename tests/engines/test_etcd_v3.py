@@ -221,6 +221,75 @@ async def test_worker_spec_takes_the_handler(etcd: str) -> None:
     assert result.return_values == {0: (0, 2), 1: (1, 2)}
 
 
+JOINER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch.distributed as dist
+    out, ws = sys.argv[1], int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
+    # a fresh prefix per world: the agent's store outlives a round
+    prefix = f"w{ws}-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{os.environ['GROUP_WORLD_SIZE']}"
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store),
+                            rank=int(os.environ["RANK"]), world_size=ws)
+    rec = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE")}
+    with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
+        json.dump(rec, f)
+    if ws == 1:
+        time.sleep(240)  # alone: until the second node joins and the agent restarts us
+        sys.exit("nobody joined")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_node_joins_a_running_job(etcd: str, tmp_path: Path) -> None:
+    """``--nnodes 1:2``: one node starts alone (world 1); a second joins through
+    etcd; the first one's agent sees it waiting, stops its worker, and both
+    run in a world of 2 (a membership change, torch's c10d behaviour)."""
+    script = tmp_path / "joiner.py"
+    script.write_text(JOINER)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "aiolaunch", "--nnodes", "1:2", "--nproc-per-node", "1"]
+    argv += ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd]
+    argv += ["--rdzv-id", f"join-{uuid.uuid4().hex[:8]}", "--local-addr", "127.0.0.1"]
+    argv += ["--rdzv-conf", "last_call_timeout=1,join_timeout=120", "--monitor-interval", "1"]
+    argv += [str(script), str(out)]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    with open(logs[0], "w") as log:
+        first = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    second = None
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("*.json")):  # alone, running
+            assert first.poll() is None, logs[0].read_text()
+            assert time.monotonic() < deadline, logs[0].read_text()
+            time.sleep(0.1)
+        with open(logs[1], "w") as log:
+            second = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        codes = [first.wait(timeout=240), second.wait(timeout=240)]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    text = "\n----\n".join(p.read_text(errors="replace")[-3000:] for p in logs)
+    assert codes == [0, 0], text
+    records = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    alone = [r for r in records if r["WORLD_SIZE"] == "1"]
+    together = sorted(
+        (r["RANK"], r["WORLD_SIZE"], r["GROUP_WORLD_SIZE"])
+        for r in records
+        if r["WORLD_SIZE"] == "2"
+    )
+    assert len(alone) == 1, records
+    assert together == [("0", "2", "2"), ("1", "2", "2")], text
+
+
 def etcd_flags(etcd_endpoint: str) -> object:
     def flags(h: Hosts, i: int, launcher: str, attempt: int) -> list[str]:
         return [

@@ -7,11 +7,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import aiolaunch
 from aiolaunch import Std
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the direct path needs inotify (Linux)"
@@ -102,26 +106,202 @@ async def test_output_age_per_rank(tmp_path: Path) -> None:
         await ctx.close(timeout=5)
 
 
-def _inotify_fds() -> int:
-    fds = os.listdir("/proc/self/fd")
-    targets = []
-    for fd in fds:
+def _inotify_fds() -> set[str]:
+    """This process's inotify instances (fd numbers). An instance is closed
+    off the loop, in the log thread pool: a group's may outlive it briefly."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
         try:
-            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify":
+                out.add(fd)
         except OSError:  # the listing's own fd, closed by now
             pass
-    return sum(t == "anon_inode:inotify" for t in targets)
+    return out
 
 
-@pytest.mark.parametrize(("redirects", "made"), [(Std.NONE, 0), (Std.ALL, 1)])
-async def test_an_inotify_instance_only_where_a_stream_goes_to_a_file(
-    tmp_path: Path, redirects: Std, made: int
+@pytest.mark.parametrize(
+    ("redirects", "tee", "made"),
+    [(Std.NONE, Std.NONE, 0), (Std.ALL, Std.NONE, 0), (Std.NONE, Std.ALL, 1)],
+)
+async def test_an_inotify_instance_only_where_a_file_is_followed(
+    tmp_path: Path, redirects: Std, tee: Std, made: int
 ) -> None:
-    # Output to the console needs no output-age watch: no fd, no loop reader.
+    # Output to the console, or to files nobody reads (#26: redirect-only),
+    # needs no watch: no fd, no loop reader. A tee follows the files.
     before = _inotify_fds()
     async with aiolaunch.start_processes(
         "i", "/bin/sh", {r: ("-c", "sleep 30") for r in range(2)}, {0: {}, 1: {}},
-        log_dir=tmp_path, redirects=redirects,
+        log_dir=tmp_path, redirects=redirects, tee=tee,
     ):  # fmt: skip
-        assert _inotify_fds() - before == made
-    assert _inotify_fds() == before
+        assert len(_inotify_fds() - before) == made
+    await _until(lambda: not _inotify_fds() - before, "the group's inotify fd to be closed")
+
+
+def _inotify_watches(besides: set[str]) -> int:
+    """Watches of this process's inotify instances (``inotify wd:`` lines of
+    fdinfo), not counting the instances in ``besides``."""
+    count = 0
+    for fd in _inotify_fds() - besides:
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                count += sum(line.startswith("inotify wd:") for line in info)
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
+# Writes 8 MiB in 1 MiB blocks, then "ready" after GO exists, then sleeps.
+STAGED = """
+import os, sys, time
+block = (b"y" * 127 + b"\\n") * 8192
+for _ in range(8):
+    os.write(1, block)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+os.write(1, b"late 1\\nlate 2\\n")
+time.sleep(60)
+"""
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(3000):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+async def test_a_redirect_only_group_watches_nothing_and_knows_its_output_age(
+    tmp_path: Path,
+) -> None:
+    """#26: nothing needs a redirect-only group's bytes, so no file is watched
+    (before: an IN_MODIFY watch per file, a supervisor wakeup per write): no
+    inotify instance at all while the worker writes 8 MiB. The output age is
+    still right: read from the file's mtime on demand."""
+    before = _inotify_fds()
+    async with aiolaunch.start_processes(
+        name="r",
+        entrypoint=sys.executable,
+        args={0: ("-c", STAGED, str(tmp_path / "go"))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
+    ) as ctx:
+        log = Path(ctx.stdouts[0])
+        await _until(lambda: log.stat().st_size >= 8 << 20, "the 8 MiB")
+        assert not _inotify_fds() - before and _inotify_watches(before) == 0
+        age = ctx._logs.last_output(0)
+        assert age is not None and 0 <= age < 30
+        await asyncio.sleep(0.3)
+        later = ctx._logs.last_output(0)
+        assert later is not None and later >= age + 0.2
+        (tmp_path / "go").touch()
+        await _until(lambda: log.stat().st_size > 8 << 20, "the late lines")
+        fresh = ctx._logs.last_output(0)
+        assert fresh is not None and fresh < later
+        assert _inotify_watches(before) == 0
+        await ctx.close(timeout=5)
+
+
+async def test_a_late_lines_consumer_watches_only_while_it_listens(tmp_path: Path) -> None:
+    """An ``events(lines=True)`` consumer that arrives later starts the watch
+    and gets the lines written from then on; once it stops, the next write
+    ends the watch."""
+    before = _inotify_fds()
+    async with aiolaunch.start_processes(
+        name="l",
+        entrypoint=sys.executable,
+        args={0: ("-c", STAGED, str(tmp_path / "go"))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.OUT,
+    ) as ctx:
+        log = Path(ctx.stdouts[0])
+        await _until(lambda: log.stat().st_size >= 8 << 20, "the 8 MiB")
+        assert _inotify_watches(before) == 0
+        events = ctx.events(lines=True)
+        got: list[str] = []
+        async for event in events:
+            if not isinstance(event, aiolaunch.LogLine):
+                if _inotify_watches(before) == 1 and not (tmp_path / "go").exists():
+                    (tmp_path / "go").touch()  # watched now: let the worker go on
+                continue
+            if event.text.startswith("late"):
+                got.append(event.text)
+                if len(got) == 2:
+                    break
+        assert got == ["late 1", "late 2"]
+        await events.aclose()  # type: ignore[attr-defined]
+        assert _inotify_watches(before) == 1  # no write since: the watch ends at the next one
+        await ctx.close(timeout=5)
+
+
+PROBED = """
+import os, sys, time
+def after(name):
+    while not os.path.exists(name):
+        time.sleep(0.01)
+after(sys.argv[1] + "/go")
+print("server listening on 1234", flush=True)
+after(sys.argv[1] + "/more")
+print("more output", flush=True)
+time.sleep(60)
+"""
+
+
+async def test_a_waiting_probe_watches_its_log_file_until_ready(tmp_path: Path) -> None:
+    """A ``ReadyLine`` on a redirected stream: the file is watched while the
+    probe waits (it sees its line), and not once it is ready."""
+    before = _inotify_fds()
+    async with aiolaunch.start_processes(
+        name="p",
+        entrypoint=sys.executable,
+        args={0: ("-c", PROBED, str(tmp_path))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
+        ready=aiolaunch.ReadyLine(r"listening on \d+", stream="stdout"),
+    ) as ctx:
+        assert _inotify_watches(before) == 1  # stdout, for the probe; stderr: nobody
+        (tmp_path / "go").touch()
+        await ctx.wait_ready(timeout=30)
+        (tmp_path / "more").touch()
+        await _until(lambda: _inotify_watches(before) == 0, "the watch to end")
+        await ctx.close(timeout=5)
+    assert Path(ctx.stdouts[0]).read_text() == "server listening on 1234\nmore output\n"
+
+
+@pytest.mark.parametrize(
+    ("redirect", "log"),
+    [
+        # `>` reopens /proc/self/fd/1 - the log file itself - with O_TRUNC, as
+        # under torchrun or `cmd > file` in a shell: a documented limit
+        (">", "second\nthird\n"),
+        # `>>` appends (the README's advice): nothing is lost
+        (">>", "first\nsecond\nthird\n"),
+    ],
+)
+async def test_echo_to_dev_stdout_in_a_redirected_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redirect: str, log: str
+) -> None:
+    """#27.9: ``echo ... > /dev/stdout`` in a worker truncates its log file (a
+    limit of the worker writing its file directly, README *Known limits*);
+    the tee goes on after the truncation instead of falling silent."""
+    script = (
+        f"echo first; while [ ! -e {tmp_path}/go ]; do sleep 0.01; done; "
+        f"echo second {redirect} /dev/stdout; echo third"
+    )
+    async with aiolaunch.start_processes(
+        name="t",
+        entrypoint="/bin/sh",
+        args={0: ("-c", script)},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        tee=Std.OUT,
+    ) as ctx:
+        await _until(lambda: "first" in capsys.readouterr().out, "the first line on the console")
+        (tmp_path / "go").touch()
+        result = await ctx.wait()
+    assert result is not None and not result.is_failed()
+    assert Path(result.stdouts[0]).read_text() == log
+    assert capsys.readouterr().out.splitlines()[-2:] == ["[t0]:second", "[t0]:third"]

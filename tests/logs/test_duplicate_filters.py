@@ -133,3 +133,26 @@ async def test_bad_filters_are_refused_before_start(tmp_path: Path, bad: object)
             duplicate_stdout_filters=bad,  # type: ignore[arg-type]
         )
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_filtered_files_are_named_by_their_path_as_in_torch(tmp_path: Path) -> None:
+    """#27.8: torch's ``pc.filtered_stdout.name`` is the file's path (its tests
+    read the file back through it); ours was the fd number."""
+    async with aiolaunch.start_processes(
+        name="fruit",
+        entrypoint="/bin/sh",
+        args={0: ("-c", SCRIPT)},
+        envs=_envs(1),
+        log_dir=tmp_path,
+        tee=Std.ALL,
+        duplicate_stdout_filters=["apple"],
+        duplicate_stderr_filters=["orange"],
+    ) as ctx:
+        assert ctx.filtered_stdout is not None and ctx.filtered_stderr is not None
+        assert ctx.filtered_stdout.name == str(tmp_path / "filtered_stdout.log")
+        assert ctx.filtered_stderr.name == str(tmp_path / "filtered_stderr.log")
+        await ctx.wait()
+    with open(ctx.filtered_stdout.name) as f:
+        assert f.read().splitlines() == ["[fruit0]:apple from 0", "[fruit0]:apple tail 0"]
+    with open(ctx.filtered_stderr.name) as f:
+        assert f.read() == "[fruit0]:orange err 0\n"

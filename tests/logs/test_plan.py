@@ -18,7 +18,7 @@ import pytest
 
 from aiolaunch._logs import LineTap, Route, Sink, StreamPump
 from aiolaunch._logs._follow import FileFollower
-from aiolaunch._logs._inotify import Inotify
+from aiolaunch._logs._inotify import Watches
 from aiolaunch._logs._plan import StreamPlanner, StreamTarget, plan_route
 
 if TYPE_CHECKING:
@@ -173,12 +173,11 @@ async def test_a_sink_without_room_pauses_the_pipe() -> None:
 
 @linux
 async def test_a_follower_sink_without_room_falls_behind_and_catches_up(tmp_path: Path) -> None:
-    inotify = Inotify.create()
-    assert inotify is not None
+    watches = Watches()
     path = tmp_path / "stdout.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
     slow, fast = _Gated(), _Gated()
-    follower = FileFollower(fd, [slow, fast], 0, inotify)
+    follower = FileFollower(fd, [slow, fast], 0, watches, LineTap())
     try:
         follower.start()
         slow.set_open(False)
@@ -202,4 +201,4 @@ async def test_a_follower_sink_without_room_falls_behind_and_catches_up(tmp_path
     finally:
         os.close(fd)
         await follower.abandon()
-        inotify.close()
+        watches.close()

@@ -44,8 +44,9 @@ def echo1(msg: str, exitcode: int = 0) -> str:
     if exitcode != 0:
         print(f"exit {exitcode} from {rank}", file=sys.stderr)
         sys.exit(exitcode)
-    print(f"{msg} stdout from {rank}")
-    print(f"{msg} stderr from {rank}", file=sys.stderr)
+    for m in msg.split(","):
+        print(f"{m} stdout from {rank}")
+        print(f"{m} stderr from {rank}", file=sys.stderr)
     return f"{msg}_{rank}"
 
 
@@ -78,6 +79,13 @@ def assert_in_file(expected: list[str], filename: str) -> None:
         actual = fp.readlines()
     for line in lines:
         assert line in actual
+
+
+def assert_not_in_file(lines: list[str], filename: str) -> None:
+    with open(filename) as fp:
+        actual = fp.readlines()
+    for line in lines:
+        assert f"{line.rstrip()}\n" not in actual
 
 
 def assert_pids_noexist(pids: dict[int, int]) -> None:
@@ -527,3 +535,44 @@ async def test_function_exit(tmp_path: Path, start_method: str) -> None:
     assert not results.stdouts[0]
     assert not results.stderrs[1]
     assert not results.stdouts[1]
+
+
+def _filters_case(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "args": {0: ("helloA,helloB",), 1: ("worldA,worldB",)},
+        "envs": {0: {"RANK": "0"}, 1: {"RANK": "1"}},
+        "logs_specs": aiolaunch.DefaultLogsSpecs(
+            log_dir=_log_dir(tmp_path),
+            redirects={0: Std.ERR, 1: Std.NONE},
+            tee={0: Std.OUT, 1: Std.ERR},
+        ),
+        "log_line_prefixes": {0: "[rank0]:", 1: "[rank1]:"},
+        "duplicate_stdout_filters": ["helloA"],
+        "duplicate_stderr_filters": ["worldA", "B"],
+    }
+
+
+async def _check_filtered(pc: Any) -> None:
+    # torch's test reads the files back through the attributes (#27 item 8):
+    # their ``name`` must be the path, not an fd number
+    result = await pc.wait()
+    assert result is not None and not result.is_failed()
+    assert_in_file(["[rank0]:helloA stdout from 0"], pc.filtered_stdout.name)
+    assert_not_in_file(["[rank0]:helloB stdout from 0"], pc.filtered_stdout.name)
+    assert_in_file(["[rank1]:worldA stderr from 1"], pc.filtered_stderr.name)
+    assert_in_file(["[rank1]:worldB stderr from 1"], pc.filtered_stderr.name)
+
+
+async def test_binary_duplicate_log_filters(tmp_path: Path) -> None:
+    async with aiolaunch.start_processes(
+        name="trainer", entrypoint=str(BIN / "echo1.py"), **_filters_case(tmp_path)
+    ) as pc:
+        await _check_filtered(pc)
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+async def test_function_duplicate_log_filters(tmp_path: Path, start_method: str) -> None:
+    async with aiolaunch.start_processes(
+        name="trainer", entrypoint=echo1, start_method=start_method, **_filters_case(tmp_path)
+    ) as pc:
+        await _check_filtered(pc)

@@ -12,12 +12,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._workers._runpath import run_script_path
 from ._parser import DEFAULT_MASTER_PORT, DEFAULT_SIGNALS
 
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable
 
+    from .._workers._preload import Preload
     from ..agent import WorkerSpec
 
 __all__ = [
@@ -29,19 +31,6 @@ __all__ = [
     "parse_rdzv_conf",
     "run_script_path",
 ]
-
-
-def run_script_path(training_script: str, *training_script_args: str) -> None:
-    """Run ``training_script`` with :func:`runpy.run_path` as ``__main__`` (``--run-path``)."""
-    import runpy
-
-    sys.argv = [training_script, *training_script_args]
-    try:
-        runpy.run_path(training_script, run_name="__main__")
-    except SystemExit as exc:
-        # a script that ends with sys.exit(0) succeeded (as torch's @record)
-        if exc.code not in (0, None):
-            raise
 
 
 def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
@@ -159,6 +148,8 @@ class LaunchConfig:
     shutdown_timeout: float
     log_line_prefix_template: str | None
     torch_handler: Any = None
+    #: warm start: the zygote's modules (--preload / the default), or None
+    preload: Preload | None = None
     warnings: list[str] = field(default_factory=list)
     #: set in this process's environment before the agent starts
     environ: dict[str, str] = field(default_factory=dict)
@@ -232,6 +223,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             raise ValueError("--no-python and --module cannot be used together; drop one")
         entrypoint = args.training_script
     cmd_args.extend(args.training_script_args)
+    python_workers = bool(args.run_path) or (not args.no_python and entrypoint == sys.executable)
+    preload = _preload(args, python_workers)
 
     # the rendezvous: one machine needs no torch
     torch_handler: Any = None
@@ -344,6 +337,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         shutdown_timeout=timeout,
         log_line_prefix_template=os.getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         torch_handler=torch_handler,
+        preload=preload,
         warnings=warnings,
         environ=environ,
         exit_code=getattr(args, "exit_code", "torchrun"),
@@ -379,6 +373,72 @@ def _numa_options(mode: str | None) -> Any:
 
 
 BOOTSTRAP = "aiolaunch._bootstrap"
+
+
+def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
+    """``--preload``/``--no-preload``; by default torch, for a Python script that imports it."""
+    from .._workers._preload import resolve_preload, supported
+
+    if args.no_preload:
+        if args.preload:
+            raise ValueError("--preload and --no-preload contradict each other; drop one")
+        return None
+    if args.preload:
+        if not python_workers:
+            raise ValueError(
+                "--preload forks Python workers from a zygote; it needs a Python script or "
+                "module (drop --no-python or --preload)"
+            )
+        names = [m.strip() for m in args.preload.split(",") if m.strip()]
+        return resolve_preload(names, "--preload")
+    if not python_workers or not supported():
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or not _imports_torch(args):
+        return None
+    return resolve_preload(True)
+
+
+_IMPORTS_TORCH = re.compile(
+    rb"^[ \t]*(?:import[ \t]+(?:[\w.]+[ \t]*,[ \t]*)*torch\b|from[ \t]+torch\b)", re.M
+)
+
+
+def _imports_torch(args: argparse.Namespace) -> bool:
+    """Whether the worker's script (or ``-m`` module) has an ``import torch``/``from torch`` line.
+
+    The default warm start pays one ``import torch`` up front: worth it for a
+    torch script (its workers skip theirs), a loss for one that never imports
+    torch. A script that imports torch only through its own modules starts
+    the ordinary way, as without a zygote (``--preload torch`` forces it).
+    """
+    path: str | None = args.training_script
+    if args.module:
+        path = _module_file(args.training_script)
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return _IMPORTS_TORCH.search(f.read(1 << 20)) is not None
+    except OSError:
+        return False
+
+
+def _module_file(name: str) -> str | None:
+    """The source file of module ``name``, found without importing its packages."""
+    from importlib.machinery import PathFinder
+
+    search: list[str] | None = [os.getcwd(), *sys.path]
+    spec = None
+    for part in name.split("."):
+        spec = PathFinder.find_spec(part, search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+    if spec is not None and spec.submodule_search_locations:  # a package: its __main__
+        spec = PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
+    return spec.origin if spec is not None else None
 
 
 def _watchdog(args: argparse.Namespace) -> Any:

@@ -397,6 +397,22 @@ def get_args_parser() -> argparse.ArgumentParser:
         "Whatever this says: 2 means bad arguments or nothing to run (do not retry), 128+N "
         "that signal N stopped aiolaunch (143: SIGTERM).",
     )
+    # -- warm start (aiolaunch's own) --
+    add(
+        "--preload",
+        action=_Env,
+        default=None,
+        metavar="MOD[,MOD...]",
+        help="Warm start: fork the Python workers from a zygote process that imported these "
+        "modules once (the first start and every restart skip those imports). Default: torch, "
+        "for a Python script or module that imports torch (when torch is installed).",
+    )
+    add(
+        "--no-preload",
+        "--no_preload",
+        action=_CheckEnv,
+        help="Start every worker afresh, without a zygote (as torchrun does).",
+    )
     add(
         "training_script",
         type=str,

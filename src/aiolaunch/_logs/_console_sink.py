@@ -13,11 +13,14 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ._dedup import ConsoleDedup
+    from ._sink import FileRest
 
 __all__ = ["ConsoleSink"]
 
 # The longest console line; longer ones go out in pieces, each prefixed.
 _MAX_LINE = 64 * 1024
+# A handed-over file is read in pieces of this size by the console thread.
+_CHUNK = 1 << 20
 
 #: CSI (colors, cursor moves), OSC (titles, hyperlinks; BEL or ST ended) and
 #: two-byte escapes (ECMA-48). Used by ConsoleSink(strip_ansi=True).
@@ -68,9 +71,12 @@ class ConsoleSink(Sink):
       tqdm bar in a worker never floods the console with one line per update.
     - A final line without newline is flushed, with a newline, at EOF.
     - With ``strip_ansi`` escape sequences are removed from the console copy.
-    - ``lossless``: the sink has no :meth:`room` while the console is
-      ``MAX_PENDING`` behind, and its feeder (a followed log file) waits, so
-      the console never drops these lines.
+    - Lossless: the sink has no :meth:`room` while the console is
+      ``MAX_PENDING`` behind, and its feeder waits (a pipe: the worker
+      blocks; a followed file: this sink falls behind and catches up from the
+      file). A followed file whose writer is gone while the console is
+      stuck is handed over to the console thread (:meth:`hand_over`), which
+      writes the rest when the console takes it again.
     """
 
     def __init__(
@@ -80,9 +86,7 @@ class ConsoleSink(Sink):
         dedup: ConsoleDedup | None = None,
         rank: int = 0,
         strip_ansi: bool = False,
-        lossless: bool = False,
     ) -> None:
-        self._lossless = lossless
         self._strip = strip_ansi
         self._stream = stream
         self._prefix = prefix
@@ -100,12 +104,49 @@ class ConsoleSink(Sink):
             self._fast = False
         #: the fast path's pending line: undecoded bytes, no "\n" or "\r"
         self._carry = b""
+        #: where framed text goes: the console's queue (None), or, once handed
+        #: over, the list the console thread takes it from
+        self._held: list[str] | None = None
 
     def room(self) -> bool:
-        return not self._lossless or console().room()
+        return console().room()
 
     def when_room(self, callback: Callable[[], None]) -> None:
         console().when_room(callback)
+
+    def hand_over(self, rest: FileRest) -> bool:
+        # Whatever the dedup holds goes out first, then the rest unmerged (the
+        # dedup's timers live on the loop; the rest is framed on the console
+        # thread, which is the only user of this sink from now on).
+        if self._dedup is not None:
+            self._dedup.flush()
+            self._dedup = None
+            self._fast = not self._strip and bool(self._nl_prefix)
+        held: list[str] = []
+        self._held = held
+
+        def produce() -> tuple[str, bool]:
+            try:
+                data = rest.read(_CHUNK)
+            except OSError:  # the file is gone: what was read is shown
+                data = b""
+            if data:
+                self.feed(data)
+            else:
+                self._finish()
+                rest.close()
+            text = "".join(held)
+            held.clear()
+            return text, not data
+
+        console().write_later(self._stream, produce)
+        return True
+
+    def _out(self, parts: tuple[str, ...]) -> None:
+        if self._held is None:
+            console().write_parts(self._stream, parts)
+        else:
+            self._held.extend(parts)
 
     def feed(self, data: bytes) -> None:
         if self._fast and self._framer.idle and self._feed_fast(data):
@@ -164,10 +205,13 @@ class ConsoleSink(Sink):
             with memoryview(framed) as view:
                 body = str(view[first + 1 : end + 1], "utf-8", "replace")
         self._carry = data[cut + 1 :]
-        console().write_parts(self._stream, (head, body), self._lossless)
+        self._out((head, body))
         return True
 
     async def aclose(self) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
         carry, self._carry = self._carry, b""
         block = (self._framer.feed(carry) or "") if carry else ""
         block += self._framer.finish()
@@ -193,4 +237,4 @@ class ConsoleSink(Sink):
         framed = "".join((prefix, block[:-1].replace("\n", "\n" + prefix), "\n"))
         if self._strip:
             framed = _ANSI_RE.sub("", framed)
-        console().write(self._stream, framed, self._lossless)
+        self._out((framed,))

@@ -18,8 +18,7 @@ class ConsoleDedup:
     previous line). Off by default: ``start_processes(console_dedup=0.05)``.
     """
 
-    def __init__(self, name: str, window: float, lossless: bool = False) -> None:
-        self._lossless = lossless
+    def __init__(self, name: str, window: float) -> None:
         self.name = name
         self.window = window
         self._entries: list[tuple[str, str, set[int]]] = []
@@ -78,7 +77,7 @@ class ConsoleDedup:
             else:
                 out.append((stream, [text]))
         for stream, texts in out:
-            console().write(stream, "".join(texts), self._lossless)
+            console().write(stream, "".join(texts))
 
 
 def rank_ranges(ranks: set[int]) -> str:

@@ -43,10 +43,13 @@ class DuplicateFilter:
         self.path = path
         self.needles = tuple(needles)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(path, flags, 0o666)
         # Line-buffered text, like torch's: only matching lines reach it, so
         # the few small writes stay on the loop thread without hurting it.
-        self.file: TextIO = open(fd, "w", errors="replace", buffering=1)  # noqa: SIM115
+        # Opened by path (through our flags: no planted symlink is followed),
+        # so that ``file.name`` is the path, as torch's (#27 item 8).
+        self.file: TextIO = open(  # noqa: SIM115
+            path, "w", errors="replace", buffering=1, opener=lambda p, _: os.open(p, flags, 0o666)
+        )
 
     def matches(self, line: str) -> bool:
         """Whether ``line`` contains any of the filter strings."""

@@ -4,9 +4,11 @@ A redirected stream's fd 1/2 *is* its log file (``O_APPEND``), as in torch:
 the worker's bytes go straight to the page cache, nothing is copied through
 the supervisor, and every byte written before a SIGKILL is in the file.
 :class:`FileFollower` reads what the worker appends only when a sink wants
-it - the tee console, the line tap (a readiness probe, ``LogLine``
-consumers, the progress regex) - woken by inotify (``_inotify``), never by a
-timer.
+it - the tee console, the line tap (a readiness probe that waits,
+``LogLine`` consumers, the progress regex) - woken by inotify (``_inotify``),
+never by a timer. The file is watched only while a sink wants its bytes:
+otherwise the worker's writes wake nothing here, and the output age is the
+file's mtime, read on demand.
 
 Each sink has its own position in the file (a cursor): a sink without room
 (:meth:`Sink.room`: the console, behind) falls behind and catches up from the
@@ -23,15 +25,14 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-import anyio
-
-from ._console import CONSOLE_FLUSH_TIMEOUT, console
+from ._sink import FileRest
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ._inotify import Inotify
+    from ._inotify import Watches
     from ._sink import Sink
+    from ._tap import LineTap
 
 __all__ = ["FileFollower"]
 
@@ -40,12 +41,14 @@ _CHUNK = 1 << 20
 _BUDGET = 8 << 20
 # A listener that starts mid-stream begins at most this far back.
 _RESUME_BACK = 64 * 1024
+# Bytes kept per sink to see that the file was rewritten under us.
+_TAIL = 16
 
 
 class _Cursor:
     """One sink's position in the followed file."""
 
-    __slots__ = ("done", "known", "offset", "sink", "waiting")
+    __slots__ = ("done", "known", "offset", "sink", "tail", "waiting")
 
     def __init__(self, sink: Sink, offset: int) -> None:
         self.sink = sink
@@ -55,8 +58,11 @@ class _Cursor:
         self.known = offset
         #: a when_room callback is pending
         self.waiting = False
-        #: given up on (fed nothing more)
+        #: finished (handed over)
         self.done = False
+        #: the last bytes fed: still there before ``offset`` unless the file
+        #: was truncated and rewritten under us
+        self.tail = b""
 
 
 class FileFollower:
@@ -64,9 +70,13 @@ class FileFollower:
 
     :param fd: our fd of the log file (the worker gets a copy); the follower
         reads through its own read-only fd of the same inode.
+    :param tap: the group's line tap: its demand rising (a probe starts
+        waiting, a ``LogLine`` consumer arrives) restarts the watch.
     """
 
-    def __init__(self, fd: int, sinks: Sequence[Sink], rank: int, inotify: Inotify) -> None:
+    def __init__(
+        self, fd: int, sinks: Sequence[Sink], rank: int, watches: Watches, tap: LineTap
+    ) -> None:
         # Re-open the same inode (not the path: it may have been replaced).
         self._fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -75,18 +85,31 @@ class FileFollower:
             os.close(self._fd)
             raise
         self._cursors = [_Cursor(s, self._start) for s in sinks]
-        self._inotify = inotify
+        self._watches = watches
+        self._tap = tap
         self._wd: int | None = None
         self.rank = rank
         self._scheduled = False
         self._closed = False
 
     def start(self) -> None:
-        """Begin following (the worker runs): watch the file, read what is there."""
-        if self._closed or self._wd is not None:
+        """Begin following (the worker runs): from now on, while a sink wants
+        the bytes, the file is watched and read."""
+        if not self._closed:
+            self._tap.on_demand(self._demand)
+            self._demand()
+
+    def _wanted(self) -> bool:
+        return any(c.sink.wanted() for c in self._cursors)
+
+    def _demand(self) -> None:
+        """A sink may want bytes now: watch the file (if not yet) and read it."""
+        if self._closed or not self._wanted():
             return
-        self._wd = self._inotify.watch(f"/proc/self/fd/{self._fd}", self._modified)
-        self._pump()
+        if self._wd is None:
+            self._wd = self._watches.watch(f"/proc/self/fd/{self._fd}", self._modified)
+        if not self._scheduled:
+            self._pump()
 
     # -- following --------------------------------------------------------
     def _modified(self) -> None:
@@ -97,6 +120,10 @@ class FileFollower:
         self._scheduled = False
         if self._closed:
             return
+        if self._wd is not None and not self._wanted():
+            # Nobody needs the bytes any more: no wakeup per write from now on.
+            self._watches.unwatch(self._wd, self._modified)
+            self._wd = None
         budget = _BUDGET
         while budget > 0:
             n = self._feed_next(None)
@@ -124,11 +151,34 @@ class FileFollower:
         if offset is None:
             return 0
         size = _CHUNK if end is None else min(_CHUNK, end - offset)
+        tail = group[0].tail
+        if tail and os.pread(self._fd, len(tail), offset - len(tail)) != tail:
+            self._truncated()  # rewritten since our last read
+            return self._feed_next(end)
         data = os.pread(self._fd, size, offset) if size > 0 else b""
+        if not data:
+            if os.fstat(self._fd).st_size < offset:
+                self._truncated()
+                return self._feed_next(end)
+            return 0
+        tail = data[-_TAIL:]
         for c in group:
             c.sink.feed(data)
             c.offset = offset + len(data)
+            c.tail = tail
         return len(data)
+
+    def _truncated(self) -> None:
+        """The file was truncated under us: a worker's ``echo x > /dev/stdout``
+        reopens its log file with ``O_TRUNC`` (README, *Known limits*). What it
+        holds now was written since: every sink follows it from its start
+        (``tail -F``'s rule), so the tee does not fall silent."""
+        for c in self._cursors:
+            if c.offset is not None:
+                c.offset = 0
+            c.known = 0
+            c.tail = b""
+        self._start = 0
 
     def _ready(self, c: _Cursor) -> bool:
         """Whether ``c``'s sink takes bytes now (else it is skipped or waits for room)."""
@@ -149,6 +199,7 @@ class FileFollower:
             c.offset = max(c.known, end - _RESUME_BACK)
             if c.offset > c.known:
                 sink.skip()  # bytes went by unread: resume at a line boundary
+                c.tail = b""
         return True
 
     def _room(self, c: _Cursor) -> None:
@@ -169,15 +220,18 @@ class FileFollower:
     # -- finishing --------------------------------------------------------
     def _unwatch(self) -> None:
         self._closed = True
+        self._tap.off_demand(self._demand)
         if self._wd is not None:
-            self._inotify.unwatch(self._wd, self._modified)
+            self._watches.unwatch(self._wd, self._modified)
             self._wd = None
 
-    async def drain(self, stall: float = CONSOLE_FLUSH_TIMEOUT) -> None:
+    async def drain(self) -> None:
         """The writer is gone: feed what it appended, then close the sinks.
 
-        A sink that takes nothing for ``stall`` seconds (a stuck console) is
-        given up on, with a marker; the file keeps every byte. Idempotent.
+        A sink without room (a stuck console) is handed the rest of the file
+        (:meth:`Sink.hand_over`) so that the others - and ``wait()`` - need
+        not wait for it; one that cannot take it is waited for. Nothing is
+        given up on. Idempotent.
         """
         if self._closed:
             return
@@ -193,44 +247,27 @@ class FileFollower:
                         fed = 0
                         await asyncio.sleep(0)  # allowed: a yield between chunks, not a poll
                     continue
-                behind = [
-                    c
-                    for c in self._cursors
-                    if c.waiting and not c.done and c.offset is not None and c.offset < end
-                ]
+                behind = [c for c in self._cursors if self._behind(c, end)]
                 if not behind:
                     break
                 c = behind[0]
-                if await self._wait_room(c.sink, stall):
-                    c.waiting = False
+                assert c.offset is not None
+                rest = FileRest(os.dup(self._fd), c.offset, end)
+                if c.sink.hand_over(rest):
+                    c.done = True  # the sink finishes itself
                 else:
-                    self._give_up(c, end, stall)
+                    rest.close()
+                    await _room(c.sink)
+                    c.waiting = False
             for c in self._cursors:
-                await c.sink.aclose()
+                if not c.done:
+                    await c.sink.aclose()
         finally:
             os.close(self._fd)
 
-    async def _wait_room(self, sink: Sink, stall: float) -> bool:
-        writer = console()
-        while not sink.room():
-            before = writer.written
-            room = asyncio.Event()
-            sink.when_room(room.set)
-            with anyio.move_on_after(stall):
-                await room.wait()
-                continue
-            if writer.written == before:
-                return False
-        return True
-
-    def _give_up(self, c: _Cursor, end: int, stall: float) -> None:
-        console().write(
-            "stderr",
-            f"[aiolaunch]: the console took nothing for {stall:g}s; "
-            f"{end - (c.offset or 0)} bytes of rank {self.rank}'s log "
-            "are not shown (the log file has them)\n",
-        )
-        c.done = True
+    def _behind(self, c: _Cursor, end: int) -> bool:
+        """A sink that wants bytes it has no room for."""
+        return c.waiting and not c.done and c.offset is not None and c.offset < end
 
     async def abandon(self) -> None:
         """Stop without reading (the worker never started); close the sinks. Idempotent."""
@@ -240,3 +277,11 @@ class FileFollower:
         os.close(self._fd)
         for c in self._cursors:
             await c.sink.aclose()
+
+
+async def _room(sink: Sink) -> None:
+    """Wait until ``sink`` has room."""
+    while not sink.room():
+        room = asyncio.Event()
+        sink.when_room(room.set)
+        await room.wait()

@@ -162,16 +162,12 @@ class StreamPlanner:
             add(FileSink(target.path))
         if target.tee:
             rank = target.rank
-            dedup = self._console_dedup(direct) if rank not in self._prefixes else None
-            lossless = route is Route.FILE
-            console = ConsoleSink(
-                target.stream, self.prefix(rank), dedup, rank, self._strip_ansi, lossless
-            )
-            add(console)
+            dedup = self._console_dedup() if rank not in self._prefixes else None
+            add(ConsoleSink(target.stream, self.prefix(rank), dedup, rank, self._strip_ansi))
         add(self._tap.sink(target.rank, target.stream))
         return StreamPlan(route, tuple(sinks))
 
-    def _console_dedup(self, direct: bool) -> ConsoleDedup | None:
+    def _console_dedup(self) -> ConsoleDedup | None:
         if self._dedup_window and self._dedup is None:
-            self._dedup = ConsoleDedup(self._name, self._dedup_window, lossless=direct)
+            self._dedup = ConsoleDedup(self._name, self._dedup_window)
         return self._dedup

@@ -33,7 +33,7 @@ from ._console import CONSOLE_FLUSH_TIMEOUT, console
 from ._file import open_log_file
 from ._filters import DuplicateFilters
 from ._follow import FileFollower
-from ._inotify import Inotify
+from ._inotify import Watches
 from ._plan import Route, StreamPlanner
 from ._pump import StreamPump
 from ._specs import prune_empty_dirs
@@ -106,8 +106,8 @@ class LogWiring:
         self._filters = DuplicateFilters(dest, stdout_filters, stderr_filters, self.prefix)
         self.lines.subscribe(self._filters)
         self._readers: list[_Reader] = []
-        #: None: not decided yet (needs the loop); False: unavailable (pipes)
-        self._inotify: Inotify | bool | None = None
+        #: the group's inotify watches (the instance is made at the first watch)
+        self._watches = Watches()
         self._used = False
         self._closed = False
 
@@ -152,19 +152,15 @@ class LogWiring:
         dest = self._dest
         paths = {"stdout": dest.stdouts[rank], "stderr": dest.stderrs[rank]}
         tees = {"stdout": dest.tee_stdouts, "stderr": dest.tee_stderrs}
-        # The inotify instance (an fd and a loop reader) only where a stream
-        # goes to a file: a group whose output goes to the console pays
-        # nothing for it.
-        files = any(p not in ("", os.devnull) for p in paths.values())
-        inotify = self._inotify_instance() if files else None
         readers: list[_Reader] = []
         async with AsyncExitStack() as always_cleanup, AsyncExitStack() as cleanup_on_fail:
             fds: list[int | None] = []
             for stream, path in paths.items():
                 target = self._planner.target(rank, stream, path, rank in tees[stream])
+                direct = self._direct(target)
                 async with AsyncExitStack() as sinks_owned:
-                    plan = self._planner.plan(target, direct=inotify is not None, stack=sinks_owned)
-                    fd, reader = await self._wire(plan, target, inotify, always_cleanup)
+                    plan = self._planner.plan(target, direct=direct, stack=sinks_owned)
+                    fd, reader = await self._wire(plan, target, always_cleanup)
                     sinks_owned.pop_all()  # the reader owns them now
                 if reader is not None:
                     cleanup_on_fail.push_async_callback(reader.abandon)
@@ -182,7 +178,6 @@ class LogWiring:
         self,
         plan: StreamPlan,
         target: StreamTarget,
-        inotify: Inotify | None,
         always_cleanup: AsyncExitStack,
     ) -> tuple[int | None, _Reader | None]:
         """The child's fd for ``plan``'s route, and the reader that feeds its sinks."""
@@ -194,19 +189,27 @@ class LogWiring:
             always_cleanup.callback(os.close, fd)
             return fd, None
         if route is Route.FILE:
-            assert inotify is not None
             fd = open_log_file(target.path)
             always_cleanup.callback(os.close, fd)
-            return fd, FileFollower(fd, plan.sinks, target.rank, inotify)
+            return fd, FileFollower(fd, plan.sinks, target.rank, self._watches, self.lines)
         r_end, fd = os.pipe()
         always_cleanup.callback(os.close, fd)
         _widen_pipe(fd)
         return fd, await StreamPump.open(r_end, plan.sinks, target.rank)
 
-    def _inotify_instance(self) -> Inotify | None:
-        if self._inotify is None:
-            self._inotify = Inotify.create() or False
-        return self._inotify if isinstance(self._inotify, Inotify) else None
+    def _direct(self, target: StreamTarget) -> bool:
+        """Whether a file of ``target`` may take the FILE route (inotify).
+
+        A stream followed from the start (tee, a line listener that reads
+        it) makes the group's inotify instance now, to know; for the others
+        it is made only when something wants their bytes later (an
+        ``events(lines=True)`` consumer): a redirect-only group has none.
+        """
+        if target.path in ("", os.devnull):
+            return False
+        if target.tee or target.lines:
+            return self._watches.ensure()
+        return self._watches.available()
 
     # -- output age -------------------------------------------------------------
     def last_output(self, rank: int) -> float | None:
@@ -248,8 +251,7 @@ class LogWiring:
         try:
             await asyncio.gather(*(r.drain() for r in readers))
         finally:
-            if isinstance(self._inotify, Inotify):
-                self._inotify.close()
+            self._watches.close()
         self._filters.close()  # every line fed: the drains above closed their sinks
         if not self._used:
             return

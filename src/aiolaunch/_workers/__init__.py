@@ -17,14 +17,16 @@ __all__ = ["long_lived_helpers"]
 
 def long_lived_helpers() -> tuple[set[int], set[int]]:
     """``(pids, fds)`` that this process keeps until it exits, by design: the
-    guardian process and its pipe, the lifeline pipe. Only those already made
-    in this process (a forked child has none of its parent's); makes nothing.
+    guardian process and its pipe, the lifeline pipe, the zygotes (warm
+    start) and their sockets. Only those already made in this process (a
+    forked child has none of its parent's); makes nothing.
     """
     from ._guardian import current_guardian
     from ._lifeline import current_lifeline_fds
+    from ._warm import zygote_helpers
 
-    pids: set[int] = set()
-    fds: set[int] = set(current_lifeline_fds() or ())
+    pids, fds = zygote_helpers()
+    fds |= set(current_lifeline_fds() or ())
     guard = current_guardian()
     if guard is not None:
         pids.add(guard.pid)

@@ -19,6 +19,7 @@ import multiprocessing.process
 import os
 import signal
 import warnings
+from typing import Any
 
 from .._compat import forget_child, process_popen, spawn_without_main
 from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
@@ -27,12 +28,12 @@ from ._handle import WorkerHandle, close_fd
 from ._lifeline import lifeline_fds
 from ._proc import open_exit_fd
 
-__all__ = ["FunctionWorker", "spawn_function"]
+__all__ = ["FunctionWorker", "ResultReader", "settle_result", "spawn_function"]
 
 _READ_SIZE = 1 << 20
 
 
-class _ResultReader(asyncio.Protocol):
+class ResultReader(asyncio.Protocol):
     """Collects the worker's length-prefixed return record from the result pipe.
 
     Fd ownership: from ``connect_read_pipe`` on, the read end belongs to the
@@ -107,6 +108,34 @@ class _ResultReader(asyncio.Protocol):
         self.buf = bytearray()
 
 
+def settle_result(handle: WorkerHandle, reader: ResultReader | None, rc: int) -> None:
+    """At a function worker's exit: its return value, or why a clean exit still failed.
+
+    Reads what the result pipe still buffers, then closes ``reader``.
+    """
+    if reader is None:
+        return
+    reader.read_rest()
+    data = reader.record()
+    if data is not None:
+        import cloudpickle
+
+        try:
+            handle.return_value = cloudpickle.loads(data)
+        except Exception as exc:
+            handle.failure_reason = (
+                f"the return value of local rank {handle.local_rank} could not be "
+                f"unpickled in the supervisor: {type(exc).__name__}: {exc}"
+            )
+    elif rc == 0:
+        handle.failure_reason = (
+            f"local rank {handle.local_rank} (pid {handle.pid}) exited with code 0 "
+            "without returning from its function (os._exit(0) or a killed "
+            "interpreter?)"
+        )
+    reader.close()
+
+
 class FunctionWorker(WorkerHandle):
     records_exceptions = True
 
@@ -119,7 +148,33 @@ class FunctionWorker(WorkerHandle):
         # it. The result pipe's read end is owned by _result's transport.
         self._exit_fd: int | None = None
         self._own_exit_fd = False
-        self._result: _ResultReader | None = None
+        self._result: ResultReader | None = None
+
+    async def follow(
+        self, proc: multiprocessing.process.BaseProcess, pipe: Any, *, forkserver: bool
+    ) -> None:
+        """Watch ``proc`` (just started) for its exit and ``pipe`` for its return value.
+
+        ``pipe`` is the result pipe's read end (a binary file object); its
+        transport owns it from here on (see :class:`ResultReader`).
+        """
+        loop = asyncio.get_running_loop()
+        self.process = proc
+        assert proc.pid is not None
+        self.pid = proc.pid
+        exit_fd = None
+        if not forkserver:
+            with contextlib.suppress(OSError):
+                os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own setpgid
+            exit_fd = open_exit_fd(proc.pid)
+        if exit_fd is None:
+            self._exit_fd = proc.sentinel
+        else:
+            self._exit_fd, self._own_exit_fd = exit_fd, True
+        reader = self._result = ResultReader()
+        await loop.connect_read_pipe(lambda: reader, pipe)
+        # Level-triggered: an exit that happened meanwhile is still reported.
+        loop.add_reader(self._exit_fd, self._on_exit_readable)
 
     def _on_exit_readable(self) -> None:
         loop = asyncio.get_running_loop()
@@ -129,27 +184,8 @@ class FunctionWorker(WorkerHandle):
         if rc is None:  # pragma: no cover - pidfd readable means exited
             loop.add_reader(self._exit_fd, self._on_exit_readable)
             return
-        if self._result is not None:
-            self._result.read_rest()
-            data = self._result.record()
-            if data is not None:
-                import cloudpickle
-
-                try:
-                    self.return_value = cloudpickle.loads(data)
-                except Exception as exc:
-                    self.failure_reason = (
-                        f"the return value of local rank {self.local_rank} could not be "
-                        f"unpickled in the supervisor: {type(exc).__name__}: {exc}"
-                    )
-            elif rc == 0:
-                self.failure_reason = (
-                    f"local rank {self.local_rank} (pid {self.pid}) exited with code 0 "
-                    "without returning from its function (os._exit(0) or a killed "
-                    "interpreter?)"
-                )
-            self._result.close()
-            self._result = None
+        settle_result(self, self._result, rc)
+        self._result = None
         self.set_exited(rc)
         self.release()
 
@@ -172,8 +208,9 @@ class FunctionWorker(WorkerHandle):
 
 def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
     from ._guardian import current_guardian
+    from ._warm import zygote_helpers
 
-    fds = [lifeline_w]
+    fds = [lifeline_w, *zygote_helpers()[1]]
     g = current_guardian()
     if g is not None:
         fds.append(g.fd)
@@ -192,81 +229,64 @@ async def spawn_function(
     stderr: int | None,
     error_file: str,
 ) -> FunctionWorker:
-    """Start one function worker.
+    """Start one function worker with multiprocessing.
 
     ``stdout``/``stderr`` are fds the child's fd 1/2 become (the caller keeps
-    and closes its copies) or ``None`` to inherit the supervisor's.
+    and closes its copies) or ``None`` to inherit the supervisor's. (Forked
+    from a zygote instead: :func:`._forks.fork_function`.)
     """
-    loop = asyncio.get_running_loop()
     handle = FunctionWorker(local_rank)
     g = guardian()
     if g is not None:
         # The lifeline kills the worker's group; the guardian's token also
         # reaches descendants that left it (setsid) if the supervisor dies.
         env = {**env, GUARDIAN_ENV: g.token}
-    result_r, result_w = os.pipe()
     lifeline_r, lifeline_w = lifeline_fds()
-    spec = ChildSpec(
-        local_rank=local_rank,
-        fn=fn,
-        args=args,
-        env=env,
-        stdout=PassFd(stdout) if stdout is not None else None,
-        stderr=PassFd(stderr) if stderr is not None else None,
-        result=PassFd(result_w),
-        lifeline=PassFd(lifeline_r),
-        close_after_fork=_supervisor_only_fds(lifeline_w) if start_method == "fork" else (),
-        error_file=error_file,
-        supervisor_pid=os.getpid(),
-        check_parent=start_method != "forkserver",
-    )
-    mp = multiprocessing.get_context(start_method)
-    proc = mp.Process(  # type: ignore[attr-defined]
-        target=run_worker, args=(spec,), name=f"{name}{local_rank}"
-    )
-    try:
+    # Failure cleanup (trio's _open_process): always_cleanup runs in any case,
+    # cleanup_on_fail only if we never hand the worker over; pop_all() hands it.
+    with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
+        result_r, result_w = os.pipe()
+        always_cleanup.callback(close_fd, result_w)  # the child holds its own copy
+        pipe = os.fdopen(result_r, "rb", buffering=0)
+        cleanup_on_fail.callback(pipe.close)
+        spec = ChildSpec(
+            local_rank=local_rank,
+            fn=fn,
+            args=args,
+            env=env,
+            stdout=PassFd(stdout) if stdout is not None else None,
+            stderr=PassFd(stderr) if stderr is not None else None,
+            result=PassFd(result_w),
+            lifeline=PassFd(lifeline_r),
+            close_after_fork=_supervisor_only_fds(lifeline_w) if start_method == "fork" else (),
+            error_file=error_file,
+            supervisor_pid=os.getpid(),
+            check_parent=start_method != "forkserver",
+        )
+        mp = multiprocessing.get_context(start_method)
+        proc = mp.Process(  # type: ignore[attr-defined]
+            target=run_worker, args=(spec,), name=f"{name}{local_rank}"
+        )
         with spawn_without_main(), warnings.catch_warnings():
             # Python 3.12+ warns about fork() in a process with threads (ours:
             # the log and console writers). The user asked for fork; a warning
             # turned into an error here would orphan the forked child.
             warnings.filterwarnings("ignore", r".*multi-threaded.*fork", DeprecationWarning)
             proc.start()
-    except BaseException:
-        close_fd(result_r)
-        raise
-    finally:
-        close_fd(result_w)
-    # We reap our workers ourselves; multiprocessing must neither reap them in
-    # its _cleanup() nor join them at interpreter exit.
-    forget_child(proc)
-    handle.process = proc
-    assert proc.pid is not None
-    handle.pid = proc.pid
-    if start_method != "forkserver":
-        with contextlib.suppress(OSError):
-            os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own setpgid
-        exit_fd = open_exit_fd(proc.pid)
-    else:
-        exit_fd = None
-    if exit_fd is None:
-        handle._exit_fd = proc.sentinel
-    else:
-        handle._exit_fd = exit_fd
-        handle._own_exit_fd = True
-    reader = _ResultReader()
-    handle._result = reader
-    # From here on the transport owns result_r (see _ResultReader).
-    pipe = os.fdopen(result_r, "rb", buffering=0)
-    try:
-        await loop.connect_read_pipe(lambda: reader, pipe)
-    except BaseException:
-        pipe.close()
+        always_cleanup.close()  # the child has its copy of result_w: ours goes now
         # Not yet handed to the context: nobody else would stop it.
-        with contextlib.suppress(OSError):
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
-        handle.release()
-        raise
-    # Level-triggered: an exit that happened meanwhile is still reported.
-    loop.add_reader(handle._exit_fd, handle._on_exit_readable)
+        cleanup_on_fail.callback(_kill_unhanded, proc, handle)
+        # We reap our workers ourselves; multiprocessing must neither reap them
+        # in its _cleanup() nor join them at interpreter exit.
+        forget_child(proc)
+        await handle.follow(proc, pipe, forkserver=start_method == "forkserver")
+        cleanup_on_fail.pop_all()
     return handle
+
+
+def _kill_unhanded(proc: multiprocessing.process.BaseProcess, handle: FunctionWorker) -> None:
+    assert proc.pid is not None
+    with contextlib.suppress(OSError):
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    handle.release()

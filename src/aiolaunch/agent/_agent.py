@@ -13,11 +13,13 @@ from .._errors import SignalException
 from .._results import root_cause
 from .._signames import describe_signal
 from .._validate import START_METHODS, check_log_dir_not_file
+from .._workers._preload import resolve_preload
 from ._attempt import AttemptLogs, run_attempt
 from ._elastic_events import EventRecorder
 from ._env import omp_notice
 from ._rendezvous import GroupAssignment, Rendezvous, resolve
 from ._spec import RunResult, WorkerSpec, WorkerState
+from ._warm import WarmStart
 
 if TYPE_CHECKING:
     from .._results import ProcessFailure
@@ -65,6 +67,10 @@ class LocalElasticAgent:
         for each further one (capped at ``restart_backoff_max``); ``0``
         (default, like torch): restart at once.
     :param restart_backoff_max: the cap of that delay.
+    :param preload: warm start (``agent/_warm.py``): Python workers forked
+        from a zygote that imported these modules once (``True``: torch),
+        kept across attempts; on one node each attempt also gets a fresh
+        store of the agent's own. ``None``/``False``: off.
 
     *Signals*: while the workers run, SIGTERM, SIGINT, SIGHUP and SIGQUIT to
     this process are forwarded to them and :meth:`run` raises
@@ -86,6 +92,7 @@ class LocalElasticAgent:
         shutdown_timeout: float = 30.0,
         restart_backoff: float = 0.0,
         restart_backoff_max: float = 30.0,
+        preload: bool | list[str] | tuple[str, ...] | None = None,
     ) -> None:
         _check_args(
             spec,
@@ -106,6 +113,11 @@ class LocalElasticAgent:
         self._backoff = float(restart_backoff)
         self._backoff_max = float(restart_backoff_max)
         self._rdzv: Rendezvous = resolve(spec.rdzv_handler, local_addr=spec.local_addr)
+        self._warm = WarmStart(
+            resolve_preload(preload),
+            spec.local_world_size,
+            auto_port=lambda: spec.master_port is None and getattr(self._rdzv, "auto_port", False),
+        )
         self._state = WorkerState.INIT
         self._restart_count = 0
         self._running = False
@@ -175,6 +187,7 @@ class LocalElasticAgent:
             raise
         finally:
             self._running = False
+            await self._warm.aclose()
             self._logs.prune()
 
     async def _invoke_run(self) -> RunResult:
@@ -193,6 +206,7 @@ class LocalElasticAgent:
                 master_addr=spec.master_addr,
                 master_port=spec.master_port,
             )
+            assignment = await self._warm.assignment(assignment)
             self._events.rendezvous_done(
                 assignment, self._restart_count, (time.perf_counter() - rdzv_start) * 1e3
             )
@@ -204,17 +218,23 @@ class LocalElasticAgent:
                 a.base_global_rank + spec.local_world_size - 1, a.global_world_size,
                 a.master_addr, a.master_port, self._restart_count,
             )  # fmt: skip
-            result = await run_attempt(
-                spec,
-                assignment,
-                self._rdzv,
-                restart_count=self._restart_count,
-                logs=self._logs.kwargs(assignment.run_id, self._restart_count, membership_round),
-                start_method=self._start_method,
-                shutdown_timeout=self._shutdown_timeout,
-                prefix_template=self._prefix_template,
-                started=functools.partial(self._started, assignment),
-            )
+            try:
+                result = await run_attempt(
+                    spec,
+                    assignment,
+                    self._rdzv,
+                    restart_count=self._restart_count,
+                    logs=self._logs.kwargs(
+                        assignment.run_id, self._restart_count, membership_round
+                    ),
+                    start_method=self._start_method,
+                    shutdown_timeout=self._shutdown_timeout,
+                    prefix_template=self._prefix_template,
+                    started=functools.partial(self._started, assignment),
+                    preload=self._warm.names,
+                )
+            finally:
+                await self._warm.attempt_ended()
             if result is None:
                 # membership change: a new round, same restart count (torch:
                 # "membership changes do not count as retries")
@@ -266,6 +286,7 @@ class LocalElasticAgent:
         self._state = WorkerState.HEALTHY
         self._last = (assignment, pids)
         self._events.workers_started(assignment, pids)
+        self._warm.started(assignment.master_addr)
 
     def _backoff_delay(self, restart_count: int) -> float:
         if self._backoff <= 0:

@@ -100,6 +100,7 @@ async def run_attempt(
     shutdown_timeout: float,
     prefix_template: str | None,
     started: Callable[[dict[int, int]], None],
+    preload: list[str] | None = None,
 ) -> RunProcsResult | None:
     """Start one attempt and await it; ``None`` means "stopped for new nodes".
 
@@ -143,6 +144,7 @@ async def run_attempt(
         duplicate_stdout_filters=spec.duplicate_stdout_filters,
         duplicate_stderr_filters=spec.duplicate_stderr_filters,
         watchdog=spec.watchdog,
+        preload=preload,
         **logs,
     )
     started(ctx.pids())

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["GroupAssignment", "omp_notice", "substitute_local_rank", "worker_envs"]
+__all__ = ["GroupAssignment", "omp_notice", "shared_env", "substitute_local_rank", "worker_envs"]
 
 LOCAL_RANK_MACRO = "${local_rank}"
 
@@ -88,12 +88,7 @@ def worker_envs(
             f"restart_count={restart_count!r} must be in 0..max_restarts ({max_restarts})"
         )
     a = assignment
-    omp = environ.get("OMP_NUM_THREADS")
-    if omp is None and local_world_size > 1:
-        # torchrun puts OMP_NUM_THREADS=1 in its own os.environ (run.py,
-        # config_from_args) so that every worker inherits it; we set it per
-        # worker instead and leave the agent's environment alone.
-        omp = "1"
+    shared = shared_env(local_world_size, environ)
     envs: dict[int, dict[str, str]] = {}
     for local_rank in range(local_world_size):
         env = {
@@ -113,15 +108,33 @@ def worker_envs(
             "TORCHELASTIC_RUN_ID": a.run_id,
             # str(bool): "True"/"False", the spelling torch's workers parse.
             "TORCHELASTIC_USE_AGENT_STORE": str(a.use_agent_store),
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            **shared,
         }
-        if omp is not None:
-            env["OMP_NUM_THREADS"] = omp
         if virtual_local_rank:
             env["LOCAL_RANK"] = "0"
             env["CUDA_VISIBLE_DEVICES"] = _visible_device(local_rank, environ)
         envs[local_rank] = env
     return envs
+
+
+def shared_env(local_world_size: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of :func:`worker_envs` that is the same for every worker of every attempt.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (``"1"`` unless ``environ`` sets it) and
+    ``OMP_NUM_THREADS`` (passed through; ``"1"`` when unset and
+    ``local_world_size > 1``). Both are read when a library loads, so a warm
+    start's zygote is started with them too.
+    """
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+    omp = environ.get("OMP_NUM_THREADS")
+    if omp is None and local_world_size > 1:
+        # torchrun puts OMP_NUM_THREADS=1 in its own os.environ (run.py,
+        # config_from_args) so that every worker inherits it; we set it per
+        # worker instead and leave the agent's environment alone.
+        omp = "1"
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    return env
 
 
 def _visible_device(local_rank: int, environ: Mapping[str, str]) -> str:

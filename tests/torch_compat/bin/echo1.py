@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Prints ``{msg} stdout|stderr from {RANK}``, or exits with ``--exitcode`` (torch's echo1)."""
+"""Prints ``{m} stdout|stderr from {RANK}`` for each m of the comma-separated msg, or exits
+with ``--exitcode`` (torch's echo1)."""
 
 import argparse
 import os
@@ -14,5 +15,6 @@ if __name__ == "__main__":
     if args.exitcode != 0:
         print(f"exit {args.exitcode} from {rank}", file=sys.stderr)
         sys.exit(args.exitcode)
-    print(f"{args.msg} stdout from {rank}")
-    print(f"{args.msg} stderr from {rank}", file=sys.stderr)
+    for m in args.msg.split(","):
+        print(f"{m} stdout from {rank}")
+        print(f"{m} stderr from {rank}", file=sys.stderr)

@@ -49,6 +49,11 @@ class StaticRendezvous(Rendezvous):
     def run_id(self) -> str:
         return self._run_id
 
+    @property
+    def auto_port(self) -> bool:
+        """Whether ``MASTER_PORT`` is ours to pick (none was given): any free port will do."""
+        return self._master_port is None
+
     async def next_rendezvous(
         self,
         *,

@@ -253,6 +253,8 @@ class TorchRendezvous(Rendezvous):
         group_rank = int(info.rank)
         group_world_size = int(info.world_size)
         bootstrap = info.bootstrap_store_info
+        if bootstrap is not None and bool(getattr(self._handler, "use_agent_store", False)):
+            bootstrap = _share_bootstrap(store, group_rank, bootstrap)
         addr = master_addr or (bootstrap.master_addr if bootstrap is not None else None)
         port = master_port or (bootstrap.master_port if bootstrap is not None else None)
         if addr is None or port is None:
@@ -307,6 +309,28 @@ class TorchRendezvous(Rendezvous):
 
     def __repr__(self) -> str:
         return f"TorchRendezvous({self._handler!r})"
+
+
+def _share_bootstrap(store: Any, group_rank: int, info: Any) -> Any:
+    """The workers' store address of this round, the same on every node.
+
+    torch's dynamic rendezvous (2.13) computes it in a node's first round and
+    caches it: a node that joins a *later* round (``--nnodes MIN:MAX``, a
+    scale-up) waits for it under that round's keys, which the cached rank 0
+    never writes (the join hangs), and a node whose rank moved keeps a stale
+    one. So the node of group rank 0 publishes it in every round, and the
+    others read it from there.
+    """
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    addr_key, port_key = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
+    if group_rank == 0:
+        store.set(addr_key, str(info.master_addr).encode())
+        store.set(port_key, str(info.master_port).encode())
+        return info
+    addr = bytes(store.get(addr_key)).decode()
+    port = int(bytes(store.get(port_key)).decode())
+    return RendezvousStoreInfo(master_addr=addr, master_port=port)
 
 
 def _assign_ranks(

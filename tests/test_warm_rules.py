@@ -1,0 +1,209 @@
+"""Warm start's pure rules, without processes: what is forked, what the zygote gets, the wire."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from argparse import Namespace
+from typing import TYPE_CHECKING
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiolaunch._cli._config import _IMPORTS_TORCH, _imports_torch
+from aiolaunch._workers._forked import _exit_code
+from aiolaunch._workers._forks import script_form
+from aiolaunch._workers._preload import Preload, resolve_preload, shared_load_env
+from aiolaunch._workers._zygote import load_time_items, recv_frame, send_frame
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+PY = sys.executable
+
+
+def test_load_time_items_are_what_libraries_read_as_they_load() -> None:
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+        "LD_PRELOAD": "x.so",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C",
+        "MKL_NUM_THREADS": "2",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHINDUCTOR_CACHE_DIR": "/c",
+        # read when used, per rank and per attempt: never a reason to spawn
+        "RANK": "3",
+        "MASTER_PORT": "1234",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "CUDA_VISIBLE_DEVICES": "3",
+        "NCCL_DEBUG": "INFO",
+        "PATH": "/bin",
+    }
+    names = {k for k, _ in load_time_items(env)}
+    assert names == {
+        "OMP_NUM_THREADS",
+        "PYTHONHASHSEED",
+        "LD_PRELOAD",
+        "LANG",
+        "LC_ALL",
+        "MKL_NUM_THREADS",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCHINDUCTOR_CACHE_DIR",
+    }
+
+
+values = st.sampled_from([None, "1", "2", "4"])
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a loaded host
+@given(st.lists(st.tuples(values, values), min_size=1, max_size=8))
+def test_the_zygote_takes_each_load_time_variable_as_most_ranks_set_it(
+    ranks: list[tuple[str | None, str | None]],
+) -> None:
+    envs = {
+        r: {k: v for k, v in (("OMP_NUM_THREADS", a), ("MKL_NUM_THREADS", b)) if v is not None}
+        | {"RANK": str(r)}
+        for r, (a, b) in enumerate(ranks)
+    }
+    shared = shared_load_env(envs)
+    assert "RANK" not in shared
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        counts: dict[str | None, int] = {}
+        for env in envs.values():
+            counts[env.get(name)] = counts.get(env.get(name), 0) + 1
+        best = max(counts.values())
+        assert counts[shared.get(name)] == best  # a most common value (unset included)
+
+
+def test_shared_load_env_of_identical_ranks_is_theirs() -> None:
+    envs = {r: {"OMP_NUM_THREADS": "1", "RANK": str(r)} for r in range(4)}
+    assert shared_load_env(envs) == {"OMP_NUM_THREADS": "1"}
+
+
+def test_resolve_preload() -> None:
+    assert resolve_preload(None) is None and resolve_preload(False) is None
+    assert resolve_preload(["json", "json", "os.path"]) == Preload(("json", "os.path"))
+    assert resolve_preload([]) is None
+    p = Preload(("json",))
+    assert resolve_preload(p) is p
+    for bad, exc in (("json", TypeError), (3, TypeError), (["1x"], ValueError), ([""], ValueError)):
+        with pytest.raises(exc, match="preload"):
+            resolve_preload(bad)
+    with pytest.raises(ValueError, match=r"--preload: no module named 'nope_xyz'"):
+        resolve_preload(["nope_xyz.sub"], "--preload")
+
+
+def test_resolve_preload_with_torch_imports_dynamo_later() -> None:
+    pytest.importorskip("torch")
+    assert resolve_preload(True) == Preload(("torch",), ("torch._dynamo",))
+    assert resolve_preload(["torch._dynamo", "torch"]) == Preload(("torch._dynamo", "torch"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "form"),
+    [
+        (
+            [PY, "-u", "-m", "aiolaunch._bootstrap", "t.py", "a"],
+            {"argv": ["t.py", "a"], "unbuffered": True, "bootstrap": True},
+        ),
+        (
+            [PY, "-u", "-m", "aiolaunch._bootstrap", "-m", "pkg.m"],
+            {"argv": ["-m", "pkg.m"], "unbuffered": True, "bootstrap": True},
+        ),
+        ([PY, "t.py"], {"argv": ["t.py"], "unbuffered": False, "bootstrap": False}),
+        (
+            [PY, "-m", "pkg", "x"],
+            {"argv": ["-m", "pkg", "x"], "unbuffered": False, "bootstrap": False},
+        ),
+        ([PY, "-c", "pass"], None),  # not a script: spawned
+        ([PY, "-O", "t.py"], None),  # another interpreter option: spawned
+        ([PY, "-u"], None),
+        ([PY, "-m"], None),
+        ([PY, "-u", "-m", "aiolaunch._bootstrap"], None),
+        (["/bin/echo", "t.py"], None),  # another program
+        (["python9.9", "t.py"], None),
+    ],
+)
+def test_script_form(argv: list[str], form: dict[str, object] | None) -> None:
+    got = script_form(argv, {})
+    if form is None:
+        assert got is None
+    else:
+        assert got == {**form, "orig_argv": argv}
+
+
+def test_pythonunbuffered_is_minus_u() -> None:
+    form = script_form([PY, "t.py"], {"PYTHONUNBUFFERED": "1"})
+    assert form is not None and form["unbuffered"]
+
+
+@pytest.mark.parametrize(
+    ("source", "imports"),
+    [
+        (b"import torch\n", True),
+        (b"import os, torch.distributed as dist\n", True),
+        (b"    from torch import nn\n", True),
+        (b"import os\nimport torch.nn\n", True),
+        (b"import torchvision\n", False),
+        (b"from torchvision import models\n", False),
+        (b"# import torch\n", False),
+        (b"x = 'import torch'\n", False),
+    ],
+)
+def test_the_cli_default_looks_for_an_import_of_torch(source: bytes, imports: bool) -> None:
+    assert (_IMPORTS_TORCH.search(source) is not None) == imports
+
+
+def test_imports_torch_of_a_script_and_a_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "t.py").write_text("import torch\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/__init__.py").write_text("raise RuntimeError('never imported')\n")
+    (tmp_path / "pkg/train.py").write_text("from torch import nn\n")
+    (tmp_path / "pkg/__main__.py").write_text("print(1)\n")
+    monkeypatch.chdir(tmp_path)
+    assert _imports_torch(Namespace(training_script="t.py", module=False))
+    assert _imports_torch(Namespace(training_script="pkg.train", module=True))
+    assert not _imports_torch(Namespace(training_script="pkg", module=True))  # its __main__
+    assert not _imports_torch(Namespace(training_script="nope.py", module=False))
+    assert not _imports_torch(Namespace(training_script="nope_mod", module=True))
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [(None, 0), (0, 0), (3, 3), (256, 0), (-1, 255), ("bye", 1), (True, 1)]
+)
+def test_exit_code_is_the_interpreters(
+    code: object, status: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _exit_code(SystemExit(code)) == status
+    if isinstance(code, str):
+        assert capsys.readouterr().err == "bye\n"
+
+
+def test_frames_carry_objects_and_fds() -> None:
+    a, b = socket.socketpair()
+    r, w = os.pipe()
+    try:
+        big = {"op": "fork", "blob": b"x" * (1 << 20)}  # larger than the socket buffer
+        import threading
+
+        sender = threading.Thread(target=send_frame, args=(a, big, [w]))
+        sender.start()
+        got = recv_frame(b)
+        sender.join()
+        assert got is not None
+        obj, fds = got
+        assert obj == big and len(fds) == 1
+        os.write(fds[0], b"!")
+        assert os.read(r, 1) == b"!"
+        os.close(fds[0])
+        a.close()
+        assert recv_frame(b) is None  # EOF
+    finally:
+        b.close()
+        os.close(r)
+        os.close(w)
