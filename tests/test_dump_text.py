@@ -62,12 +62,28 @@ def test_asyncio_ranks_are_grouped_by_their_tasks() -> None:
     odd = _LOOP + _tasks("load_batch", 12)
     report = StackReport.from_dumps({0: majority, 1: majority, 2: odd, 3: majority})
     assert report.outliers == [2]
-    assert rank_where(odd) == (
+    assert rank_where(odd)[1] == (
         "task: sleep (tasks.py:649) <- load_batch (serve.py:12) <- step (serve.py:20)"
         " (+1 more tasks)"
     )
     # Without its task section an asyncio rank is where its main thread is.
-    assert rank_where(_LOOP).startswith("select (selectors.py:468) <- _run_once")
+    assert rank_where(_LOOP)[1].startswith("select (selectors.py:468) <- _run_once")
+
+
+def test_ranks_in_one_loop_at_different_lines_are_one_place() -> None:
+    def dump(line: int, func: str = "spin") -> str:
+        return (
+            "Current thread 0x00007f0000000001 (most recent call first):\n"
+            f'  File "/x/t.py", line {line} in {func}\n'
+            '  File "/x/t.py", line 54 in main\n'
+        )
+
+    report = StackReport.from_dumps({0: dump(41), 1: dump(42), 2: dump(47, "other")})
+    assert report.outliers == [2]
+    assert report.groups[0] == ([0, 1], "spin (t.py:41) <- main (t.py:54)")
+    # A different call site above is a different place.
+    other_caller = dump(41).replace("line 54 in main", "line 60 in main")
+    assert StackReport.from_dumps({0: dump(41), 1: other_caller}).outliers == []
 
 
 def test_the_signature_ignores_which_thread_took_the_signal() -> None:

@@ -119,14 +119,17 @@ def where(frames: list[Frame], depth: int = DEPTH) -> str:
     )
 
 
-def rank_where(text: str) -> str:
-    """Where a rank is, as :class:`StackReport` groups ranks.
+def rank_where(text: str) -> tuple[str, str]:
+    """Where a rank is, as :class:`StackReport` groups ranks: ``(key, where)``.
 
-    The main thread's innermost frames; when it is idle in an asyncio event
-    loop and the dump has the loop's tasks, the deepest task's await chain
-    instead (``task: load_batch (data.py:41) <- step (train.py:9)``), since
-    every asyncio rank's main thread waits in the same ``select()``. A dump
-    without frames gives its first line (``<pid ... not registered ...>``).
+    ``where`` names the main thread's innermost frames; when it is idle in an
+    asyncio event loop and the dump has the loop's tasks, the deepest task's
+    await chain instead (``task: load_batch (data.py:41) <- step
+    (train.py:9)``), since every asyncio rank's main thread waits in the same
+    ``select()``. A dump without frames gives its first line (``<pid ...
+    not registered ...>``). ``key`` is ``where`` without the innermost
+    frame's line: ranks spinning in one loop, each at another of its lines,
+    are in one place (the call sites above it keep their lines).
     """
     threads, tasks = split_tasks(text)
     blocks, main = _blocks(threads)
@@ -136,11 +139,17 @@ def rank_where(text: str) -> str:
         if stacks:
             deepest = max(stacks, key=lambda s: len(s[1]))  # the first of the deepest
             more = f" (+{len(stacks) - 1} more tasks)" if len(stacks) > 1 else ""
-            return f"task: {where(deepest[1])}{more}"
+            return f"task: {_key(deepest[1])}{more}", f"task: {where(deepest[1])}{more}"
     if frames:
-        return where(frames)
+        return _key(frames), where(frames)
     first = text.strip().splitlines()[0] if text.strip() else "<empty dump>"
-    return first if first.startswith("<") else "<no Python frames>"
+    line = first if first.startswith("<") else "<no Python frames>"
+    return line, line
+
+
+def _key(frames: list[Frame]) -> str:
+    func, file, _ = frames[0]
+    return where([(func, file, "*"), *frames[1:]])
 
 
 def main_block(threads: str) -> str:

@@ -262,7 +262,9 @@ class StackReport:
 
     ``groups``: ``[(ranks, summary), ...]``, the largest group first, where
     ``summary`` names the innermost frames of the main thread (``func
-    (file:line) <- caller (file:line)``), or the reason a rank has no dump.
+    (file:line) <- caller (file:line)``), or the reason a rank has no dump;
+    ranks at different lines of one innermost function (one spin loop) are
+    one group, shown with its first rank's line.
     An asyncio rank whose main thread waits in its idle event loop is placed
     by its deepest task's await chain instead (``task: load_batch (data.py:41)
     <- step (train.py:9)``): every asyncio rank waits in that same loop.
@@ -281,10 +283,14 @@ class StackReport:
     def from_dumps(cls, dumps: Mapping[int, str]) -> StackReport:
         """Build the report from :meth:`PContext.dump_stacks`'s ``{rank: text}``."""
         by_where: dict[str, list[int]] = {}
+        shown: dict[str, str] = {}  # key -> where, with the first rank's innermost line
         for rank in sorted(dumps):
-            by_where.setdefault(rank_where(dumps[rank]), []).append(rank)
+            key, where = rank_where(dumps[rank])
+            by_where.setdefault(key, []).append(rank)
+            shown.setdefault(key, where)
         groups = sorted(
-            ((ranks, where) for where, ranks in by_where.items()), key=lambda g: (-len(g[0]), g[0])
+            ((ranks, shown[key]) for key, ranks in by_where.items()),
+            key=lambda g: (-len(g[0]), g[0]),
         )
         outliers: list[int] = []
         if len(groups) > 1 and len(groups[0][0]) > len(groups[1][0]):
