@@ -176,9 +176,9 @@ async def sampling(tmp: str, seconds: float) -> dict[str, Any]:
     return out
 
 
-async def _gloo(tmp: str, mode: str, seconds: float | None) -> dict[str, Any]:
+async def _gloo(tmp: str, mode: str, seconds: float | None, trial: int = 0) -> dict[str, Any]:
     train = _script(tmp, "train.py", TRAIN)
-    log_dir = os.path.join(tmp, mode)
+    log_dir = os.path.join(tmp, f"{mode}{trial}")
     port = aiolaunch.free_port()
     envs = {
         r: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
@@ -238,11 +238,13 @@ async def main() -> None:
         except ImportError:
             torch_ok = False
         if "straggler" in only and torch_ok:
-            trials = [await _gloo(tmp, "straggler", None) for _ in range(1 if args.quick else 3)]
-            res["straggler"] = trials
-            for t in trials:
+            trials = []
+            for i in range(1 if args.quick else 3):
+                t = await _gloo(tmp, "straggler", None, i)
+                trials.append(t)
                 print(f"straggler: named {t['named']} {t['first_s']} s after the first "
                       "collective", flush=True)  # fmt: skip
+            res["straggler"] = trials
         if "balanced" in only and torch_ok:
             b = await _gloo(tmp, "balanced", 60 * args.balanced_minutes)
             res["balanced"] = b

@@ -126,3 +126,19 @@ async def test_the_worker_task_dump_shows_where_each_task_awaits() -> None:
 
 def test_the_task_dump_without_a_loop() -> None:
     assert "<no running event loop in the main thread>" in tasks_text()
+
+
+def test_a_thread_dump_is_complete_at_its_outermost_frame() -> None:
+    from aiolaunch._stacks import thread_dump_done
+
+    boot = '  File "<frozen runpy>", line 198 in _run_module_as_main\n'
+    script = '  File "/x/train.py", line 30 in <module>\n'
+    spawned = '  File "<string>", line 1 in <module>\n'
+    assert thread_dump_done(_LOOP + boot, stable=False)  # python -m: runpy is outermost
+    assert thread_dump_done(_LOOP + spawned, stable=False)  # a spawned child
+    # A script's <module> under the bootstrap is an inner frame: only once stable.
+    assert not thread_dump_done(_LOOP + script, stable=False)
+    assert thread_dump_done(_LOOP + script, stable=True)
+    assert not thread_dump_done(_LOOP + '  File "/x/t.py", line 3 in f\n', stable=True)
+    assert not thread_dump_done(_LOOP + boot[:20], stable=True)  # cut mid-line
+    assert thread_dump_done("Current thread 0x1 (most recent call first):\n  ...\n", stable=False)

@@ -5,9 +5,15 @@ behind a narrow interface (see docs/ARCHITECTURE.md, "Hangs"):
 
 - :class:`~aiolaunch._watchdog.Sampler`: ``/proc`` readings of live ranks;
 - :class:`~aiolaunch._dumper.StackDumper`: numbered, bounded stack dumps;
+- :class:`~aiolaunch._sampler.StackSampler`: periodic stack samples (no
+  files), sharing the dumper's lock;
 - :func:`~aiolaunch._status.worker_statuses`: what ``status()`` shows;
 - :class:`~aiolaunch._watcher.StallWatcher` (with a watchdog): the sampling
   loop, the pure stall rule, and actions through the group's commands;
+- :class:`~aiolaunch._straggler_watch.StragglerWatch` (``stragglers=``):
+  its own sampling loop and the pure straggler statistic;
+- the stacks of every live rank at the group's first failure
+  (:meth:`Forensics.before_stop`, with a watchdog);
 - the control socket (:class:`~aiolaunch._control.ControlServer`) serving the
   command table of ``_commands.py`` with this object as its target;
 - the report (:class:`~aiolaunch._report.RunReport`).

@@ -145,7 +145,7 @@ class StackSampler:
 
     async def _collect(
         self, targets: Mapping[int, _Target], sig: int, deadline: float,
-        done: Callable[[str], bool],
+        done: Callable[[str, bool], bool],
     ) -> dict[int, str]:  # fmt: skip
         offsets: dict[int, int] = {}
         for rank, t in targets.items():
@@ -171,7 +171,7 @@ class StackSampler:
                 if size <= offsets[rank] and not last:
                     continue
                 text = t.read(offsets[rank], size) if size > offsets[rank] else ""
-                if last or done(text) or (size == prev and now - since >= QUIET_S):
+                if last or done(text, size == prev) or (size == prev and now - since >= QUIET_S):
                     out[rank] = text
                     self.wrote[rank] = self.wrote.get(rank, 0) + max(0, size - offsets[rank])
                     del offsets[rank]

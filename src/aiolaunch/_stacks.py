@@ -159,23 +159,32 @@ async def dump_stacks(
     return {rank: out[rank] for rank in sorted(out)}
 
 
-def thread_dump_done(text: str) -> bool:
-    # faulthandler writes a dump line by line from its signal handler and has
-    # no end marker; a worker preempted mid-dump stops growing for a while,
-    # so "stopped growing" alone would cut a dump under load. The main
-    # thread comes last, and its outermost frame is the program's: <module>
-    # (a script, -c, a spawned child) or runpy's _run_module_as_main (-m);
-    # "..." ends a dump cut at faulthandler's depth or thread limits.
+def thread_dump_done(text: str, stable: bool) -> bool:
+    """Whether a thread dump is complete (``stable``: it did not grow since
+    the previous look).
+
+    faulthandler writes a dump line by line from its signal handler and has
+    no end marker; a worker preempted mid-dump stops growing for a while, so
+    "stopped growing" alone would cut a dump under load. The main thread
+    comes last, and its outermost frame ends the dump: runpy's
+    ``_run_module_as_main`` (``python -m``: the bootstrap), a spawned
+    child's ``<string>`` ``<module>``, or ``...`` (faulthandler's depth or
+    thread limits). A ``<module>`` frame of a file can be an inner one too (a
+    script run by the bootstrap, a module being imported): that one counts
+    once the dump stopped growing.
+    """
     if not text.endswith("\n"):
         return False
     last = text[text.rstrip("\n").rfind("\n") + 1 :].strip()
-    return last.endswith((" in <module>", " in _run_module_as_main")) or last in (
-        "...",
-        "<no Python frame>",
-    )
+    if last.endswith(" in _run_module_as_main") or last in ("...", "<no Python frame>"):
+        return True
+    if last.endswith(" in <module>"):
+        return stable or last.startswith('File "<string>"')
+    return False
 
 
-def tasks_done(text: str) -> bool:
+def tasks_done(text: str, stable: bool = True) -> bool:
+    """Whether an asyncio task dump is complete (it ends with its marker)."""
     return text.rstrip().endswith(TASKS_END)
 
 
@@ -186,7 +195,7 @@ QUIET_S = 0.2
 
 async def _collect(
     directory: str, pids: Mapping[int, int], sig: int, deadline: float,
-    done: Callable[[str], bool],
+    done: Callable[[str, bool], bool],
 ) -> dict[int, str]:  # fmt: skip
     """Send ``sig`` to every pid; ``{rank: what its file grew by}``: once it
     is ``done``, or has not grown for :data:`QUIET_S`, or whatever came by
@@ -215,7 +224,7 @@ async def _collect(
             if size <= offsets[rank] and not last:
                 continue  # nothing yet
             text = _read_from(path, offsets[rank]) if size > offsets[rank] else ""
-            if last or done(text) or (size == prev and now - since >= QUIET_S):
+            if last or done(text, size == prev) or (size == prev and now - since >= QUIET_S):
                 out[rank] = text
                 del offsets[rank]
     return out

@@ -45,6 +45,7 @@ class WorkerStatus:
     :param cpu_percent: CPU use since the previous sample, % of one core.
     :param rss: resident memory in bytes.
     :param exitcode: the exit status once ``"exited"``, else ``None``.
+    :param straggling: named a straggler by the watchdog now.
     """
 
     rank: int
@@ -55,6 +56,7 @@ class WorkerStatus:
     cpu_percent: float
     rss: int
     exitcode: int | None = None
+    straggling: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields."""
@@ -85,14 +87,14 @@ def worker_statuses(
         if act is None:
             out.append(WorkerStatus(rank, w.pid, "exited", restarts, None, 0.0, 0, w.returncode))
             continue
+        slow = straggling(rank)
         if stalled(rank):
             name = "stalled"
-        elif straggling(rank):
+        elif slow:
             name = "straggling"
         else:
             name = _STATES.get(act.state, act.state)
         age = None if act.last_output is None else round(now - act.last_output, 3)
-        out.append(
-            WorkerStatus(rank, w.pid, name, restarts, age, round(act.cpu_percent, 1), act.rss)
-        )
+        cpu = round(act.cpu_percent, 1)
+        out.append(WorkerStatus(rank, w.pid, name, restarts, age, cpu, act.rss, straggling=slow))
     return out

@@ -2,8 +2,11 @@
 
 The one place that samples on a period: hangs have no event. Once per
 :attr:`Watchdog.period` the :class:`StallWatcher` reads each live rank's
-``/proc`` (:class:`~aiolaunch._watchdog.Sampler`) and hands the sample to the
-pure rule (:class:`~aiolaunch._stall.StallDetector`). A stall is handled in
+``/proc`` (:class:`~aiolaunch._watchdog.Sampler`), samples the stacks of the
+ranks whose main thread burns CPU without output and runs now
+(:class:`~aiolaunch._sampler.StackSampler`: the ones that may spin), and
+hands each sample to the pure rule (:class:`~aiolaunch._stall.StallDetector`).
+A stall is handled in
 this order: a :class:`WorkerStalled` event, the stacks of every rank (the
 others show what the stalled one waits for), the report, *then* the action,
 taken only through the group's own commands (circus's watchdog casts
@@ -14,6 +17,11 @@ taken only through the group's own commands (circus's watchdog casts
   restart policy (its policy restarts it);
 - ``fail``: ``GroupState.fail(rank, message)``: the group is decided, and
   ``wait()`` stops it through the usual path.
+
+Who fails is one story (:meth:`StallWatcher._culprits`): the odd ones out of
+the verdict, whatever they do, when the stalled ranks wait in one place; a
+verdict with no odd one out while a live rank is still on its way waits for
+the next sample (at most ``stall_after``).
 """
 
 from __future__ import annotations
