@@ -13,13 +13,15 @@ pipe read by ``wc -lc``, as a terminal or ``| tee`` would read it. Each worker
 writes MIB blocks of 128-byte lines to its stdout and stamps, *inside the
 worker*, the monotonic time just before its first write and just after its
 last. Throughput is the writers' own rate: all bytes / (latest last write -
-earliest first write). The time until ``wait()`` returns is printed beside it
-(it includes torch's poll period and aiolaunch's drain, not the writers').
+earliest first write). Beside it: the rate until ``wait()`` returns (all
+bytes / the time ``wait()`` took: the console got every line by then; it
+includes torch's poll period), and the supervisor's CPU per MiB (all its
+threads, from the call to ``start_processes`` to the end).
 
 Trials are interleaved: each round runs every (mode, N) for both launchers, the
 launcher that goes first alternating. Every trial checks the log files byte for
-byte and, for tee, the console's line and byte counts. The ratio is the median
-of the per-round ratios (aiolaunch / torch; > 1: aiolaunch's writers faster).
+byte and, for tee, the console's line and byte counts. Each ratio is the median
+[min-max] of the per-round ratios (> 1: aiolaunch better).
 The 1-minute load average is printed before and after (``uptime``): on a
 loaded host, only the ratio of one interleaved run means anything.
 ``aiolaunch=SRC`` runs another aiolaunch (its ``src`` folder first on
@@ -89,7 +91,10 @@ with open(stamp, "a") as f:
 
 # The supervisor of one trial: argv = IMPL MODE N MIB LOG_DIR STAMP WORKER...
 RUNNER = r"""
-import sys, time
+import resource, sys, time
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 impl, mode, n, mib, log_dir, stamp = sys.argv[1:7]
 worker = sys.argv[7:]
 n, mib = int(n), int(mib)
@@ -100,6 +105,8 @@ if impl.startswith("aiolaunch"):
     from aiolaunch import Std
     async def main():
         kw = {"tee": Std.OUT} if mode == "tee" else {"redirects": Std.OUT}
+        global c0
+        c0 = cpu()
         async with aiolaunch.start_processes(name="b", entrypoint=worker[0], args=args,
                                              envs=envs, log_dir=log_dir, **kw) as ctx:
             t0 = time.monotonic()
@@ -112,6 +119,7 @@ else:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
     specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.OUT if mode != "tee" else Std.NONE,
                              tee=Std.OUT if mode == "tee" else Std.NONE)
+    c0 = cpu()
     pc = start_processes(name="b", entrypoint=worker[0], args=args, envs=envs, logs_specs=specs)
     t0 = time.monotonic()
     res = pc.wait(period=0.1)
@@ -120,7 +128,8 @@ else:
     paths = dict(pc.stdouts)
 assert res is not None and not res.is_failed(), res
 sys.stdout.flush()
-print(repr({"waited": waited, "paths": paths}), file=sys.stderr)
+spent = cpu() - c0
+print(repr({"waited": waited, "paths": paths, "cpu": spent}), file=sys.stderr)
 """
 
 BLOCK = bytes(((ord("a") + (i % 128) % 26) if i % 128 != 127 else 10) for i in range(128)) * 8192
@@ -164,7 +173,12 @@ def trial(impl: str, mode: str, n: int, mib: int, worker: list[str], tmp: str, p
     os.makedirs(log_dir)
     runner = [sys.executable, "-c", RUNNER]
     if prof:
-        code = "import cProfile,sys;sys.argv=['x',*sys.argv[1:]];cProfile.run(sys.argv.pop(1),%r)"
+        # CPU time of the loop thread (time.thread_time), not wall time: on a
+        # loaded host a profile in wall time mostly shows waiting for a CPU.
+        code = (
+            "import cProfile,sys,time;sys.argv=['x',*sys.argv[1:]];"
+            "p=cProfile.Profile(time.thread_time);g={'__name__':'__main__'};p.runctx(sys.argv.pop(1),g,g);p.dump_stats(%r)"
+        )
         runner = [sys.executable, "-c", code % prof, RUNNER]
     env = dict(os.environ)
     if impl.startswith("aiolaunch="):
@@ -203,22 +217,31 @@ def trial(impl: str, mode: str, n: int, mib: int, worker: list[str], tmp: str, p
             )
     span = max(stamps["last"].values()) - min(stamps["first"].values())
     shutil.rmtree(d)
-    return {"MiB_s": n * mib / span, "wait_s": info["waited"]}
+    return {
+        "MiB_s": n * mib / span,
+        "wait_s": info["waited"],
+        "e2e_MiB_s": n * mib / info["waited"],
+        "cpu_ms_MiB": info["cpu"] * 1e3 / (n * mib),
+    }
 
 
 def _med(rs: list[dict], key: str) -> float:
     return statistics.median(x[key] for x in rs) if rs else float("nan")
 
 
+def _ratio(al: list[dict], to: list[dict], key: str) -> str:
+    """Median [min-max] of the per-round ratios aiolaunch / torch."""
+    rs = [x[key] / y[key] for x, y in zip(al, to, strict=False)]
+    return f"{statistics.median(rs):.2f}x [{min(rs):.2f}-{max(rs):.2f}]" if rs else ""
+
+
 def row(al: list[dict], to: list[dict]) -> str:
-    """The cells of one (mode, N) row: rates, ratio (median of rounds) [range], wait()."""
-    ratios = [x["MiB_s"] / y["MiB_s"] for x, y in zip(al, to, strict=False)]
-    ratio = (
-        f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else ""
-    )
+    """The cells of one (mode, N) row: writers' rate, its ratio, until wait(), CPU."""
     return (
-        f"{_med(al, 'MiB_s'):.0f} | {_med(to, 'MiB_s'):.0f} | {ratio} "
-        f"| {_med(al, 'wait_s'):.3f} / {_med(to, 'wait_s'):.3f}"
+        f"{_med(al, 'MiB_s'):.0f} | {_med(to, 'MiB_s'):.0f} | {_ratio(al, to, 'MiB_s')} "
+        f"| {_med(al, 'e2e_MiB_s'):.0f} / {_med(to, 'e2e_MiB_s'):.0f} "
+        f"| {_ratio(al, to, 'e2e_MiB_s')} "
+        f"| {_med(al, 'cpu_ms_MiB'):.2f} / {_med(to, 'cpu_ms_MiB'):.2f}"
     )
 
 
@@ -264,9 +287,10 @@ def main() -> int:
                         res.setdefault((mode, n, impl), []).append(r)
             print(f"round {k + 1}/{a.rounds} done (load {load()})", flush=True)
         print(f"\nload {load()} at end; {time.monotonic() - t0:.0f} s\n")
-        print("| aiolaunch | mode | N | MiB/worker | aiolaunch MiB/s | torch MiB/s "
-              "| ratio (median of rounds) | wait() s aiolaunch / torch |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|")
+        print("| aiolaunch | mode | N | MiB/worker | writers' MiB/s aiolaunch | torch "
+              "| ratio | until wait(): MiB/s aiolaunch / torch | ratio "
+              "| supervisor CPU ms/MiB aiolaunch / torch |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for mode in modes:
             for n in ns:
                 mib = mibs[mode][n]

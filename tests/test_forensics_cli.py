@@ -137,7 +137,7 @@ def test_client_verbs_are_one_table_outside_the_server() -> None:
     import aiolaunch._control as control
     from aiolaunch._cli._client import VERBS
 
-    assert set(VERBS) == {"status", "stacks", "top"}
+    assert set(VERBS) == {"status", "stacks", "top", "events", "attach"}
     for name in ("find_socket", "request", "running_jobs", "format_status", "status_main"):
         assert not hasattr(control, name), name
     for verb in VERBS:

@@ -11,12 +11,17 @@ import pytest
 
 from aiolaunch._commands import COMMANDS, PROTOCOL_VERSION, dispatch
 from aiolaunch._dumper import Dump
+from aiolaunch._events import GroupStopped, WorkerStarted
 from aiolaunch._group import GroupState, Wakeup
 from aiolaunch._status import WorkerStatus
 from aiolaunch._workers._handle import WorkerHandle
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import AsyncIterator, Sequence
+    from contextlib import AbstractAsyncContextManager
+
+    from aiolaunch._attach import Session
+    from aiolaunch._events import Event
 
 
 def _handle(rank: int, pid: int) -> WorkerHandle:
@@ -146,9 +151,23 @@ class _Target:
         text = 'Current thread 0x1 (most recent call first):\n  File "a.py", line 3 in f\n'
         return Dump(1, {0: text}, {0: "/logs/0/stacks-1.txt"})
 
+    started = 1.5
+    metrics_url = None
+
+    async def events(self) -> AsyncIterator[Event]:
+        yield WorkerStarted(rank=0, time=1.0, pid=11)
+        yield GroupStopped(rank=None, time=2.0, failed=False)
+
+    def attach(self, rank: int, timeout: float) -> AbstractAsyncContextManager[Session]:
+        raise AssertionError("not attached in these tests")
+
 
 async def _ask(target: _Target, request: object) -> list[dict[str, object]]:
-    return [answer async for answer in dispatch(target, request)]
+    out: list[dict[str, object]] = []
+    async for answer in dispatch(target, request):
+        assert isinstance(answer, dict)
+        out.append(answer)
+    return out
 
 
 async def test_every_answer_carries_the_protocol_version() -> None:
@@ -185,3 +204,31 @@ async def test_stacks_answers_with_the_verdict() -> None:
     assert answer["ok"] is True and target.dumped == [2.0]
     assert answer["files"] == {"0": "/logs/0/stacks-1.txt"}
     assert answer["verdict"] == "rank 0: f (a.py:3)"
+
+
+async def test_stacks_takes_a_list_of_ranks() -> None:
+    target = _Target()
+    (answer,) = await _ask(target, {"cmd": "stacks", "ranks": [0]})
+    assert answer["ok"] is True
+    for ranks in ([1], [True], "0", [0.0], {"0": 1}):
+        (answer,) = await _ask(target, {"cmd": "stacks", "ranks": ranks})
+        assert answer["ok"] is False and '"ranks"' in str(answer["error"]), ranks
+
+
+async def test_events_streams_a_header_then_one_versioned_answer_per_event() -> None:
+    answers = await _ask(_Target(), {"cmd": "events"})
+    assert [a.get("event") for a in answers] == [None, "started", "group_stopped"]
+    assert all(a["ok"] is True and a["v"] == PROTOCOL_VERSION for a in answers)
+    assert answers[0]["stream"] == "events" and answers[0]["name"] == "svc"
+    assert answers[1]["rank"] == 0 and answers[1]["pid"] == 11 and answers[1]["group"] == "svc"
+
+
+@pytest.mark.parametrize(
+    "request_", [{"cmd": "attach"}, {"cmd": "attach", "rank": "2"},
+                 {"cmd": "attach", "rank": True}, {"cmd": "attach", "rank": 0, "timeout": 0}],
+)  # fmt: skip
+async def test_attach_refuses_a_bad_request_before_taking_the_connection(
+    request_: dict[str, object],
+) -> None:
+    (answer,) = await _ask(_Target(), request_)
+    assert answer["ok"] is False and answer["v"] == PROTOCOL_VERSION

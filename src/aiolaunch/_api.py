@@ -16,6 +16,7 @@ from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs import LogWiring
 from ._logs._filters import check_filters
 from ._logs._specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
+from ._metrics import closed_on_error, metrics_binder
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
@@ -154,6 +155,8 @@ def start_processes(
     watchdog: Watchdog | None = None,
     signals_to_handle: str | Iterable[str | int] | None = None,
     forward_signals: str | Iterable[str | int] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
     preload: bool | list[str] | tuple[str, ...] | None = None,
 ) -> _Starting:
     """Start ``len(args)`` copies of ``entrypoint``; await the call or use ``async with``.
@@ -218,6 +221,9 @@ def start_processes(
         SIGKILL when ``wait()`` stops the group) and
         ``AIOLAUNCH_STOP_DEADLINE_FILE``: empty while the group runs; once it
         is being stopped, the Unix time at which survivors get SIGKILL.
+    :param metrics_port: Prometheus metrics at ``http://metrics_host:PORT/metrics``, bound
+        before any worker starts (else ``OSError``); ``0``: any port (``ctx.metrics_url``).
+    :param metrics_host: where to serve them (``0.0.0.0``: every interface).
     :param preload: warm start (Linux): Python workers - function workers, and
         binaries that are this interpreter running a script or ``-m`` module -
         are forked from a *zygote*, a process that imported these modules once
@@ -271,6 +277,7 @@ def start_processes(
     dup_err = check_filters("duplicate_stderr_filters", duplicate_stderr_filters)
     if watchdog is not None and not isinstance(watchdog, Watchdog):
         raise TypeError(f"watchdog={watchdog!r} must be an aiolaunch.Watchdog or None")
+    bind_metrics_port = metrics_binder(metrics_port, metrics_host)  # checked now, bound later
     stop_signals = resolve_signals(
         signals_to_handle,
         what="signals_to_handle",
@@ -297,7 +304,11 @@ def start_processes(
     else:
         args_ = {rank: tuple(str(a) for a in a_) for rank, a_ in args_.items()}
 
-    def make() -> PContext:
+    def make() -> PContext:  # the port first: in use, it fails before any folder or worker
+        with closed_on_error(bind_metrics_port()) as metrics:
+            return build(metrics)
+
+    def build(metrics: socket.socket | None) -> PContext:
         if logs_specs is not None:
             dest = logs_specs.reify(envs_)
         elif log_dir is None:
@@ -335,6 +346,7 @@ def start_processes(
             "restart": {r: p for r, p in policies.items() if p.mode != "never"},
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
+            "metrics": metrics,
             "zygote": None,
         }
         if warm is not None:

@@ -10,7 +10,8 @@ uncaught exception: its traceback, without the bootstrap's frames, and
 status 1; ``sys.exit(n)``: ``n``).
 
 Before the program starts, :func:`aiolaunch._workers._dump_handler.register` installs the
-stack-dump handler when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it).
+stack-dump handlers when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
+:func:`aiolaunch._workers._attach.register` the ``aiolaunch attach`` one.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ def main(argv: list[str], dumps: bool = True) -> None:
         )
         raise SystemExit(2)
     if dumps:
+        from aiolaunch._workers._attach import register as register_attach
         from aiolaunch._workers._dump_handler import register
 
         register()
+        register_attach()  # `aiolaunch attach RANK`: pdb on request
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] by the module's path

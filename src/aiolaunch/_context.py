@@ -30,12 +30,14 @@ from ._errors import fd_limit_error
 from ._events import Event, EventBus, LogLines, worker_exited, worker_started
 from ._forensics import Forensics
 from ._group import GroupState
+from ._metrics import url_of
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._validate import check_seconds, check_signal
 from ._workers._proc import new_context_token
 
 if TYPE_CHECKING:
+    import socket
     from collections.abc import AsyncIterator, Callable
 
     from ._logs import LogWiring
@@ -73,6 +75,7 @@ class PContext:
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
         watchdog: Watchdog | None = None,
+        metrics: socket.socket | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -97,8 +100,11 @@ class PContext:
             self._state, ready or {}, bus=self._bus, error_files=self.error_files
         )
         self._forensics = Forensics(
-            self._state, watchdog, logs=logs, bus=self._bus, restartable=self._restarts.has_policy
-        )
+            self._state, watchdog, logs=logs, bus=self._bus, restartable=self._restarts.has_policy,
+            metrics=metrics,
+        )  # fmt: skip
+        #: ``http://127.0.0.1:PORT/metrics`` with ``start_processes(metrics_port=)``, else None
+        self.metrics_url = None if metrics is None else url_of(metrics)
         self._ending = GroupEnding(
             self._state,
             logs=logs,
@@ -171,7 +177,7 @@ class PContext:
         """Every rank's state now, as :class:`WorkerStatus` (the control socket's answer).
 
         Reads ``/proc`` of each live worker (a few microseconds each); CPU %
-        is measured since the previous sample (watchdog period or call).
+        is measured over at least the last half second (or since the start).
         """
         return self._forensics.status()
 

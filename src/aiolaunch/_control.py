@@ -25,16 +25,34 @@ import shutil
 import socket
 import stat
 import tempfile
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
-__all__ = ["MAX_LINE", "SOCKET_NAME", "ControlServer", "decode", "encode", "registry_dir"]
+__all__ = [
+    "MAX_LINE",
+    "SOCKET_NAME",
+    "ControlServer",
+    "Takeover",
+    "decode",
+    "encode",
+    "registry_dir",
+]
 
 SOCKET_NAME = "control.sock"
 MAX_LINE = 1 << 20  # the longest request or answer line
 _MAX_PATH = 107  # sun_path is 108 bytes with the trailing NUL
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a command yields last when it keeps the connection (``attach``): the
+    server awaits ``run(reader, writer)``, which owns the connection until it
+    returns, then closes it. ``run`` writes its own answers."""
+
+    run: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -53,31 +71,43 @@ def decode(line: bytes) -> dict[str, Any]:
 class ControlServer:
     """Serves one group's control socket until :meth:`aclose`."""
 
-    def __init__(self, link: str, real: str, tmpdir: str | None, server: asyncio.AbstractServer):
+    def __init__(
+        self,
+        link: str,
+        real: str,
+        tmpdir: str | None,
+        server: asyncio.AbstractServer,
+        idle: _Idle,
+    ):
         self.path = link
         self._real = real
         self._tmpdir = tmpdir
         self._server = server
+        self._idle = idle
         self._entry = _register(os.path.abspath(link))
 
     @classmethod
     async def start(
-        cls, log_dir: str, handler: Callable[[object], AsyncIterator[dict[str, Any]]]
+        cls, log_dir: str, handler: Callable[[object], AsyncIterator[dict[str, Any] | Takeover]]
     ) -> ControlServer:
         """Listen on ``{log_dir}/control.sock``; ``handler(request)`` gives the
         answers to one request (one, or several for a streaming command) and
         never raises for a bad one (``_commands.dispatch``)."""
         sock, link, real, tmpdir = _bind(log_dir)
+        idle = _Idle()
         try:
 
             async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
                 try:
-                    while line := await reader.readline():
+                    while line := await idle.readline(reader, writer):
                         try:
                             req: object = decode(line)
                         except ValueError as exc:  # a bad request must not kill the server
                             req = {"cmd": None, "error": str(exc)}
                         async for answer in handler(req):
+                            if isinstance(answer, Takeover):
+                                await answer.run(reader, writer)
+                                return
                             writer.write(encode(answer))
                             await writer.drain()
                 except (ConnectionError, asyncio.IncompleteReadError, ValueError):
@@ -104,7 +134,7 @@ class ControlServer:
             server.close()
             _unbind(link, real, tmpdir)
             raise
-        return cls(link, real, tmpdir, server)
+        return cls(link, real, tmpdir, server, idle)
 
     async def aclose(self) -> None:
         """Stop listening; remove the socket (and its private folder). Idempotent."""
@@ -112,8 +142,12 @@ class ControlServer:
         self.remove()
 
     def close(self) -> None:
-        """Stop listening (on the loop). Idempotent."""
+        """Stop listening (on the loop); end the connections that wait for a
+        request (a ``top`` must see the group end). Answers under way finish:
+        an ``events`` stream still sends the last events, up to
+        ``group_stopped``, then its connection ends too. Idempotent."""
         self._server.close()
+        self._idle.close()
 
     def remove(self) -> None:
         """Remove the socket, its private folder and its entry (plain file
@@ -128,6 +162,29 @@ class ControlServer:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self._entry))
             self._entry = None
+
+
+class _Idle:
+    """The connections waiting for their next request, and whether to take more."""
+
+    def __init__(self) -> None:
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._closed = False
+
+    async def readline(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        """The next request line; ``b""`` once the server is closed."""
+        if self._closed:
+            return b""
+        self._writers.add(writer)
+        try:
+            return await reader.readline()
+        finally:
+            self._writers.discard(writer)
+
+    def close(self) -> None:
+        self._closed = True
+        for writer in self._writers:
+            writer.close()  # its readline() sees the end of the stream
 
 
 def _fits(path: str) -> bool:

@@ -16,6 +16,8 @@ behind a narrow interface (see docs/ARCHITECTURE.md, "Hangs"):
   (:meth:`Forensics.before_stop`, with a watchdog);
 - the control socket (:class:`~aiolaunch._control.ControlServer`) serving the
   command table of ``_commands.py`` with this object as its target;
+- :class:`~aiolaunch._observe.LiveView`: the metrics server, ``attach``
+  sessions and the marks of a status row;
 - the report (:class:`~aiolaunch._report.RunReport`).
 
 It gives every worker ``$AIOLAUNCH_STACKS_DIR`` (the bootstraps register the
@@ -32,8 +34,9 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from ._commands import dispatch
+from ._commands import dispatch, status_answer
 from ._dumper import StackDumper, check_dump_timeout
+from ._observe import LiveView
 from ._report import AtFailure, RunReport, Straggler, write_report
 from ._sampler import StackSampler
 from ._stacks import STACKS_DIR_ENV, StackReport
@@ -43,11 +46,14 @@ from ._watchdog import Sampler
 from ._watcher import StallWatcher
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    import socket
+    from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+    from contextlib import AbstractAsyncContextManager
 
+    from ._attach import Session
     from ._control import ControlServer
     from ._dumper import Dump
-    from ._events import EventBus
+    from ._events import Event, EventBus
     from ._group import GroupState
     from ._logs import LogWiring
     from ._results import RunProcsResult
@@ -71,6 +77,8 @@ class Forensics:
         log pipeline saw.
     :param bus: where :class:`WorkerStalled` goes.
     :param restartable: whether a rank has a restart policy.
+    :param metrics: the bound socket of the metrics server (``None``: none);
+        owned from here on.
     """
 
     def __init__(
@@ -81,8 +89,10 @@ class Forensics:
         logs: LogWiring,
         bus: EventBus,
         restartable: Callable[[int], bool],
+        metrics: socket.socket | None = None,
     ) -> None:
         self._state = state
+        self._bus = bus
         self._error_files = dict(logs.dest.error_files)
         self._stderrs = dict(logs.dest.stderrs)
         log_dir, self._own_dir = _group_dir(self._error_files)
@@ -103,6 +113,7 @@ class Forensics:
             self.watcher = StallWatcher(
                 watchdog, state, self.sampler, self.dumper, self.stacks, emit=bus.emit,
                 restartable=restartable, write_report=lambda: self.write_report(None),
+                paused=lambda rank: self.live.attached(rank),
             )  # fmt: skip
         self.stragglers: StragglerWatch | None = None
         if watchdog is not None and watchdog.stragglers is not None:
@@ -112,6 +123,10 @@ class Forensics:
             )  # fmt: skip
         #: where every live rank was at the group's first failure (watchdog only)
         self.at_failure: AtFailure | None = None
+        self.live = LiveView(
+            state, self.stacks_dir, self.watcher, metrics,
+            straggling=self.stragglers.straggling if self.stragglers is not None else None,
+        )  # fmt: skip
         self._server: ControlServer | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -163,6 +178,9 @@ class Forensics:
             self._server = await ControlServer.start(self.log_dir, lambda r: dispatch(self, r))
         except OSError as exc:  # a status endpoint must never stop a job
             logger.warning("aiolaunch: no control socket in %s: %s", self.log_dir, exc)
+        from ._metrics import render_metrics
+
+        await self.live.start(lambda: render_metrics(status_answer(self)))
 
     async def stop(self) -> None:
         """Stop the watchdog and the control socket (the group is ending). Idempotent."""
@@ -176,6 +194,7 @@ class Forensics:
             await self.watcher.stop()
         if self.stragglers is not None:
             await self.stragglers.stop()
+        await self.live.stop()
         if self._server is not None:
             # Stop listening now; the socket's files go in cleanup() (file
             # I/O, off wait()'s path).
@@ -205,6 +224,7 @@ class Forensics:
             self._server = None
         self.sampler.close()
         self.stacks.close()
+        self.live.close()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
         if self._own_dir and not self.dumper.count and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -212,10 +232,25 @@ class Forensics:
     # -- what clients see -----------------------------------------------------
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now (see :class:`WorkerStatus`)."""
-        stalled = self.watcher.stalled if self.watcher is not None else (lambda rank: False)
-        g = self.stragglers
-        straggling = g.straggling if g is not None else (lambda rank: False)
-        return worker_statuses(self._state, self.sampler, stalled, straggling)
+        return worker_statuses(self._state, self.sampler, self.live)
+
+    @property
+    def started(self) -> float:
+        """When the group started (Unix time)."""
+        return self.live.started
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the metrics are served (``None``: nowhere)."""
+        return self.live.metrics_url
+
+    def events(self) -> AsyncIterator[Event]:
+        """The group's lifecycle events, its history first (``ctx.events()``)."""
+        return self._bus.iterate()
+
+    def attach(self, rank: int, timeout: float) -> AbstractAsyncContextManager[Session]:
+        """A pdb session with ``rank`` (:meth:`LiveView.attach`)."""
+        return self.live.attach(rank, timeout)
 
     async def dump(self, ranks: Sequence[int] | None, timeout: float) -> Dump:
         """A round of stack dumps (:meth:`StackDumper.dump`)."""
@@ -235,27 +270,15 @@ class Forensics:
 
     # -- the first failure -----------------------------------------------------
     async def before_stop(self) -> None:
-        """The group is about to be stopped: if a watchdog is configured and a
-        rank failed on its own (not for a stall, whose dump is done), dump
-        every live rank's stacks first - bounded, :data:`AT_FAILURE_TIMEOUT` -
-        for the report and the failure's summary."""
-        failed = [r for r in self._state.failed_ranks() if r not in self._state.forced]
-        if self.watcher is None or not failed or self.at_failure is not None:
-            return
-        live = [w.local_rank for w in self._state.workers() if w.alive]
-        if not live:
-            return
-        try:
-            dump = await self.dumper.dump(live, AT_FAILURE_TIMEOUT)
-        except Exception:  # a report must never turn into a second failure
-            logger.exception("aiolaunch: dumping the stacks at the failure of %r", self.name)
-            return
-        verdict = StackReport.from_dumps(dump.stacks)
-        self.at_failure = AtFailure(failed[0], verdict, dump.stacks, dump.files)
+        """The group is about to be stopped: with a watchdog, when a rank
+        failed on its own (a stall's dump is done), every live rank's stacks
+        first (:func:`dump_at_failure`), for the report and the summary."""
+        if self.watcher is not None and self.at_failure is None:
+            self.at_failure = await dump_at_failure(self._state, self.dumper)
 
     def annotate(self, result: RunProcsResult) -> None:
-        """Put where the other ranks were (:meth:`before_stop`) on the first
-        failure's ``others``, which its summary shows."""
+        """Put where the other ranks were on the first failure's ``others``
+        (shown by its ``ChildFailedError`` summary)."""
         a = self.at_failure
         if a is not None and a.rank in result.failures:
             result.failures[a.rank].others = a.lines()
@@ -298,3 +321,19 @@ def _group_dir(error_files: Mapping[int, str]) -> tuple[str, bool]:
         if path and path != os.devnull:
             return os.path.dirname(os.path.dirname(path)), False
     return tempfile.mkdtemp(prefix="aiolaunch_forensics_"), True
+
+
+async def dump_at_failure(state: GroupState, dumper: StackDumper) -> AtFailure | None:
+    """Where every live rank is now that a rank failed on its own (not for a
+    stall): their stacks, at most :data:`AT_FAILURE_TIMEOUT`; ``None`` when
+    none failed on its own, or none is left alive."""
+    failed = [r for r in state.failed_ranks() if r not in state.forced]
+    live = [w.local_rank for w in state.workers() if w.alive]
+    if not failed or not live:
+        return None
+    try:
+        dump = await dumper.dump(live, AT_FAILURE_TIMEOUT)
+    except Exception:  # a report must never turn into a second failure
+        logger.exception("aiolaunch: dumping the stacks at the failure of %r", state.name)
+        return None
+    return AtFailure(failed[0], StackReport.from_dumps(dump.stacks), dump.stacks, dump.files)

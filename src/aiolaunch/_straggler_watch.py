@@ -62,7 +62,6 @@ class StragglerWatch:
         self._discount = discount
         self._pids: dict[int, int] = {}
         self._started: set[int] = set()  # ranks seen past their start
-        self._cpu: dict[int, int | None] = {}  # a starting rank's CPU at the last round
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -104,14 +103,13 @@ class StragglerWatch:
             if pids.get(rank) != pid:  # exited, or restarted: its samples go
                 self.stat.forget(rank)
                 self._started.discard(rank)
-                self._cpu.pop(rank, None)
                 del self._pids[rank]
         self._pids.update(pids)
-        # A starting rank is signalled only after it used CPU since the
-        # previous round: idle, it may wait in torch's rendezvous, whose store
-        # client logs an interrupted connect as an error. Once seen past its
-        # start, it is sampled whatever it does.
-        wanted = {r: p for r, p in pids.items() if r in self._started or self._worked(r, p)}
+        # A starting rank is not signalled while it waits on a socket: it may
+        # be in torch's rendezvous, whose store client logs an interrupted
+        # connect or read (sockets with a timeout are not restarted) as an
+        # error. Once seen past its start, it is sampled whatever it does.
+        wanted = {r: p for r, p in pids.items() if r in self._started or not _on_socket(p)}
         texts = await self._stacks.sample(wanted, min(self.period, 2.0))
         waits: dict[int, bool] = {}
         for rank, text in texts.items():
@@ -125,11 +123,6 @@ class StragglerWatch:
                 self._started.add(rank)
             waits[rank] = waiting_in_collective(frames)
         return waits
-
-    def _worked(self, rank: int, pid: int) -> bool:
-        cpu = _cpu_ns(pid)
-        before, self._cpu[rank] = self._cpu.get(rank), cpu
-        return cpu is not None and before is not None and cpu - before > 1_000_000
 
     def _count(self, waits: dict[int, bool]) -> None:
         for s in self.stat.add(waits):
@@ -147,10 +140,11 @@ class StragglerWatch:
             )  # fmt: skip
 
 
-def _cpu_ns(pid: int) -> int | None:
-    """The main thread's time on a CPU, in ns (``schedstat``)."""
-    raw = read_proc_file(pid, "schedstat", 128)
-    try:
-        return None if not raw else int(raw.split(None, 1)[0])
-    except ValueError:
-        return None
+#: kernel functions a process waits in on a socket (``/proc/<pid>/wchan``)
+_SOCKET_WAITS = ("sk_wait", "wait_woken", "inet_", "tcp_", "unix_", "poll_schedule", "do_select")
+
+
+def _on_socket(pid: int) -> bool:
+    """Whether ``pid``'s main thread waits on a socket (or in poll/select) now."""
+    raw = read_proc_file(pid, "wchan", 128)
+    return raw is not None and raw.decode(errors="replace").startswith(_SOCKET_WAITS)

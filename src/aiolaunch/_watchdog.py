@@ -40,6 +40,8 @@ __all__ = ["RankActivity", "Sampler", "Watchdog"]
 _ACTIONS = ("observe", "fail", "restart")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: the shortest window ``RankActivity.cpu_percent`` is measured over (seconds)
+CPU_WINDOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,8 @@ class RankActivity:
         self.suspect_after = suspect_after
         self.last_output: float | None = None
         self.cpu_percent = 0.0
+        #: CPU seconds of the process (every thread) at the last reading
+        self.cpu_s = 0.0
         self.rss = 0
         self.state = "?"
         self._t = now
@@ -272,13 +276,20 @@ class RankActivity:
         stat = None if raw is None else parse_stat(raw)
         if stat is None:
             return None
-        # Every thread of the process, and the children it waited for.
-        cpu = (stat.utime + stat.stime + stat.cutime + stat.cstime) / _CLK_TCK
+        # Every thread of the process (cpu_s), and the children it waited for.
+        self.cpu_s = (stat.utime + stat.stime) / _CLK_TCK
+        cpu = self.cpu_s + (stat.cutime + stat.cstime) / _CLK_TCK
         main = self._main_now()
         dt = now - self._t
-        if self._cpu is not None and dt > 0:
-            self._helping(now, dt, cpu - self._cpu, main, stat.num_threads)
-        self._t, self._cpu, self._main = now, cpu, main
+        # CPU time comes in clock ticks (10 ms): a percentage (and a helpers'
+        # share) over less than CPU_WINDOW would be noise (two readers a few ms
+        # apart - top, a scrape, the watchdog - would see 0 % or 100 %), so the
+        # window only moves on once it is that long; until then the last
+        # figures stand (the stall rule reads cumulative times: unaffected).
+        if self._cpu is None or dt >= CPU_WINDOW:
+            if self._cpu is not None:
+                self._helping(now, dt, cpu - self._cpu, main, stat.num_threads)
+            self._t, self._cpu, self._main = now, cpu, main
         self.state, self.rss = stat.state, stat.rss_pages * _PAGE
         if writes:
             wchar = self._wchar_now()

@@ -18,10 +18,10 @@ taken only through the group's own commands (circus's watchdog casts
 - ``fail``: ``GroupState.fail(rank, message)``: the group is decided, and
   ``wait()`` stops it through the usual path.
 
-Who fails is one story (:meth:`StallWatcher._culprits`): the odd ones out of
-the verdict, whatever they do, when the stalled ranks wait in one place; a
-verdict with no odd one out while a live rank is still on its way waits for
-the next sample (at most ``stall_after``).
+Who fails is one story (``_story.py``): the odd ones out of the verdict,
+whatever they do, when the stalled ranks wait in one place; a verdict with no
+odd one out while a live rank is still on its way waits for the next sample
+(at most ``stall_after``).
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ from typing import TYPE_CHECKING
 
 from ._dump_text import signature
 from ._events import WorkerStalled
-from ._stacks import StackReport, rank_ranges
+from ._rates import StepRate
+from ._stacks import StackReport
 from ._stall import Sample, Stall, StallDetector
+from ._story import odd_ones, ranks_text, too_early
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
     from ._dumper import StackDumper
     from ._events import Event
@@ -69,6 +71,8 @@ class StallWatcher:
     :param emit: where :class:`WorkerStalled` goes (the event bus).
     :param restartable: whether a rank has a restart policy.
     :param write_report: writes the report now; returns its paths or ``None``.
+    :param paused: whether a rank is left alone now (an ``aiolaunch attach``
+        session holds it: it waits at a pdb prompt, which is no hang).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class StallWatcher:
         emit: Callable[[Event], None],
         restartable: Callable[[int], bool],
         write_report: Callable[[], tuple[str, str] | None],
+        paused: Callable[[int], bool] = lambda rank: False,
     ) -> None:
         self.watchdog = watchdog
         self._progress = re.compile(watchdog.progress) if watchdog.progress else None
@@ -96,7 +101,11 @@ class StallWatcher:
         self._emit = emit
         self._restartable = restartable
         self._write_report = write_report
+        self._paused = paused
         self._last_progress: dict[int, float] = {}
+        self._since = time.monotonic()
+        self._steps: dict[int, StepRate] = {}
+        self._stall_counts: dict[int, int] = {}
         self._detected: dict[int, float] = {}  # rank -> time.time() of its stall
         #: every stall seen, the latest per rank, with its place in the verdict
         self.stalls: dict[int, Stall] = {}
@@ -110,6 +119,7 @@ class StallWatcher:
 
     def start(self) -> None:
         """Start sampling."""
+        self._since = time.monotonic()
         self._tasks.append(asyncio.ensure_future(self._watch()))
 
     async def stop(self) -> None:
@@ -123,6 +133,18 @@ class StallWatcher:
     def stalled(self, rank: int) -> bool:
         """Whether ``rank`` is flagged now (and was not active since)."""
         return self.detector.flagged(rank)
+
+    def stall_count(self, rank: int) -> int:
+        """How many times ``rank`` was flagged."""
+        return self._stall_counts.get(rank, 0)
+
+    def steps(self, rank: int, now: float) -> tuple[int, float] | None:
+        """``(lines matching the progress regex, per second over the last
+        minute)`` of ``rank``; ``None`` without a regex."""
+        if self._progress is None:
+            return None
+        rate = self._steps.get(rank)
+        return (0, 0.0) if rate is None else (rate.total, rate.rate(now))
 
     def reported_stalls(self) -> list[Stall]:
         """The stalls for the report: ranks flagged now, and ranks failed for a stall."""
@@ -145,7 +167,11 @@ class StallWatcher:
     def line(self, rank: int, stream: str, text: str) -> None:
         """One line of ``rank``: progress if it matches the regex."""
         if self._progress is not None and self._progress.search(text) is not None:
-            self._last_progress[rank] = time.monotonic()
+            now = self._last_progress[rank] = time.monotonic()
+            rate = self._steps.get(rank)
+            if rate is None:
+                rate = self._steps[rank] = StepRate(since=self._since)
+            rate.add(now)
 
     # -- sampling -------------------------------------------------------------
 
@@ -159,7 +185,7 @@ class StallWatcher:
             pids: dict[int, int] = {}
             for w in self._state.workers():
                 rank = w.local_rank
-                if not w.alive or self._state.restarting(rank):
+                if not w.alive or self._state.restarting(rank) or self._paused(rank):
                     self.detector.forget(rank)
                     self._stacks.forget(w.pid)
                     continue
@@ -195,6 +221,7 @@ class StallWatcher:
     async def _on_stall(self, newly: list[Stall]) -> None:
         wd = self.watchdog
         for s in newly:
+            self._stall_counts[s.rank] = self._stall_counts.get(s.rank, 0) + 1
             self._emit(
                 WorkerStalled(rank=s.rank, time=time.monotonic(), idle_s=s.idle_s, reason=s.reason)
             )
@@ -226,17 +253,30 @@ class StallWatcher:
             logger.warning(
                 "aiolaunch: %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
                 "Report: %s",
-                _ranks(s.rank for s in newly), self._state.name, newly[0].reason, verdict,
+                ranks_text(s.rank for s in newly), self._state.name, newly[0].reason, verdict,
                 paths[1] if paths else "(not written)",
             )  # fmt: skip
         if wd.action == "observe":
             self._episode = None
             return
-        if self._early(stalls, verdict):
+        now = time.monotonic()
+        pids = {w.local_rank: w.pid for w in self._state.workers() if w.alive}
+        live = [r for r in pids if not self._paused(r)]
+        age = now - self._episode
+        if too_early(stalls, verdict, live, self.detector, age=age, stall_after=wd.stall_after):
             self._pending = pending  # judged again with the next sample
             return
         self._episode = None
-        for s in self._culprits(stalls, verdict, dump.files):
+        culprits = odd_ones(
+            stalls, verdict, pids, dump.files, self.detector, period=wd.period, now=now
+        )
+        for s in culprits:
+            if s.rank not in pending:  # an odd one out that had not stalled itself
+                self.detector.flag(s.rank)
+                self._stall_counts[s.rank] = self._stall_counts.get(s.rank, 0) + 1
+                self._detected.setdefault(s.rank, time.time())
+                self.stalls[s.rank] = s
+        for s in culprits:
             why = f"stalled: {s.reason}"
             # With "restart", the rank's restart policy takes it from here: a
             # SIGKILLed worker is a failed exit (its stacks are on disk already).
@@ -244,65 +284,3 @@ class StallWatcher:
             if restart and self._state.kill(s.rank, signal.SIGKILL, why):
                 continue
             self._state.fail(s.rank, s.message(), when=self._detected.get(s.rank))
-
-    def _early(self, stalls: list[Stall], verdict: StackReport) -> bool:
-        """Whether the story is not told yet: the verdict names no odd one
-        out while some live rank neither stalled nor spins - it may still be
-        on its way to where the others are (ranks reach a hang at different
-        times). Then the stalls wait, at most ``stall_after``."""
-        if verdict.outliers or self._episode is None:
-            return False
-        if time.monotonic() - self._episode >= self.watchdog.stall_after:
-            return False
-        stalled = {s.rank for s in stalls}
-        return any(
-            w.alive
-            and w.local_rank not in stalled
-            and not self.detector.flagged(w.local_rank)
-            and not self.detector.spinning(w.local_rank)
-            for w in self._state.workers()
-        )
-
-    def _culprits(
-        self, stalls: list[Stall], verdict: StackReport, files: dict[int, str]
-    ) -> list[Stall]:
-        """One story per stall: who fails.
-
-        Ranks that stalled together usually wait for one another. When some of
-        them are the odd ones out of the verdict, those are the failure; when
-        none is - they all wait in one place - the odd ones out are, whatever
-        they do (idle, spinning, or printing "waiting"): the rest were stopped
-        by aiolaunch and are listed as stalled in the report only. Without odd
-        ones out, every stalled rank fails.
-        """
-        chosen = [s for s in stalls if s.rank in verdict.outliers]
-        if chosen:
-            return chosen
-        now = time.monotonic()
-        peers = _ranks(s.rank for s in stalls)
-        out: list[Stall] = []
-        for rank in verdict.outliers:
-            w = self._state.worker(rank)
-            idle = self.detector.idle(rank, now)
-            if w is None or not w.alive or idle is None:
-                continue
-            if self.detector.spinning(rank):
-                doing = f"spinning at the same frames for {idle:.1f}s"
-            elif idle >= self.watchdog.period:
-                doing = f"no output and no CPU for {idle:.1f}s"
-            else:
-                doing = "active, elsewhere"
-            reason = f"the odd one out: {doing} while {peers} stalled"
-            s = Stall(rank, w.pid, round(idle, 3), reason, verdict.line_for(rank) or "")
-            s = dataclasses.replace(s, stacks_file=files.get(rank, ""))
-            self.detector.flag(rank)
-            self._detected.setdefault(rank, time.time())
-            self.stalls[rank] = s
-            out.append(s)
-        return out or stalls
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    """``rank 2`` or ``ranks 0-1,3``."""
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"

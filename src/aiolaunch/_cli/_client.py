@@ -1,10 +1,10 @@
-"""The control socket's clients: ``aiolaunch status|stacks|top [LOG_DIR]``.
+"""The control socket's clients: ``aiolaunch status|stacks|top|events|attach [LOG_DIR]``.
 
-One function per verb (``status_main``, ``stacks_main``, and the entry point
-of ``top``, whose code has a module of its own), each listed in :data:`VERBS`:
-a new verb is one function here and its entry there. They share finding the
-socket (``_live.find_socket``), one request (:func:`request`) and the error
-handling (:func:`_ask`). The server, the registry's writer side and
+One function per verb (``status_main``, ``stacks_main``, and the entry points
+of ``top``, ``events``, ``attach``, whose code has a module each), each listed
+in :data:`VERBS`: a new verb is one function here and its entry there. They
+share finding the socket (``_live.find_socket``), one request (:func:`request`)
+and the error handling (:func:`_ask`). The server, the registry's writer side and
 the wire format are in ``_control.py``, imported when a verb runs (so that
 ``aiolaunch --help`` and a launch do not pay for it).
 """
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VERBS",
+    "attach_main",
+    "events_main",
     "format_status",
     "request",
     "stacks_main",
@@ -155,9 +157,25 @@ def top_main(argv: Sequence[str]) -> int:
     return top_main(argv)
 
 
+def events_main(argv: Sequence[str]) -> int:
+    """``aiolaunch events [LOG_DIR] [--json]``: lifecycle events, live (``_events.py``)."""
+    from ._events import events_main
+
+    return events_main(argv)
+
+
+def attach_main(argv: Sequence[str]) -> int:
+    """``aiolaunch attach RANK [LOG_DIR]``: pdb inside a running rank (``_attach.py``)."""
+    from ._attach import attach_main
+
+    return attach_main(argv)
+
+
 VERBS: dict[str, Callable[[Sequence[str]], int]] = {
     "status": status_main,
     "stacks": stacks_main,
     "top": top_main,
+    "events": events_main,
+    "attach": attach_main,
 }
 """``aiolaunch VERB ...``: the client verbs, each its own ``main(argv) -> status``."""

@@ -308,6 +308,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         timeout = float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
 
     watchdog = _watchdog(args)
+    if args.metrics_port is None and args.metrics_host != "127.0.0.1":
+        raise ValueError("--metrics-host needs --metrics-port PORT (metrics are off)")
     spec = WorkerSpec(
         role=args.role,
         local_world_size=nproc,
@@ -327,6 +329,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         duplicate_stderr_filters=list(args.duplicate_stderr_filters) or None,
         virtual_local_rank=bool(args.virtual_local_rank),
         watchdog=watchdog,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     return LaunchConfig(
         spec=spec,

@@ -80,13 +80,19 @@ def find_socket(log_dir: str | None) -> str:
     found: list[tuple[float, str]] = []
     base = os.path.abspath(log_dir)
     depth0 = base.rstrip(os.sep).count(os.sep)
-    for root, dirs, files in os.walk(base):
+    denied: list[OSError] = []
+    for root, dirs, files in os.walk(base, onerror=denied.append):
         if root.count(os.sep) - depth0 >= 3:
             dirs[:] = []
         if SOCKET_NAME in files or SOCKET_NAME in dirs:
             path = os.path.join(root, SOCKET_NAME)
             with contextlib.suppress(OSError):
                 found.append((os.lstat(path).st_mtime, path))
+    if not found and any(isinstance(e, PermissionError) for e in denied):
+        raise PermissionError(
+            f"cannot search {log_dir!r}: permission denied (only the user who started the "
+            "job can reach its control socket)"
+        )
     if not found:
         raise FileNotFoundError(
             f"no {SOCKET_NAME} in {log_dir!r}: no aiolaunch group is running with that log dir"

@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in VERBS:
-        # `aiolaunch status|stacks|top`: talk to a running job's control
+        # `aiolaunch status|stacks|top|events|attach`: talk to a running job's control
         # socket (a script named "status" still runs as `aiolaunch ./status`).
         return VERBS[argv[0]](argv[1:])
     from ._init import run_as_init

@@ -378,6 +378,26 @@ def get_args_parser() -> argparse.ArgumentParser:
         "torch.distributed collectives far less than its peers (a straggler: they wait for "
         "it) in a warning, `aiolaunch status` and the report. Needs --stall-timeout.",
     )
+    # -- live observability (aiolaunch's own) --
+    add(
+        "--metrics-port",
+        "--metrics_port",
+        action=_Env,
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="Serve Prometheus metrics (per-rank samples labelled rank) at "
+        "http://127.0.0.1:PORT/metrics while the job runs; 0: any free port (default: off).",
+    )
+    add(
+        "--metrics-host",
+        "--metrics_host",
+        action=_Env,
+        default="127.0.0.1",
+        metavar="HOST",
+        help="The address the metrics are served on (default 127.0.0.1: this machine only; "
+        "0.0.0.0: every interface). Needs --metrics-port.",
+    )
     add(
         "--virtual-local-rank",
         "--virtual_local_rank",

@@ -88,6 +88,8 @@ def _marks(w: Mapping[str, Any]) -> str:
         marks.append(f"stalled x{w['stalls']}")
     if w.get("straggling"):
         marks.append("STRAGGLING")
+    if w.get("attached"):
+        marks.append("ATTACHED")
     code = w.get("exitcode")
     if code is not None:
         marks.append(f"killed by {describe_signal(-code)}" if code < 0 else f"exit {code}")
@@ -118,7 +120,7 @@ def _columns(workers: Sequence[Mapping[str, Any]], width: int) -> list[_Column]:
     cols = [c for c in _COLUMNS if c[0] != "STEP/s" or any(w.get("step_rate") is not None
                                                                for w in workers)]  # fmt: skip
     # Narrow terminals lose columns from the right (MARKS takes what is left).
-    while len(cols) > 2 and sum(c[1] + 2 for c in cols) > width:
+    while len(cols) > 2 and sum(c[1] + 1 for c in cols) > width:
         cols.pop()
     return cols
 
@@ -129,9 +131,9 @@ def _cell(text: str, width: int, right: bool) -> str:
 
 
 def _row(cols: Sequence[_Column], values: Sequence[str], marks: str, width: int) -> str:
-    text = "  ".join(_cell(v, c[1], c[2]) for c, v in zip(cols, values, strict=True))
+    text = " ".join(_cell(v, c[1], c[2]) for c, v in zip(cols, values, strict=True))
     if marks:
-        text += "  " + marks
+        text += " " + marks
     return text[:width].ljust(width)
 
 

@@ -30,20 +30,20 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import io
 import os
-import select
 import shutil
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TextIO
 
 from .._types import PerProcess
+from ._stdio import ConsoleHook, console_stream, set_console_hook, write_text
 
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
+
+#: called on the console thread for more text: ``(text, done)``
+Producer = Callable[[], tuple[str, bool]]
 
 MAX_PENDING = 8 * 1024 * 1024
 # Tee'd lines are on the console before wait()/close() return - unless the
@@ -54,94 +54,6 @@ CONSOLE_FLUSH_TIMEOUT = 5.0
 _PIECE = 1 << 20
 STATUS_INTERVAL = 0.1
 _CLEAR_LINE = "\r\x1b[K"
-
-#: ``hook(stream, text)`` must write ``text`` to ``stream``.
-ConsoleHook = Callable[[TextIO, str], None]
-#: called on the console thread for more text: ``(text, done)``
-Producer = Callable[[], tuple[str, bool]]
-_hook: ConsoleHook | None = None
-
-
-def set_console_hook(hook: ConsoleHook | None) -> ConsoleHook | None:
-    """Route every console write of aiolaunch through ``hook(stream, text)``.
-
-    Use it to keep a progress display of your own intact: clear it, write,
-    redraw. ``None`` restores the default (which already handles tqdm).
-    Returns the previous hook. Called on aiolaunch's console thread.
-    """
-    global _hook
-    previous, _hook = _hook, hook
-    return previous
-
-
-def _stream(name: str) -> TextIO:
-    # Looked up at write time: a notebook swaps sys.stdout per cell.
-    return sys.stdout if name == "stdout" else sys.stderr
-
-
-def _tqdm_write_mode(stream: TextIO) -> object | None:
-    tqdm_mod = sys.modules.get("tqdm")
-    if tqdm_mod is None:
-        return None
-    cls = getattr(tqdm_mod, "tqdm", None)
-    instances = getattr(cls, "_instances", None)
-    if not instances:
-        return None
-    try:
-        mode: object = cls.external_write_mode(file=stream)  # type: ignore[union-attr]
-        return mode
-    except Exception:  # pragma: no cover - an odd tqdm
-        return None
-
-
-def _write(stream_name: str, text: str) -> None:
-    stream = _stream(stream_name)
-    if stream is None:
-        return
-    try:
-        if _hook is not None:
-            _hook(stream, text)
-            return
-        mode = _tqdm_write_mode(stream)
-        if mode is not None:
-            with mode:  # type: ignore[attr-defined]
-                stream.write(text)
-                stream.flush()
-        elif not _write_fd(stream, stream_name, text):
-            stream.write(text)
-            stream.flush()
-    except (OSError, ValueError):
-        # A closed or broken console must not take the supervisor down.
-        pass
-
-
-def _write_fd(stream: TextIO, stream_name: str, text: str) -> bool:
-    """Write ``text`` to the process's own fd 1/2 with ``os.write``, every byte.
-
-    Why not ``stream.write``: on Linux a blocking ``write()`` to a pipe may
-    return short, with no signal, while another thread of the process spawns
-    (``subprocess``' ``vfork``: the loop thread starting workers), and
-    CPython's buffered stdout (3.10-3.13) then drops the rest - measured:
-    5-25 % of a 16-worker tee into a pipe lost. A loop of ``os.write`` loses
-    nothing. Only where the stream *is* fd 1/2 (a notebook's or a test's
-    stream is written through); what it buffered is flushed first, so the
-    order is kept. Returns ``False`` where this does not apply.
-    """
-    want = 1 if stream_name == "stdout" else 2
-    try:
-        if not isinstance(stream, io.TextIOWrapper) or stream.fileno() != want:
-            return False
-        data = text.encode(stream.encoding or "utf-8", "replace")
-    except (AttributeError, OSError, ValueError):
-        return False
-    stream.flush()
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(want, view) :]
-        except BlockingIOError:  # someone made the console non-blocking
-            select.select([], [want], [])
-    return True
 
 
 class ConsoleWriter:
@@ -354,7 +266,7 @@ class ConsoleWriter:
         if cleared:
             text = _CLEAR_LINE + text
             self._status_shown[stream] = False
-        _write(stream, text)
+        write_text(stream, text)
         self.written += len(text)
         return cleared
 
@@ -373,7 +285,7 @@ class ConsoleWriter:
         self._last_draw = time.monotonic()
         for stream_name in ("stdout", "stderr"):
             texts = [t for (s, _), t in status.items() if s == stream_name]
-            stream = _stream(stream_name)
+            stream = console_stream(stream_name)
             try:
                 tty = stream is not None and stream.isatty()
             except (AttributeError, ValueError):
@@ -382,10 +294,10 @@ class ConsoleWriter:
                 continue
             if texts:
                 width = shutil.get_terminal_size().columns - 1
-                _write(stream_name, _CLEAR_LINE + " | ".join(texts)[: max(width, 10)])
+                write_text(stream_name, _CLEAR_LINE + " | ".join(texts)[: max(width, 10)])
                 self._status_shown[stream_name] = True
             elif self._status_shown.get(stream_name):
-                _write(stream_name, _CLEAR_LINE)
+                write_text(stream_name, _CLEAR_LINE)
                 self._status_shown[stream_name] = False
 
 

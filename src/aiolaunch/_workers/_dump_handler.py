@@ -12,7 +12,7 @@ Two signals, because threads and asyncio tasks need different code:
   Python stack to ``{dir}/{pid}.txt`` from inside the signal handler, in C:
   async-signal-safe, and it answers even when the main thread is stuck in C
   code or holds the GIL.
-- :data:`TASKS_SIGNAL` (SIGRTMIN+6): a Python handler, so it runs in the main
+- :data:`TASKS_SIGNAL` (SIGRTMIN+7): a Python handler, so it runs in the main
   thread between two bytecodes. It appends where each task of the main
   thread's running asyncio loop awaits (its coroutine chain, innermost first,
   in faulthandler's line format) between :data:`TASKS_HEADER` and
@@ -47,8 +47,9 @@ _RTMIN: int = getattr(_signal, "SIGRTMIN", 34)
 #: The signal of thread dumps (faulthandler; SIGRTMIN+5 on Linux: Slurm and
 #: libkineto own SIGUSR1/2).
 DUMP_SIGNAL: int = _RTMIN + 5
-#: The signal of asyncio task dumps (a Python handler in the main thread).
-TASKS_SIGNAL: int = _RTMIN + 6
+#: The signal of asyncio task dumps (a Python handler in the main thread;
+#: SIGRTMIN+6 is ``aiolaunch attach``'s).
+TASKS_SIGNAL: int = _RTMIN + 7
 #: Environment variable naming the folder of dumps and markers.
 STACKS_DIR_ENV = "AIOLAUNCH_STACKS_DIR"
 #: The first line of an asyncio task dump, and its last.

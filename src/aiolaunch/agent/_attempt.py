@@ -144,6 +144,8 @@ async def run_attempt(
         duplicate_stdout_filters=spec.duplicate_stdout_filters,
         duplicate_stderr_filters=spec.duplicate_stderr_filters,
         watchdog=spec.watchdog,
+        metrics_port=spec.metrics_port,
+        metrics_host=spec.metrics_host,
         preload=preload,
         **logs,
     )

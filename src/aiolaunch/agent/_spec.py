@@ -78,6 +78,10 @@ class WorkerSpec:
         the agent's ``CUDA_VISIBLE_DEVICES``, else ``local_rank``), as torch.
     :param watchdog: a :class:`aiolaunch.Watchdog` for every attempt's group
         (a restarted group is watched again from scratch).
+    :param metrics_port: serve every attempt's Prometheus metrics on this
+        port (see :func:`aiolaunch.start_processes`; the port is bound again
+        for each attempt); ``None``: no metrics.
+    :param metrics_host: the address to serve them on (``127.0.0.1``).
     """
 
     role: str
@@ -98,6 +102,8 @@ class WorkerSpec:
     duplicate_stderr_filters: list[str] | None = None
     virtual_local_rank: bool = False
     watchdog: Watchdog | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         # Validate here, before anything starts: each message names the field
@@ -143,6 +149,10 @@ class WorkerSpec:
 
             if not isinstance(self.watchdog, Watchdog):
                 raise TypeError(f"watchdog={self.watchdog!r} must be an aiolaunch.Watchdog or None")
+        if self.metrics_port is not None:
+            from .._validate import check_port
+
+            check_port("metrics_port", self.metrics_port, zero=True)
         for what, value in (("redirects", self.redirects), ("tee", self.tee)):
             if isinstance(value, dict):
                 bad = [r for r in value if not isinstance(r, int) or r >= self.local_world_size]
