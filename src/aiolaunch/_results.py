@@ -127,7 +127,7 @@ class ProcessFailure:
     #: place (``"ranks 0,2: all_reduce (distributed_c10d.py:2950) <- ..."``):
     #: set by a supervisor with a watchdog, which dumped their stacks first;
     #: ``""`` otherwise (aiolaunch's own field, not torch's)
-    others: str = field(init=False, default="")
+    others: str = field(init=False, default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.error_file_data = _empty_error_data()
