@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _helpers import driver
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -40,3 +42,23 @@ def test_service_stops_everything_on_ctrl_c() -> None:
     assert proc.returncode == 130, out + err
     assert "got SIGINT: stopping servers and clients" in out
     # every server and client is gone: the autouse leak check verifies it
+
+
+def test_readme_command_1_trains_without_warnings(tmp_path: Path) -> None:
+    # README's first command installs '.[torch]' and launches the DDP example.
+    # torch warns "Failed to initialize NumPy" at import where numpy is
+    # missing (its CPU wheel does not require it): the torch extra brings it
+    # (issue #27 item 9).
+    from importlib.metadata import requires
+
+    extra = [r for r in requires("aiolaunch") or [] if 'extra == "torch"' in r.replace("'", '"')]
+    assert any(r.startswith("numpy") for r in extra), extra
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, "-m", "aiolaunch", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLES / "ddp_train.py"), "--steps", "40", "--log-every", "20"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NumPy" not in out.stdout + out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr

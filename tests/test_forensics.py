@@ -778,7 +778,10 @@ async def test_status_without_log_dir_finds_the_one_running_job(
     (run / "aiolaunch").mkdir(mode=0o700)
     stale = run / "aiolaunch" / "999999999-0"  # a supervisor that was SIGKILLed
     stale.symlink_to(tmp_path / "gone" / "control.sock")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # The client also reads {TMPDIR}/aiolaunch-<uid> (jobs started without
+    # $XDG_RUNTIME_DIR): a private one, so that no other job is seen.
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path / "tmp")}
     async with aiolaunch.start_processes(
         "one", hang, {0: (0, 1)}, _envs(1), log_dir=tmp_path / "logs", redirects=Std.ALL,
     ) as ctx:  # fmt: skip

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -22,7 +23,6 @@ import pytest
 from _helpers import alive, driver, start, wait_dead
 
 if TYPE_CHECKING:
-    import subprocess
     from collections.abc import Iterator
     from pathlib import Path
 
@@ -392,3 +392,55 @@ def test_second_ctrl_c_outside_wait_kills_workers_before_exit(tmp_path: Path) ->
     assert not alive(pid), err
     assert "sending SIGKILL to the workers now" in err
     assert "KeyboardInterrupt" in err
+
+
+CLEANUP = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    marks = sys.argv[1]
+    def on_term(*_):
+        open(os.path.join(marks, f"began.{os.environ['LOCAL_RANK']}"), "w").close()
+        time.sleep(6)  # a checkpoint that takes a while
+        open(os.path.join(marks, f"done.{os.environ['LOCAL_RANK']}"), "w").close()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    open(os.path.join(marks, f"up.{os.environ['LOCAL_RANK']}"), "w").close()
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+@pytest.mark.parametrize("launcher", ["aiolaunch", "torchrun"])
+def test_second_sigterm_cuts_the_cleanup_where_torchrun_waits_it_out(
+    tmp_path: Path, launcher: str
+) -> None:
+    # docs/migration.md: aiolaunch escalates on a second SIGTERM, torchrun
+    # does not (it waits for the workers' cleanup). Behaviour, not timing:
+    # whether the workers' cleanup got to its end. The times are measured
+    # in benchmarks/second_signal.py.
+    if launcher == "torchrun":
+        pytest.importorskip("torch.distributed.run")
+    prog = ["-m", "aiolaunch"] if launcher == "aiolaunch" else ["-m", "torch.distributed.run"]
+    script, marks = tmp_path / "w.py", tmp_path / "marks"
+    script.write_text(CLEANUP)
+    marks.mkdir()
+    argv = [sys.executable, *prog, "--nproc-per-node", "2", str(script), str(marks)]
+    with driver(argv, stdout=subprocess.DEVNULL) as proc:
+        deadline = time.monotonic() + 120
+        while len(list(marks.glob("up.*"))) < 2 or not _catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, "workers never started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        while len(list(marks.glob("began.*"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "SIGTERM not forwarded"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    done = sorted(p.name for p in marks.glob("done.*"))
+    if launcher == "aiolaunch":
+        assert done == [], err  # SIGKILLed in the middle of the cleanup
+        assert "sending SIGKILL" in err
+    else:
+        assert done == ["done.0", "done.1"], err  # torchrun waited it out

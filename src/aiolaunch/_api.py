@@ -6,7 +6,6 @@ import asyncio
 import os
 import socket
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -15,7 +14,7 @@ from ._errors import MainProcessError, SignalException, WorkerError
 from ._kinds import MultiprocessContext, SubprocessContext
 from ._logs import LogWiring
 from ._logs._filters import check_filters
-from ._logs._specs import LogsSpecs, plain_logs_dest, prune_empty_dirs
+from ._logs._specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
 from ._metrics import closed_on_error, metrics_binder
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
@@ -285,8 +284,9 @@ def start_processes(
         default=DEFAULT_SIGNALS_TO_HANDLE,
     )
     only_forwarded = resolve_signals(
-        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default=""
-    )
+        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default="",
+        strict_env=True,  # a typo would let the preemption signal kill the supervisor
+    )  # fmt: skip
     warm = None
     if preload is not None and preload is not False:
         from ._workers._preload import resolve_preload
@@ -312,7 +312,7 @@ def start_processes(
         if logs_specs is not None:
             dest = logs_specs.reify(envs_)
         elif log_dir is None:
-            folder = tempfile.mkdtemp(prefix=f"aiolaunch_{name}_")
+            folder = make_temp_dir(f"aiolaunch_{name}_")  # the guardian knows it too
             try:
                 dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
             except BaseException:

@@ -7,7 +7,8 @@ runs as ``__main__`` (``sys.modules["__main__"]`` is its module, so
 multiprocessing's spawn finds it), ``sys.path[0]`` is the script's folder (or
 the current folder for ``-m``), and the exit status is the program's (an
 uncaught exception: its traceback, without the bootstrap's frames, and
-status 1; ``sys.exit(n)``: ``n``).
+status 1; ``sys.exit(n)``: ``n``; a script that cannot be opened: python's
+one line, status 2).
 
 Before the program starts, :func:`aiolaunch._workers._dump_handler.register` installs the
 stack-dump handlers when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
@@ -48,8 +49,12 @@ def main(argv: list[str], dumps: bool = True) -> None:
         else:
             script = argv[0]
             sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(script))
-            _run_script(script)
+            if os.path.isdir(script):  # a folder with __main__.py, as python runs it
+                sys.path[0] = script
+                runpy.run_path(script, run_name="__main__")
+            else:
+                sys.path[0] = os.path.dirname(os.path.abspath(script))
+                _run_script(script)
     except Exception as exc:
         # As python would: the traceback (through sys.excepthook, which the
         # program may have replaced), then status 1 - minus our own frames.
@@ -65,7 +70,16 @@ def main(argv: list[str], dumps: bool = True) -> None:
 def _run_script(path: str) -> None:
     # runpy.run_path would do the same for a plain file, but imports pkgutil
     # and typing first: ~10 ms more in every worker's start.
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except OSError as exc:
+        # As python: one line and status 2 (torchrun's workers exit 2 too).
+        sys.stderr.write(
+            f"{sys.executable}: can't open file {os.path.abspath(path)!r}: "
+            f"[Errno {exc.errno}] {exc.strerror}\n"
+        )
+        raise SystemExit(2) from None
+    with f:
         code = compile(f.read(), path, "exec")
     main = type(sys)("__main__")
     main.__dict__.update(

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -85,6 +86,13 @@ class ControlServer:
         self._server = server
         self._idle = idle
         self._entry = _register(os.path.abspath(link))
+        # Removed by the guardian if the supervisor dies before remove().
+        from ._workers._guardian import clean_up_after
+
+        left = [("F", link)] + ([("T", tmpdir)] if tmpdir else [])
+        if self._entry is not None:
+            left += [("F", self._entry), ("P", os.path.dirname(self._entry))]
+        self._forget = [clean_up_after(kind, path) for kind, path in left]
 
     @classmethod
     async def start(
@@ -162,6 +170,8 @@ class ControlServer:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self._entry))
             self._entry = None
+        for forget in self._forget:
+            forget()
 
 
 class _Idle:
@@ -231,27 +241,58 @@ def _unbind(link: str, real: str, tmpdir: str | None) -> None:
 # `aiolaunch status` with no LOG_DIR finds the job through it: torchrun users
 # rarely pass --log-dir. Entries are symlinks {pid}-{n} -> the control socket,
 # in a folder only this user can write; a supervisor killed by SIGKILL leaves a
-# stale entry, which clients remove.
+# stale entry, which clients remove. A job registers in the first of
+# registry_dirs(); clients read them all, because a job started from cron or
+# nohup (no $XDG_RUNTIME_DIR, or another $TMPDIR) registers elsewhere than a
+# login shell would.
+
+
+def registry_dirs() -> list[str]:
+    """The writer's registry folder, then the other place a job of this user may be.
+
+    With ``$XDG_RUNTIME_DIR``: ``$XDG_RUNTIME_DIR/aiolaunch``, then
+    ``{temp}/aiolaunch-<uid>`` (where a job started from cron or ``nohup``,
+    without it, registers). Without: ``{temp}/aiolaunch-<uid>``, then
+    ``/run/user/<uid>/aiolaunch`` (a login shell's ``$XDG_RUNTIME_DIR``).
+    """
+    uid = os.getuid()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    temp = os.path.join(tempfile.gettempdir(), f"aiolaunch-{uid}")
+    if runtime:
+        places = [os.path.join(runtime, "aiolaunch"), temp]
+    else:
+        places = [temp, f"/run/user/{uid}/aiolaunch"]
+    return list(dict.fromkeys(os.path.abspath(p) for p in places))
+
+
+def unsafe_registry(path: str) -> str | None:
+    """``None`` if ``path`` is a private folder of this user (or absent), else why not."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a folder"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {st.st_uid}), not to you (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}, not 700)"
+    return None
 
 
 def registry_dir(create: bool = False) -> str | None:
-    """``$XDG_RUNTIME_DIR/aiolaunch`` or ``/tmp/aiolaunch-<uid>``; ``None`` if unsafe."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    path = (
-        os.path.join(runtime, "aiolaunch")
-        if runtime
-        else os.path.join(tempfile.gettempdir(), f"aiolaunch-{os.getuid()}")
-    )
+    """Where this process registers its groups (the first of :func:`registry_dirs`);
+    ``None`` if it is unsafe - another user could have planted it in /tmp."""
+    path = registry_dirs()[0]
     try:
         if create:
             os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.lstat(path)
+        os.lstat(path)
     except OSError:
         return None
-    # Another user could have planted it in /tmp: use only our own private folder.
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
-    return path
+    return None if unsafe_registry(path) else path
 
 
 _registered = itertools.count()
@@ -262,6 +303,13 @@ def _register(sock: str) -> str | None:
     for _ in range(3):  # another group may remove the empty folder in between
         folder = registry_dir(create=True)
         if folder is None:
+            why = unsafe_registry(registry_dirs()[0])
+            if why is not None:
+                logging.getLogger("aiolaunch").warning(
+                    "aiolaunch: %s: `aiolaunch status` without LOG_DIR will not find this "
+                    "group; remove that folder (another user may have planted it)",
+                    why,
+                )
             return None
         try:
             os.symlink(sock, os.path.join(folder, entry))

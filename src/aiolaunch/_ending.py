@@ -166,8 +166,8 @@ class GroupEnding:
 
         ``decided``: ``wait()`` saw the outcome and awaits this. Then only
         what the outcome needs happens before the result: the workers, their
-        groups and process trees; the token scan for escaped daemons (a
-        thread hop and ~60 us per process) is left to the aftermath, and so
+        groups and process trees; the token scan for escaped daemons (~60 us
+        per process, on the loop) is left to the aftermath, and so
         is removing the deadline file - not even written when no worker is
         left alive to read it.
         """

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from ._commands import dispatch, status_answer
 from ._dumper import StackDumper, check_dump_timeout
+from ._logs._specs import make_temp_dir, prune_empty_dirs
 from ._observe import LiveView
 from ._report import AtFailure, RunReport, Straggler, write_report
 from ._sampler import StackSampler
@@ -44,6 +45,7 @@ from ._status import worker_statuses
 from ._straggler_watch import StragglerWatch
 from ._watchdog import Sampler
 from ._watcher import StallWatcher
+from ._workers._guardian import clean_up_after
 
 if TYPE_CHECKING:
     import socket
@@ -128,6 +130,7 @@ class Forensics:
             straggling=self.stragglers.straggling if self.stragglers is not None else None,
         )  # fmt: skip
         self._server: ControlServer | None = None
+        self._forget_stacks: Callable[[], None] = lambda: None
         self._server_task: asyncio.Task[None] | None = None
         self._closed = False
         #: the paths of the last report written
@@ -173,6 +176,8 @@ class Forensics:
             os.makedirs(self.stacks_dir, mode=0o700, exist_ok=True)
         except OSError as exc:  # dumps are impossible; the job runs on
             logger.warning("aiolaunch: no stacks folder %s: %s", self.stacks_dir, exc)
+        # removed by the guardian if the supervisor dies before cleanup()
+        self._forget_stacks = clean_up_after("T", self.stacks_dir)
         make_files()
         try:
             self._server = await ControlServer.start(self.log_dir, lambda r: dispatch(self, r))
@@ -226,8 +231,11 @@ class Forensics:
         self.stacks.close()
         self.live.close()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
+        self._forget_stacks()
         if self._own_dir and not self.dumper.count and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._own_dir:  # gone, or kept with stacks or a report; the guardian forgets it
+            prune_empty_dirs([self.log_dir])
 
     # -- what clients see -----------------------------------------------------
     def status(self) -> list[WorkerStatus]:
@@ -262,10 +270,7 @@ class Forensics:
         :raises ValueError: an unknown rank, or ``timeout`` not a finite number > 0.
         """
         timeout = check_dump_timeout("dump_stacks(timeout)", timeout)
-        nprocs = self._state.nprocs
-        bad = [r for r in ranks or () if r not in range(nprocs)]
-        if bad:
-            raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
+        _check_ranks(ranks, self._state.nprocs)
         return (await self.dump(ranks, timeout)).stacks
 
     # -- the first failure -----------------------------------------------------
@@ -314,13 +319,21 @@ class Forensics:
         return d
 
 
+def _check_ranks(ranks: object, nprocs: int) -> None:
+    if ranks is not None and not isinstance(ranks, list | tuple | set | frozenset | range):
+        raise TypeError(f"dump_stacks(ranks={ranks!r}) must be a list of local ranks or None")
+    bad = [r for r in ranks or () if isinstance(r, bool) or r not in range(nprocs)]
+    if bad:
+        raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
+
+
 def _group_dir(error_files: Mapping[int, str]) -> tuple[str, bool]:
     # The folder holding the rank folders: {log_dir} in aiolaunch's layout,
     # {run}/attempt_N in torch's. Without one (logs to /dev/null), our own.
     for path in error_files.values():
         if path and path != os.devnull:
             return os.path.dirname(os.path.dirname(path)), False
-    return tempfile.mkdtemp(prefix="aiolaunch_forensics_"), True
+    return make_temp_dir("aiolaunch_forensics_"), True
 
 
 async def dump_at_failure(state: GroupState, dumper: StackDumper) -> AtFailure | None:

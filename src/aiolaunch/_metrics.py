@@ -268,11 +268,17 @@ def url_of(sock: socket.socket) -> str:
 class MetricsServer:
     """``GET /metrics`` on a bound socket until :meth:`aclose`; ``collect()`` gives the text."""
 
-    def __init__(self, server: asyncio.AbstractServer, sock: socket.socket) -> None:
+    def __init__(
+        self,
+        server: asyncio.AbstractServer,
+        sock: socket.socket,
+        conns: set[asyncio.Task[None]],
+    ) -> None:
         self._server = server
         host, port = sock.getsockname()[:2]
         self.address: tuple[str, int] = (host, port)
-        self._conns: set[asyncio.Task[None]] = set()
+        # The connection tasks, added and removed by serve() (see start()).
+        self._conns = conns
 
     @property
     def url(self) -> str:
@@ -282,16 +288,16 @@ class MetricsServer:
     @classmethod
     async def start(cls, sock: socket.socket, collect: Callable[[], str]) -> MetricsServer:
         """Serve on ``sock`` (from :func:`bind_metrics`; the server owns it from here)."""
-        box: list[MetricsServer] = []
+        conns: set[asyncio.Task[None]] = set()
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            box[0]._conns.add(task)
+            conns.add(task)
             try:
                 await _http(reader, writer, collect)
             finally:
-                box[0]._conns.discard(task)
+                conns.discard(task)
                 writer.close()
 
         try:
@@ -299,8 +305,7 @@ class MetricsServer:
         except BaseException:
             sock.close()
             raise
-        box.append(cls(server, sock))
-        return box[0]
+        return cls(server, sock, conns)
 
     def close(self) -> None:
         """Stop listening and end open connections. Idempotent."""

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._results import root_cause, tail_lines
+from ._results import root_cause, stderr_tail
 
 if TYPE_CHECKING:
     from collections.abc import Container, Iterable, Mapping
@@ -49,6 +49,8 @@ class RootCause:
     traceback: str | None
     error_file: str
     stderr_tail: list[str]
+    #: why there is no tail (stderr went to the console, /dev/null, nothing written)
+    stderr_note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class RunReport:
         failed = stopped_list = None
         if result is not None and result.failures:
             rank, f = root_cause(result.failures)
+            tail, no_tail = stderr_tail((stderrs or {}).get(rank, ""), _TAIL_LINES)
             cause = RootCause(
                 rank=rank,
                 pid=f.pid,
@@ -145,7 +148,8 @@ class RunReport:
                 message=f.error_message,
                 traceback=f.py_callstack,
                 error_file=f.error_file,
-                stderr_tail=tail_lines((stderrs or {}).get(rank, ""), _TAIL_LINES),
+                stderr_tail=tail,
+                stderr_note=no_tail,
             )
             failed = sorted(r for r in result.failures if r not in forced)
             stopped_list = sorted(r for r in stopped if r not in result.failures)
@@ -217,6 +221,8 @@ class RunReport:
             if root.stderr_tail:
                 out.append("  last stderr lines:")
                 out += [f"    {line}" for line in root.stderr_tail]
+            elif root.stderr_note:
+                out.append(f"  no stderr lines here: {root.stderr_note}")
             out.append(f"Failed on their own: {self.failed or 'none'}")
             out.append(f"Stopped by aiolaunch: {self.stopped_by_aiolaunch or 'none'}")
         if self.verdict is not None:

@@ -62,6 +62,25 @@ def tail_lines(path: str, n: int) -> list[str]:
     return list(deque(lines, maxlen=n))
 
 
+def stderr_tail(path: str, n: int) -> tuple[list[str], str | None]:
+    """The last ``n`` lines of a worker's stderr (``path``: its entry in
+    ``stderrs``) and, when there are none, why not - for the run report.
+
+    ``""`` means the stream went to the console: the supervisor never saw it
+    (the worker writes the terminal itself), so only the terminal has it.
+    """
+    if path == "":
+        return [], (
+            "its stderr went to the console (aiolaunch's own stderr), not to a log file: "
+            "the last lines are there; -t 2 or -r 2 (tee= or redirects=Std.ERR) keep them "
+            "in a log file"
+        )
+    if path == os.devnull:
+        return [], "its stderr was discarded (/dev/null)"
+    lines = tail_lines(path, n)
+    return lines, None if lines else f"nothing in {path}"
+
+
 def _empty_error_data() -> JSON:
     # A fresh dict each time: torch shares (and mutates) one module-level dict.
     return {"message": "<NONE>"}

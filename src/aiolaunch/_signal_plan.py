@@ -98,12 +98,16 @@ def parse_signals(spec: object, *, what: str, strict: bool) -> frozenset[signal.
 
 
 def resolve_signals(
-    keyword: object, *, what: str, env: str, default: str
+    keyword: object, *, what: str, env: str, default: str, strict_env: bool = False
 ) -> frozenset[signal.Signals]:
-    """The keyword's signals, or (keyword ``None``) those of ``$env``, or ``default``."""
+    """The keyword's signals, or (keyword ``None``) those of ``$env``, or ``default``.
+
+    ``strict_env``: a bad name in ``$env`` raises too (aiolaunch's own
+    variables); otherwise it is skipped with a warning, as torch reads its own.
+    """
     if keyword is not None:
         return parse_signals(keyword, what=what, strict=True)
-    return parse_signals(os.environ.get(env, default), what=f"${env}", strict=False)
+    return parse_signals(os.environ.get(env, default), what=f"${env}", strict=strict_env)
 
 
 class SignalPlan:

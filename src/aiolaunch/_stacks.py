@@ -60,16 +60,56 @@ __all__ = [
 _TASKS_TIMEOUT = 1.0
 
 
-def handles(pid: int, sig: int) -> bool:
-    """Whether ``/proc/<pid>/status`` shows a handler for ``sig`` (``SigCgt``)."""
+#: how messages name :data:`DUMP_SIGNAL`
+DUMP_SIGNAL_NAME = "SIGRTMIN+5"
+
+
+def _sigmasks(pid: int, sig: int = DUMP_SIGNAL) -> dict[bytes, bool]:
+    """Whether ``sig`` is in each ``Sig*`` mask of ``/proc/<pid>/status``
+    (``SigCgt``: caught, ``SigIgn``: ignored, ``SigBlk``: blocked); ``{}`` if gone."""
+    masks: dict[bytes, bool] = {}
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith(b"SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+                if line.startswith(b"Sig") and line[6:7] == b":":
+                    masks[line[:6]] = bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     except (OSError, ValueError):
         pass
-    return False
+    return masks
+
+
+def handles(pid: int, sig: int) -> bool:
+    """Whether ``/proc/<pid>/status`` shows a handler for ``sig`` (``SigCgt``)."""
+    return _sigmasks(pid, sig).get(b"SigCgt", False)
+
+
+def silent_reason(pid: int, timeout: float) -> str:
+    """Why ``pid``, sent the dump signal, wrote nothing within ``timeout`` (one line)."""
+    stat = read_stat(pid)
+    state = "" if stat is None else stat.state
+    if state in ("", "Z", "X"):
+        return f"<pid {pid} has exited>"
+    if state in ("T", "t"):
+        return (
+            f"<pid {pid} is stopped (SIGSTOP, Ctrl-Z or a debugger): it dumps once continued "
+            "(kill -CONT)>"
+        )
+    if state == "D":
+        return (
+            f"<pid {pid} did not answer within {timeout:g}s: it is in uninterruptible sleep "
+            "(D state: I/O or a driver call)>"
+        )
+    masks = _sigmasks(pid)
+    if masks.get(b"SigBlk"):
+        return (
+            f"<pid {pid} did not answer within {timeout:g}s: it blocks the dump signal "
+            f"({DUMP_SIGNAL_NAME}) in its signal mask>"
+        )
+    return (
+        f"<pid {pid} did not answer within {timeout:g}s although it runs: its handler for "
+        f"the dump signal ({DUMP_SIGNAL_NAME}) is not aiolaunch's - the program replaced it "
+        "(signal.signal or a library); leave that signal to aiolaunch, or install py-spy>"
+    )
 
 
 def start_time(pid: int) -> str | None:
@@ -90,8 +130,17 @@ def registered(directory: str, pid: int) -> str | None:
         )
     if started and started != start_time(pid):
         return "not registered for stack dumps (its pid belongs to another process now)"
-    if not handles(pid, DUMP_SIGNAL):
-        return "no longer handles the dump signal (it exec'd another program?)"
+    masks = _sigmasks(pid)
+    if masks.get(b"SigIgn"):
+        return (
+            f"ignores the dump signal ({DUMP_SIGNAL_NAME}): the program set SIG_IGN for it; "
+            "leave that signal to aiolaunch"
+        )
+    if not masks.get(b"SigCgt"):
+        return (
+            f"no longer handles the dump signal ({DUMP_SIGNAL_NAME}): it exec'd another "
+            "program, or reset the handler to SIG_DFL"
+        )
     return None
 
 
@@ -142,9 +191,7 @@ async def dump_stacks(
     texts = await _collect(directory, targets, DUMP_SIGNAL, deadline, thread_dump_done)
     for rank, pid in targets.items():
         text = texts.get(rank)
-        out[rank] = text or (
-            f"<pid {pid} did not answer within {timeout:g}s (stopped, or in uninterruptible sleep)>"
-        )
+        out[rank] = text or silent_reason(pid, timeout)
     idle = {
         rank: pid
         for rank, pid in targets.items()

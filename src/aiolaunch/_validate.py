@@ -28,6 +28,10 @@ __all__ = [
 ]
 
 
+# A file name holds 255 bytes: "aiolaunch_{name}_" + mkdtemp's 8 characters.
+_MAX_TEMP_NAME = 255 - len("aiolaunch__") - 8
+
+
 def _check_rank_keys(what: str, d: Mapping[int, Any], nprocs: int) -> None:
     keys = set(d)
     want = set(range(nprocs))
@@ -297,6 +301,12 @@ def check_start_inputs(
                     f"name={name!r} contains {bad[0]!r}, which cannot be part of the "
                     "temporary log folder's name (log_dir=None); use a name without it, "
                     "or pass log_dir"
+                )
+            if len(os.fsencode(name)) > _MAX_TEMP_NAME:
+                raise ValueError(
+                    f"name={name[:20]!r}... is {len(os.fsencode(name))} bytes long, too long "
+                    f"for the temporary log folder's name (log_dir=None: at most "
+                    f"{_MAX_TEMP_NAME}); use a shorter name, or pass log_dir"
                 )
         else:
             if not isinstance(log_dir, str | os.PathLike):

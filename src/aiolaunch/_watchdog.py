@@ -35,13 +35,22 @@ from ._workers._proc import parse_stat
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["RankActivity", "Sampler", "Watchdog"]
+__all__ = ["RankActivity", "Sampler", "Watchdog", "matches_every_line"]
 
 _ACTIONS = ("observe", "fail", "restart")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: the shortest window ``RankActivity.cpu_percent`` is measured over (seconds)
 CPU_WINDOW = 0.5
+
+
+def matches_every_line(pattern: str) -> bool:
+    """Whether ``pattern``, searched in each line, matches every line: it
+    matches the empty string (``""``, ``".*"``, ``"x?"``).
+
+    :raises re.error: not a regular expression.
+    """
+    return re.compile(pattern).search("") is not None
 
 
 @dataclass(frozen=True)
@@ -159,11 +168,17 @@ class Watchdog:
                     f"Watchdog(progress={self.progress!r}) must be a regular expression (a str)"
                 )
             try:
-                re.compile(self.progress)
+                every = matches_every_line(self.progress)
             except re.error as exc:
                 raise ValueError(
                     f"Watchdog(progress={self.progress!r}) is not a valid regular expression: {exc}"
                 ) from None
+            if every:
+                raise ValueError(
+                    f"Watchdog(progress={self.progress!r}) matches every line (it matches an "
+                    "empty one), so any output would count as progress; pass a pattern of "
+                    "your progress lines, e.g. progress=r'^step \\d+', or None for any output"
+                )
 
     @property
     def period(self) -> float:

@@ -501,3 +501,76 @@ def test_full_pipe_while_the_console_is_stuck(tmp_path: Path) -> None:
     nums = [int(l.split()[1]) for l in lines[:-1]]
     assert nums == list(range(len(nums)))
     assert f"[w0]:line {len(nums):08d} {'y' * 80}".startswith(lines[-1])
+
+
+# -- supervisor killed by a signal it does not handle ------------------------------
+
+PARKED = """
+import os, sys, time
+open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+while True:
+    time.sleep(3600)
+"""
+
+API_SUPERVISOR = """
+import asyncio, sys
+import aiolaunch
+
+async def main():
+    worker, marks = sys.argv[1], sys.argv[2]
+    async with aiolaunch.start_processes(
+        "g", sys.executable, {0: (worker, marks), 1: (worker, marks)}, {0: {}, 1: {}},
+    ) as ctx:
+        await ctx.wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["cli", "api"])
+def test_supervisor_killed_by_an_unhandled_signal_leaves_no_temp_folder(
+    tmp_path: Path, how: str
+) -> None:
+    # A preemption SIGUSR1 the supervisor does not handle kills it (issue #27
+    # item 9): its workers die (the guardian), and now so does what it made
+    # in the temp folder - the log folders (empty here), .aiolaunch-stacks,
+    # the control socket, the registry entry. Before: all of it was left.
+    import os
+    import subprocess
+
+    from _helpers import driver
+    from _helpers import wait_dead as dead_within
+
+    tmp, marks = tmp_path / "tmp", tmp_path / "marks"
+    tmp.mkdir()
+    marks.mkdir()
+    worker = tmp_path / "worker.py"
+    worker.write_text(PARKED)
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("XDG_RUNTIME_DIR", None)  # the registry goes to the private temp folder too
+    if how == "cli":
+        argv = [sys.executable, "-m", "aiolaunch", "--nproc-per-node", "2", str(worker), str(marks)]
+    else:
+        (tmp_path / "sup.py").write_text(API_SUPERVISOR)
+        argv = [sys.executable, str(tmp_path / "sup.py"), str(worker), str(marks)]
+    with driver(argv, env=env, stdout=subprocess.DEVNULL) as proc:
+        deadline = time.monotonic() + 60
+        registry = tmp / f"aiolaunch-{os.getuid()}"
+        while len(os.listdir(marks)) < 2 or not (
+            list(tmp.rglob("control.sock"))
+            and list(tmp.rglob(".aiolaunch-stacks"))
+            and registry.is_dir()
+            and os.listdir(registry)
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.05)
+        pids = [int(p) for p in os.listdir(marks)]
+        left_while_running = sorted(p.name for p in tmp.iterdir())
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGUSR1, err
+    assert dead_within(pids, 30) == []  # the workers die with it (kept)
+    deadline = time.monotonic() + 30
+    while os.listdir(tmp) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the guardian cleans up after its /proc scans (~0.6 s)
+    assert os.listdir(tmp) == [], (left_while_running, sorted(str(p) for p in tmp.rglob("*")))

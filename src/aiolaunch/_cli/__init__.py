@@ -13,11 +13,11 @@ Only the standard library is imported until the arguments are parsed, so
 
 from __future__ import annotations
 
+from ._checks import parse_endpoint
 from ._config import (
     LaunchConfig,
     config_from_args,
     determine_local_world_size,
-    parse_endpoint,
     parse_min_max_nnodes,
     parse_rdzv_conf,
     run_script_path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -68,12 +69,36 @@ def _parser(verb: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def _ask(verb: str, log_dir: str | None, req: dict[str, Any]) -> dict[str, Any] | None:
-    """The job's answer to ``req``; ``None`` once the error is printed."""
-    from ._live import find_socket
+def _seconds(text: str) -> float:
+    """A ``type`` for a duration: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds > 0 (finite); e.g. --timeout 5"
+        )
+    return value
+
+
+def _ask(
+    verb: str, log_dir: str | None, req: dict[str, Any], wait: float = 60.0
+) -> dict[str, Any] | None:
+    """The job's answer to ``req`` within ``wait`` seconds; ``None`` once the error is printed."""
+    from ._live import find_socket, permission_message
 
     try:
-        answer = request(find_socket(log_dir), req, timeout=60.0)
+        path = find_socket(log_dir)
+        try:
+            answer = request(path, req, timeout=wait)
+        except PermissionError:
+            raise PermissionError(permission_message(path)) from None
+        except ConnectionRefusedError:
+            raise ConnectionRefusedError(
+                f"{path} does not answer: its job ended without removing it (killed?); "
+                "no aiolaunch group is running there"
+            ) from None
     except (OSError, ValueError) as exc:
         print(f"aiolaunch {verb}: {exc}", file=sys.stderr)
         return None
@@ -133,9 +158,12 @@ def status_main(argv: Sequence[str]) -> int:
 def stacks_main(argv: Sequence[str]) -> int:
     """``aiolaunch stacks [LOG_DIR] [--json]``: dump every rank's stacks and the verdict."""
     p = _parser("stacks", "Dump every rank's Python stacks and name the outlier.")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per dump")
+    p.add_argument(
+        "--timeout", type=_seconds, default=5.0, help="seconds to wait per dump (default: 5)"
+    )
     args = p.parse_args(list(argv))
-    answer = _ask("stacks", args.log_dir, {"cmd": "stacks", "timeout": args.timeout})
+    req = {"cmd": "stacks", "timeout": args.timeout}
+    answer = _ask("stacks", args.log_dir, req, wait=60.0 + args.timeout)
     if answer is None:
         return 1
     if args.json:

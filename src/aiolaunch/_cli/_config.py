@@ -5,6 +5,7 @@ Nothing starts here; torch is imported only for the options that need it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -13,7 +14,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._workers._runpath import run_script_path
-from ._parser import DEFAULT_MASTER_PORT, DEFAULT_SIGNALS
+from ._checks import (
+    check_event_log_handler,
+    check_log_dir,
+    check_metrics,
+    check_node,
+    endpoint_of,
+    load_logs_specs_class,
+    local_ranks,
+    numa_from_flag,
+    parse_endpoint,
+    shutdown_timeout,
+    signal_environ,
+    std_setting,
+    watchdog_from_args,
+)
+from ._parser import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
     import argparse
@@ -48,7 +64,7 @@ def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
             f'--nnodes={nnodes!r} must be a number or "MIN:MAX", e.g. --nnodes 2 or --nnodes 1:4'
         ) from None
     if not 0 < lo <= hi:
-        raise ValueError(f"--nnodes={nnodes!r}: need 0 < MIN <= MAX")
+        raise ValueError(f"--nnodes={nnodes!r}: need 0 < MIN <= MAX, e.g. --nnodes 2 or 1:4")
     return lo, hi
 
 
@@ -69,35 +85,6 @@ def parse_rdzv_conf(conf: str) -> dict[str, str]:
     return out
 
 
-def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | None]:
-    """``"host[:port]"`` (``[v6]:port`` too) → ``(host, port)`` (torch's rules)."""
-    endpoint = endpoint.strip()
-    if not endpoint:
-        return "localhost", default_port
-    if endpoint.startswith("[") and endpoint.endswith("]"):
-        host, rest = endpoint, None
-    else:
-        host, sep, rest_ = endpoint.rpartition(":")
-        if not sep:
-            host, rest = endpoint, None
-        else:
-            rest = rest_
-    if len(host) > 1 and host[0] == "[" and host[-1] == "]":
-        host = host[1:-1]
-    port = default_port
-    if rest is not None:
-        if not rest.isdigit() or not 0 <= int(rest) < 65536:
-            raise ValueError(
-                f"the port of the endpoint {endpoint!r} must be an integer in 0..65535"
-            )
-        port = int(rest)
-    if not re.match(r"^[\w.:-]+$", host):
-        raise ValueError(
-            f"the host of the endpoint {endpoint!r} must be a hostname, an IPv4 or an IPv6 address"
-        )
-    return host, port
-
-
 def determine_local_world_size(nproc_per_node: str) -> int:
     """``--nproc-per-node``: an int, or ``cpu``/``gpu``/``xpu``/``auto`` (torch's rules)."""
     try:
@@ -106,7 +93,10 @@ def determine_local_world_size(nproc_per_node: str) -> int:
         pass
     else:
         if n < 1:
-            raise ValueError(f"--nproc-per-node={nproc_per_node!r} must be >= 1")
+            raise ValueError(
+                f"--nproc-per-node={nproc_per_node!r} must be >= 1 (workers on this machine), "
+                "e.g. --nproc-per-node 4"
+            )
         return n
     if nproc_per_node == "cpu":
         return _cpu_count()
@@ -148,8 +138,6 @@ class LaunchConfig:
     shutdown_timeout: float
     log_line_prefix_template: str | None
     torch_handler: Any = None
-    #: warm start: the zygote's modules (--preload / the default), or None
-    preload: Preload | None = None
     warnings: list[str] = field(default_factory=list)
     #: set in this process's environment before the agent starts
     environ: dict[str, str] = field(default_factory=dict)
@@ -157,6 +145,10 @@ class LaunchConfig:
     exit_code: str = "torchrun"
     #: one-line notices for stderr (what was taken from Slurm)
     notices: list[str] = field(default_factory=list)
+    #: warm start: the zygote's modules (--preload / the default), or None
+    preload: Preload | None = None
+    #: --log-dir as given (also where ``logs_specs`` holds it)
+    log_root: str | None = None
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -170,9 +162,19 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     slurm = apply_slurm(args, os.environ)  # fills what the user left out, under Slurm
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
-    if args.monitor_interval <= 0:
-        raise ValueError(f"--monitor-interval={args.monitor_interval} must be > 0")
+        raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0, e.g. --max-restarts 3")
+    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
+        raise ValueError(
+            f"--monitor-interval={args.monitor_interval} must be a number of seconds > 0, "
+            "e.g. --monitor-interval 0.1"
+        )
+    if not args.role:
+        raise ValueError("--role='' must be a non-empty name, e.g. --role trainer")
+    check_log_dir(args.log_dir)
+    if args.run_path and args.module:
+        raise ValueError(
+            "--run-path and --module cannot be used together: --run-path runs a file; drop one"
+        )
     nproc = determine_local_world_size(args.nproc_per_node)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if args.virtual_local_rank and visible is not None and nproc > len(visible.split(",")):
@@ -180,25 +182,22 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             f"--virtual-local-rank with --nproc-per-node={nproc}, but CUDA_VISIBLE_DEVICES="
             f"{visible} names {len(visible.split(','))} device(s); start fewer workers"
         )
-    redirects = _std(Std, "--redirects", args.redirects)
-    tee = _std(Std, "--tee", args.tee)
-    ranks: set[int] | None = None
-    if args.local_ranks_filter:
-        try:
-            ranks = {int(r) for r in args.local_ranks_filter.split(",")}
-        except ValueError:
+    redirects = std_setting(Std, "--redirects", args.redirects)
+    tee = std_setting(Std, "--tee", args.tee)
+    ranks = local_ranks(args.local_ranks_filter, nproc)
+    for flag, filters in (
+        ("--duplicate-stdout-filters", args.duplicate_stdout_filters),
+        ("--duplicate-stderr-filters", args.duplicate_stderr_filters),
+    ):
+        if "" in filters:
             raise ValueError(
-                f"--local-ranks-filter={args.local_ranks_filter!r} must be a comma-separated "
-                "list of integers, e.g. --local-ranks-filter 0,1,2"
-            ) from None
+                f"{flag}={','.join(filters)!r} has an empty filter, which matches every line; "
+                "drop it (a stray comma? ',,' escapes a comma)"
+            )
     rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
-    _check_event_log_handler(args.event_log_handler)
-    numa_options = _numa_options(args.numa_binding)
-    # torchrun's launcher hands the signal list to the workers' supervisor
-    # through the environment; --forward-signals goes the same way.
-    environ = {"TORCHELASTIC_SIGNALS_TO_HANDLE": args.signals_to_handle or DEFAULT_SIGNALS}
-    if args.forward_signals:
-        environ["AIOLAUNCH_FORWARD_SIGNALS"] = args.forward_signals
+    check_event_log_handler(args.event_log_handler)
+    numa_options = numa_from_flag(args.numa_binding)
+    environ = signal_environ(args)
 
     # the command every worker runs (torch's rules)
     entrypoint: Callable[..., Any] | str
@@ -231,6 +230,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     rdzv: Any
     master_addr: str | None = None
     master_port: int | None = None
+    check_node(args, max_nodes)
     if args.standalone:
         if max_nodes > 1:
             raise ValueError(
@@ -251,7 +251,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             )
         else:
             endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-            host, port = parse_endpoint(endpoint, args.master_port)
+            host, port = endpoint_of(args, endpoint, args.master_port)
             if port is None:
                 raise ValueError(
                     f"--rdzv-endpoint={endpoint!r} has no port; add :PORT or --master-port"
@@ -269,7 +269,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             if not endpoint:
                 port_ = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
                 endpoint = f"{args.master_addr}:{port_}"
-            master_addr, master_port = parse_endpoint(endpoint, None)
+            master_addr, master_port = endpoint_of(args, endpoint, None)
             if master_port is None:
                 raise ValueError(f"--rdzv-endpoint={endpoint!r} has no port; add :PORT")
         elif args.node_rank != 0:
@@ -277,20 +277,28 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 f"--node-rank applies to the static rendezvous only; with --rdzv-backend "
                 f"{args.rdzv_backend} the rendezvous assigns node ranks"
             )
-        torch_handler = create_handler(
-            backend=args.rdzv_backend,
-            endpoint=endpoint,
-            run_id=args.rdzv_id,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            local_addr=args.local_addr,
-            **rdzv_conf,
-        )
+        try:
+            torch_handler = create_handler(
+                backend=args.rdzv_backend,
+                endpoint=endpoint,
+                run_id=args.rdzv_id,
+                min_nodes=min_nodes,
+                max_nodes=max_nodes,
+                local_addr=args.local_addr,
+                **rdzv_conf,
+            )
+        except (ValueError, RuntimeError) as exc:
+            if "is not registered" not in str(exc):
+                raise
+            raise ValueError(
+                f"--rdzv-backend={args.rdzv_backend!r} is not a rendezvous backend torch knows; "
+                "use static (the default) or c10d (several machines), or register yours"
+            ) from None
         rdzv = torch_handler
 
     logs_specs: Any = None
     if args.logs_specs is not None:
-        cls = _load_logs_specs_class(args.logs_specs)
+        cls = load_logs_specs_class(args.logs_specs)
         logs_specs = cls(
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks
         )
@@ -301,15 +309,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=ranks
         )
 
-    timeout: float = 30.0
-    if args.shutdown_timeout is not None:
-        timeout = float(args.shutdown_timeout)
-    elif os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        timeout = float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
-
-    watchdog = _watchdog(args)
-    if args.metrics_port is None and args.metrics_host != "127.0.0.1":
-        raise ValueError("--metrics-host needs --metrics-port PORT (metrics are off)")
+    timeout = shutdown_timeout(args.shutdown_timeout)
+    watchdog = watchdog_from_args(args)
+    check_metrics(args)
     spec = WorkerSpec(
         role=args.role,
         local_world_size=nproc,
@@ -341,39 +343,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         shutdown_timeout=timeout,
         log_line_prefix_template=os.getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         torch_handler=torch_handler,
-        preload=preload,
         warnings=warnings,
         environ=environ,
         exit_code=getattr(args, "exit_code", "torchrun"),
         notices=[slurm] if slurm else [],
+        preload=preload,
+        log_root=args.log_dir,
     )
-
-
-def _check_event_log_handler(name: str) -> None:
-    if name == "null":
-        return
-    try:
-        from torch.distributed.elastic.events import handlers
-    except ImportError:
-        known = ["null", "console"]
-    else:
-        known = sorted(handlers._log_handlers)
-    if name not in known:
-        raise ValueError(
-            f"--event-log-handler={name!r} is not a registered handler; use one of {known}"
-        )
-
-
-def _numa_options(mode: str | None) -> Any:
-    if mode is None:
-        return None
-    try:
-        from torch.numa.binding import AffinityMode, NumaOptions
-    except ImportError:
-        raise ValueError(
-            f"--numa-binding={mode} needs torch (pip install 'aiolaunch[torch]')"
-        ) from None
-    return NumaOptions(affinity_mode=AffinityMode(mode))
 
 
 BOOTSTRAP = "aiolaunch._bootstrap"
@@ -383,6 +359,11 @@ def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
     """``--preload``/``--no-preload``; by default torch, for a Python script that imports it."""
     from .._workers._preload import resolve_preload, supported
 
+    if args.preload is not None and not [m for m in args.preload.split(",") if m.strip()]:
+        raise ValueError(
+            f"--preload={args.preload!r} names no module; pass e.g. --preload torch, or "
+            "--no-preload to start every worker afresh"
+        )
     if args.no_preload:
         if args.preload:
             raise ValueError("--preload and --no-preload contradict each other; drop one")
@@ -443,59 +424,3 @@ def _module_file(name: str) -> str | None:
     if spec is not None and spec.submodule_search_locations:  # a package: its __main__
         spec = PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
     return spec.origin if spec is not None else None
-
-
-def _watchdog(args: argparse.Namespace) -> Any:
-    if args.stall_timeout is None:
-        for flag, value in (
-            ("--on-stall", args.on_stall),
-            ("--progress-regex", args.progress_regex),
-            ("--straggler-sample", args.straggler_sample),
-        ):
-            if value is not None:
-                raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
-        return None
-    from .._watchdog import Watchdog
-
-    try:
-        return Watchdog(
-            stall_after=float(args.stall_timeout),
-            progress=args.progress_regex or None,
-            action=args.on_stall or "fail",
-            stragglers=None if args.straggler_sample is None else float(args.straggler_sample),
-        )
-    except ValueError as exc:  # name the flag, not the field
-        text = str(exc)
-        for field, flag in (
-            ("Watchdog(stall_after=", "--stall-timeout "),
-            ("Watchdog(progress=", "--progress-regex "),
-            ("Watchdog(stragglers=", "--straggler-sample "),
-        ):
-            end = max(text.rfind(") must "), text.rfind(") is not "))
-            if text.startswith(field) and end > 0:
-                value, rest = text[len(field) : end], text[end + 1 :]
-                raise ValueError(f"{flag}{value}{rest}".replace(", or None (off)", "")) from None
-        raise
-
-
-def _std(std_cls: Any, flag: str, value: str) -> Any:
-    try:
-        return std_cls.from_str(value)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(
-            f"{flag}={value!r} must be 0-3 for every rank, or LOCAL_RANK:VALUE pairs "
-            f"such as 0:3,1:1 ({exc})"
-        ) from None
-
-
-def _load_logs_specs_class(name: str) -> Any:
-    from importlib import metadata
-
-    for group in ("aiolaunch.logs_specs", "torchrun.logs_specs"):
-        eps = metadata.entry_points().select(group=group, name=name)
-        for ep in eps:
-            return ep.load()
-    raise ValueError(
-        f"--logs-specs={name!r}: no entry point of that name in the 'torchrun.logs_specs' "
-        "(or 'aiolaunch.logs_specs') group"
-    )

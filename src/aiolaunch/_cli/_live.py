@@ -15,47 +15,102 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import socket
 
-__all__ = ["ControlConnection", "ProtocolError", "find_socket", "running_jobs"]
+__all__ = [
+    "ControlConnection",
+    "ProtocolError",
+    "find_socket",
+    "permission_message",
+    "running_jobs",
+]
 
 _MAX_LINE = 1 << 24
 
 
 def running_jobs() -> list[str]:
     """Control sockets of this user's running groups (stale entries are removed)."""
-    from .._control import registry_dir
+    return _scan_registries()[0]
 
-    folder = registry_dir()
-    if folder is None:
-        return []
+
+def _scan_registries() -> tuple[list[str], list[str], list[str]]:
+    """``(sockets, problems, places looked in)`` over every registry folder.
+
+    A folder that is not a private one of this user is not read (another user
+    could have planted it); it becomes a problem to report instead.
+    """
+    from .._control import registry_dirs, unsafe_registry
+
     out: list[str] = []
-    for name in sorted(os.listdir(folder)):
-        entry = os.path.join(folder, name)
-        try:
-            pid = int(name.split("-", 1)[0])
-            target = os.readlink(entry)
-        except (ValueError, OSError):
+    problems: list[str] = []
+    looked: list[str] = []
+    for folder in registry_dirs():
+        looked.append(folder)
+        why = unsafe_registry(folder)
+        if why is not None:
+            problems.append(why)
             continue
-        alive = True
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            pass
-        if alive and os.path.exists(target):
-            out.append(target)
-        else:
+            names = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problems.append(f"{folder} cannot be read ({exc.strerror})")
+            continue
+        found = [sock for name in names if (sock := _live_entry(folder, name)) is not None]
+        if not found:
             with contextlib.suppress(OSError):
-                os.unlink(entry)
-    if not out:
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)  # only if empty: stale entries were all removed
-    return out
+                os.rmdir(folder)  # only if empty: stale entries were all removed
+        out += [sock for sock in found if sock not in out]
+    return out, problems, looked
+
+
+def _live_entry(folder: str, name: str) -> str | None:
+    """The socket an entry points to, or ``None`` (a stale entry is removed)."""
+    entry = os.path.join(folder, name)
+    try:
+        pid = int(name.split("-", 1)[0])
+        target = os.readlink(entry)
+    except (ValueError, OSError):
+        return None
+    alive = True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        alive = False
+    except PermissionError:
+        pass
+    if alive and os.path.exists(target):
+        return target
+    with contextlib.suppress(OSError):
+        os.unlink(entry)
+    return None
+
+
+def permission_message(path: str) -> str:
+    """What a client says when it may not connect to the job's socket ``path``."""
+    return (
+        f"cannot connect to {path}: permission denied - only the user who started the job "
+        f"({_owner(path)}) can use its control socket; run this as that user"
+    )
+
+
+def _owner(path: str) -> str:
+    """``"alice"`` (or ``"uid 1001"``): who owns ``path``."""
+    import pwd
+
+    try:
+        uid = os.stat(path).st_uid
+    except OSError:
+        return "another user"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def find_socket(log_dir: str | None) -> str:
@@ -70,28 +125,60 @@ def find_socket(log_dir: str | None) -> str:
     from .._control import SOCKET_NAME
 
     if log_dir is None:
-        jobs = running_jobs()
+        jobs, problems, looked = _scan_registries()
         if len(jobs) == 1:
             return jobs[0]
-        if not jobs:
-            raise FileNotFoundError("no running aiolaunch job of yours was found; pass its LOG_DIR")
-        listing = "\n  ".join(os.path.dirname(j) for j in jobs)
-        raise ValueError(f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}")
+        if jobs:
+            listing = "\n  ".join(os.path.dirname(j) for j in jobs)
+            raise ValueError(
+                f"{len(jobs)} aiolaunch jobs are running; pass one LOG_DIR:\n  {listing}"
+            )
+        if problems:
+            raise FileNotFoundError(
+                "no running aiolaunch job of yours was found, and a registry of running jobs "
+                f"was not read: {'; '.join(problems)}. Remove it (another user may have "
+                "planted it; a job started meanwhile is not listed) and pass the job's LOG_DIR"
+            )
+        raise FileNotFoundError(
+            f"no running aiolaunch job of yours was found (looked in {' and '.join(looked)}; "
+            "a job started with another $TMPDIR or $XDG_RUNTIME_DIR is listed elsewhere); "
+            "pass its LOG_DIR (the --log-dir it was started with)"
+        )
     found: list[tuple[float, str]] = []
     base = os.path.abspath(log_dir)
+    try:
+        is_dir = stat.S_ISDIR(os.stat(base).st_mode)
+    except PermissionError:
+        raise PermissionError(
+            f"cannot look in {log_dir!r}: permission denied (a folder on its path is not "
+            "open to you: is it another user's job?); run this as that user"
+        ) from None
+    except OSError:
+        raise FileNotFoundError(
+            f"{log_dir!r} does not exist: pass the --log-dir the job was started with"
+        ) from None
+    if not is_dir:
+        raise FileNotFoundError(
+            f"{log_dir!r} is not a folder: pass the --log-dir the job was started with"
+        )
+    denied: list[str] = []
     depth0 = base.rstrip(os.sep).count(os.sep)
-    denied: list[OSError] = []
-    for root, dirs, files in os.walk(base, onerror=denied.append):
+
+    def onerror(exc: OSError) -> None:
+        if isinstance(exc, PermissionError) and exc.filename:
+            denied.append(exc.filename)
+
+    for root, dirs, files in os.walk(base, onerror=onerror):
         if root.count(os.sep) - depth0 >= 3:
             dirs[:] = []
         if SOCKET_NAME in files or SOCKET_NAME in dirs:
             path = os.path.join(root, SOCKET_NAME)
             with contextlib.suppress(OSError):
                 found.append((os.lstat(path).st_mtime, path))
-    if not found and any(isinstance(e, PermissionError) for e in denied):
+    if not found and denied:
         raise PermissionError(
-            f"cannot search {log_dir!r}: permission denied (only the user who started the "
-            "job can reach its control socket)"
+            f"cannot look for the job's {SOCKET_NAME} in {denied[0]!r}: permission denied "
+            f"(it belongs to {_owner(denied[0])}); ask them, or run this as that user"
         )
     if not found:
         raise FileNotFoundError(
@@ -133,11 +220,7 @@ class ControlConnection:
             sock.connect(target)
         except PermissionError as exc:
             sock.close()
-            raise PermissionError(
-                exc.errno,
-                f"{path}: permission denied: only the user who started the job can use its "
-                "control socket",
-            ) from None
+            raise PermissionError(exc.errno, permission_message(path)) from None
         except BaseException:
             sock.close()
             raise

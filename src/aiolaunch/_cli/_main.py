@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from ._checks import make_log_dir
 from ._client import VERBS
 from ._config import LaunchConfig, config_from_args
-from ._parser import get_args_parser
+from ._parser import BadEnvironment, get_args_parser
 from ._preflight import check_entrypoint
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Sequence
 
     from ..agent import RunResult
@@ -62,13 +63,31 @@ def _prestart(cfg: LaunchConfig) -> None:
     zygote_for(cfg.preload, shared_env(cfg.spec.local_world_size, os.environ))
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record to ``sys.stderr`` as it is then: a stream replaced
+    since (pytest's capture, a notebook) is never written to once closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _setup_logging() -> None:
     level = os.environ.get("LOGLEVEL", "WARNING").upper()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(
         logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s")
     )
     root = logging.getLogger("aiolaunch")
+    for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(old)  # one per process, however often main() runs
     root.addHandler(handler)
     root.setLevel(getattr(logging, level, logging.WARNING))
     root.propagate = False
@@ -101,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)  # bad options first, then what to run
         check_entrypoint(args)
-    except (ValueError, TypeError, ImportError, NotADirectoryError, FileNotFoundError) as exc:
+        make_log_dir(cfg.log_root)  # last: nothing is left behind when a check fails
+    except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
         write_termination_message(f"aiolaunch: error: {exc}")
         return EXIT_DO_NOT_RETRY
@@ -116,7 +136,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     """Parse; a usage error exits 2 (do not retry) with the termination message."""
     from ._exit import write_termination_message
 
-    parser = get_args_parser()
+    try:
+        parser = get_args_parser()
+    except BadEnvironment as exc:  # e.g. PET_STANDALONE=yes
+        write_termination_message(str(exc))
+        argparse.ArgumentParser(prog="aiolaunch").error(str(exc))
     exit_ = parser.exit
 
     def _exit(status: int = 0, message: str | None = None) -> NoReturn:

@@ -6,10 +6,10 @@ Only the standard library is imported here, so ``aiolaunch --help`` is instant.
 from __future__ import annotations
 
 import argparse
-import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._types import START_METHODS
+from ._actions import GIVEN, BadEnvironment, EnvFlag, EnvOption, comma_list, env_name, one_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -19,64 +19,16 @@ __all__ = [
     "DEFAULT_SIGNALS",
     "GIVEN",
     "NUMA_MODES",
+    "BadEnvironment",
+    "env_name",
     "get_args_parser",
     "parse_args",
 ]
 
 DEFAULT_MASTER_PORT = 29500
-#: the namespace attribute with the dests given on the command line (``_Env`` options)
-GIVEN = "given_options"
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 #: torch.numa.binding.AffinityMode values (spelled out: the parser imports no torch)
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-
-
-class _Env(argparse.Action):
-    """An option whose default comes from ``PET_{DEST}`` when set (torch's ``env``)."""
-
-    def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
-        default = os.environ.get(f"PET_{dest.upper()}", default)
-        if default:
-            required = False
-        super().__init__(dest=dest, default=default, required=required, **kw)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, values)
-        # which options the command line gave (Slurm's defaults fill the others)
-        given = getattr(namespace, GIVEN, None)
-        if given is None:
-            given = set()
-            setattr(namespace, GIVEN, given)
-        given.add(self.dest)
-
-
-class _CheckEnv(argparse.Action):
-    """A flag that is also on when ``PET_{DEST}`` is a non-zero int (torch's ``check_env``)."""
-
-    def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
-        default = bool(int(os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")))
-        super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, self.const)
-
-
-def _comma_separated_list(value: str) -> list[str]:
-    # torch's parsing: ",," escapes a comma
-    placeholder = "\0"
-    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -90,7 +42,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     # worker/node sizes
     add(
         "--nnodes",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="1:1",
         help="Number of nodes, or the range of nodes in form <minimum_nodes>:<maximum_nodes>.",
@@ -98,7 +50,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--nproc-per-node",
         "--nproc_per_node",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="1",
         help="Number of workers per node; supported values: [auto, cpu, gpu, xpu, int].",
@@ -107,7 +59,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-backend",
         "--rdzv_backend",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="static",
         help="Rendezvous backend (static: one machine needs no torch; c10d for several).",
@@ -115,7 +67,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-endpoint",
         "--rdzv_endpoint",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="",
         help="Rendezvous backend endpoint; usually in form <host>:<port>.",
@@ -123,7 +75,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-id",
         "--rdzv_id",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="none",
         help="User-defined group id.",
@@ -131,14 +83,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--rdzv-conf",
         "--rdzv_conf",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="",
         help="Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...).",
     )
     add(
         "--standalone",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Single-node job: a local rendezvous on a free port with a fresh run id "
         "(no torch needed); --rdzv-backend, --rdzv-endpoint and --rdzv-id are auto-assigned, "
         "as with torchrun.",
@@ -147,7 +99,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--max-restarts",
         "--max_restarts",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=0,
         help="Maximum number of worker group restarts before failing.",
@@ -155,7 +107,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--monitor-interval",
         "--monitor_interval",
-        action=_Env,
+        action=EnvOption,
         type=float,
         default=0.1,
         help="Accepted for torchrun compatibility: worker exits are events, not polls "
@@ -164,8 +116,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--start-method",
         "--start_method",
-        action=_Env,
-        type=str,
+        action=EnvOption,
+        type=one_of("start_method", START_METHODS),
         default="spawn",
         choices=list(START_METHODS),
         help="Multiprocessing start method (used with --run-path).",
@@ -173,7 +125,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--event-log-handler",
         "--event_log_handler",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="null",
         help="Name of a registered torch elastic events handler (null, console, or one "
@@ -181,7 +133,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     add(
         "--role",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="default",
         help="User-defined role for the workers.",
@@ -189,26 +141,26 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "-m",
         "--module",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Run the script argument as a Python module, like 'python -m'.",
     )
     add(
         "--no-python",
         "--no_python",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Execute the script directly instead of with 'python' (e.g. a binary).",
     )
     add(
         "--run-path",
         "--run_path",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Run the script with runpy.run_path in a function worker (an absolute path). "
         "Takes precedence over --no-python.",
     )
     add(
         "--log-dir",
         "--log_dir",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default=None,
         help="Base directory for log files; reusable across runs (each run gets a unique "
@@ -217,7 +169,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "-r",
         "--redirects",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="0",
         help="Redirect std streams into log files (e.g. -r 3 redirects stdout+stderr of all "
@@ -226,7 +178,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "-t",
         "--tee",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="0",
         help="Tee std streams into a log file and also to the console (format as --redirects).",
@@ -234,7 +186,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--local-ranks-filter",
         "--local_ranks_filter",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="",
         help="Only show the console output of these local ranks (e.g. 0,1,2); log files "
@@ -243,8 +195,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--duplicate-stdout-filters",
         "--duplicate_stdout_filters",
-        action=_Env,
-        type=_comma_separated_list,
+        action=EnvOption,
+        type=comma_list,
         default=[],
         help="Also write tee'd stdout lines that contain any of these strings (comma-"
         "separated; ',,' escapes a comma) to filtered_stdout.log, for all ranks.",
@@ -252,8 +204,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--duplicate-stderr-filters",
         "--duplicate_stderr_filters",
-        action=_Env,
-        type=_comma_separated_list,
+        action=EnvOption,
+        type=comma_list,
         default=[],
         help="Also write tee'd stderr lines that contain any of these strings to "
         "filtered_stderr.log, for all ranks.",
@@ -262,7 +214,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--node-rank",
         "--node_rank",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=0,
         help="Rank of the node (static rendezvous with several nodes only).",
@@ -270,7 +222,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--master-addr",
         "--master_addr",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default="127.0.0.1",
         help="Address of the master node (static rendezvous only).",
@@ -278,7 +230,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--master-port",
         "--master_port",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=None,
         help="Port on the master node (static rendezvous only); default: a free port on one "
@@ -287,7 +239,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--local-addr",
         "--local_addr",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default=None,
         help="Address of this node, as the other nodes reach it.",
@@ -311,7 +263,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--signals-to-handle",
         "--signals_to_handle",
-        action=_Env,
+        action=EnvOption,
         type=str,
         default=DEFAULT_SIGNALS,
         help="Comma-separated signals that stop the workers and end the run "
@@ -320,9 +272,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--forward-signals",
         "--forward_signals",
-        action=_Env,
+        action=EnvOption,
         type=str,
-        default="",
+        default=None,
         help="Beyond torchrun: comma-separated signals (e.g. SIGUSR1) only forwarded to the "
         "workers, which keep running (a preemption notice: checkpoint now); sets "
         "AIOLAUNCH_FORWARD_SIGNALS.",
@@ -330,7 +282,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--shutdown-timeout",
         "--shutdown_timeout",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=None,
         help="Seconds between the death signal and SIGKILL when workers are stopped "
@@ -340,7 +292,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--stall-timeout",
         "--stall_timeout",
-        action=_Env,
+        action=EnvOption,
         type=float,
         default=None,
         metavar="SECONDS",
@@ -351,7 +303,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--on-stall",
         "--on_stall",
-        action=_Env,
+        action=EnvOption,
+        type=one_of("on_stall", ("observe", "fail", "restart")),
         choices=("observe", "fail", "restart"),
         default=None,
         help="What a stall does after the dump: report only (observe), stop the job and "
@@ -361,7 +314,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--progress-regex",
         "--progress_regex",
-        action=_Env,
+        action=EnvOption,
         default=None,
         metavar="REGEX",
         help="Watchdog: only output lines matching REGEX count as progress (e.g. '^step '); "
@@ -370,7 +323,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--straggler-sample",
         "--straggler_sample",
-        action=_Env,
+        action=EnvOption,
         type=float,
         default=None,
         metavar="SECONDS",
@@ -382,7 +335,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--metrics-port",
         "--metrics_port",
-        action=_Env,
+        action=EnvOption,
         type=int,
         default=None,
         metavar="PORT",
@@ -392,7 +345,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--metrics-host",
         "--metrics_host",
-        action=_Env,
+        action=EnvOption,
         default="127.0.0.1",
         metavar="HOST",
         help="The address the metrics are served on (default 127.0.0.1: this machine only; "
@@ -401,7 +354,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--virtual-local-rank",
         "--virtual_local_rank",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Every worker gets LOCAL_RANK=0 and sees only its own GPU through "
         "CUDA_VISIBLE_DEVICES (torchrun's virtual local rank mode).",
     )
@@ -409,7 +362,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--exit-code",
         "--exit_code",
-        action=_Env,
+        action=EnvOption,
+        type=one_of("exit_code", ("torchrun", "root-cause")),
         choices=("torchrun", "root-cause"),
         default="torchrun",
         help="Exit status when the workers fail: 1 as torchrun (torchrun, the default), or "
@@ -420,7 +374,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     # -- warm start (aiolaunch's own) --
     add(
         "--preload",
-        action=_Env,
+        action=EnvOption,
         default=None,
         metavar="MOD[,MOD...]",
         help="Warm start: fork the Python workers from a zygote process that imported these "
@@ -430,7 +384,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--no-preload",
         "--no_preload",
-        action=_CheckEnv,
+        action=EnvFlag,
         help="Start every worker afresh, without a zygote (as torchrun does).",
     )
     add(
@@ -444,5 +398,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse a torchrun-style command line."""
-    return get_args_parser().parse_args(argv)
+    """Parse a torchrun-style command line (exit 2 with a message on bad options)."""
+    try:
+        parser = get_args_parser()
+    except BadEnvironment as exc:
+        argparse.ArgumentParser(prog="aiolaunch").error(str(exc))
+    return parser.parse_args(argv)

@@ -14,13 +14,17 @@ __all__ = ["check_entrypoint"]
 
 def check_entrypoint(args: argparse.Namespace) -> None:
     """What the workers run exists here (else exit 2, do not retry): the script file,
-    the top-level package of ``-m``, or the binary on ``PATH`` (``--no-python``).
+    the top-level package of ``-m``, the binary (``--no-python``, ``$PYTHON_EXEC``).
 
-    :raises FileNotFoundError: naming the flag and the fix.
+    :raises FileNotFoundError: naming the flag and the fix
+        (:class:`PermissionError`: a binary that is not executable).
     """
-    import shutil
+    from ._checks import check_executable
 
     script = args.training_script
+    python = os.getenv("PYTHON_EXEC", sys.executable)
+    if not args.no_python and not args.run_path and python != sys.executable:
+        check_executable(python, "$PYTHON_EXEC")
     if args.module and not args.run_path:
         if args.no_python:
             return  # refused with its own message
@@ -41,12 +45,8 @@ def check_entrypoint(args: argparse.Namespace) -> None:
                 "install it or run from the folder that holds it"
             )
     elif args.no_python and not args.run_path:
-        if shutil.which(script) is None:
-            raise FileNotFoundError(
-                f"--no-python {script}: not an executable file, nor a program on PATH; "
-                "give its path"
-            )
-    elif not os.path.isfile(script):
+        check_executable(script, "--no-python")
+    elif not os.path.exists(script):  # a folder with __main__.py runs too, as with python
         raise FileNotFoundError(
             f"the script {script!r} does not exist (from {os.getcwd()}); give its path, "
             "or use -m for a module, --no-python for a program"

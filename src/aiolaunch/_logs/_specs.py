@@ -27,7 +27,7 @@ from .._types import Std, StdSpec, to_map
 from .._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
 __all__ = [
     "DefaultLogsSpecs",
@@ -35,12 +35,39 @@ __all__ = [
     "LogsSpecs",
     "RankDirs",
     "attempt_dir_path",
+    "guard_temp_dir",
     "make_run_dir",
+    "make_temp_dir",
     "plain_logs_dest",
     "prune_empty_dirs",
 ]
 
 logger = logging.getLogger("aiolaunch")
+
+
+#: temporary log roots -> forgetting their cleanup by the guardian
+_TEMP_ROOTS: dict[str, Callable[[], None]] = {}
+
+
+def make_temp_dir(prefix: str) -> str:
+    """``tempfile.mkdtemp(prefix=prefix)``, a temporary log root of our own.
+
+    Its empty folders are removed by :func:`prune_empty_dirs` - or, if the
+    supervisor dies first (SIGKILL, a signal it does not handle), by the
+    guardian, which is told about it here.
+    """
+    path = tempfile.mkdtemp(prefix=prefix)
+    guard_temp_dir(path)
+    return path
+
+
+def guard_temp_dir(path: str) -> None:
+    """Tell the guardian about a temporary log root (again, after a
+    :func:`prune_empty_dirs` kept it and a later run uses it). Idempotent."""
+    from .._workers._guardian import clean_up_after
+
+    if path not in _TEMP_ROOTS:
+        _TEMP_ROOTS[path] = clean_up_after("P", path)
 
 
 def make_run_dir(root: str, run_id: str) -> str:
@@ -137,7 +164,7 @@ class DefaultLogsSpecs(LogsSpecs):
         self._temp = False
         if log_dir != os.devnull:
             if not log_dir:
-                log_dir = tempfile.mkdtemp(prefix="aiolaunch_")
+                log_dir = make_temp_dir("aiolaunch_")
                 self._temp = True
             else:
                 log_dir = os.fspath(log_dir)
@@ -171,10 +198,12 @@ class DefaultLogsSpecs(LogsSpecs):
             # An earlier run left nothing and its temporary folders were
             # removed: make fresh ones (never re-create a name in a shared /tmp).
             if not _real_dir(self._root_log_dir):
-                self._root_log_dir = tempfile.mkdtemp(prefix="aiolaunch_")
+                self._root_log_dir = make_temp_dir("aiolaunch_")
                 self._run_log_dir = None
-            elif not _real_dir(self._run_log_dir):
-                self._run_log_dir = None
+            else:
+                guard_temp_dir(str(self._root_log_dir))  # kept by the last run's prune
+                if not _real_dir(self._run_log_dir):
+                    self._run_log_dir = None
         if self._run_log_dir is None:
             assert self._root_log_dir is not None
             self._run_log_dir = make_run_dir(self._root_log_dir, run_id)
@@ -242,6 +271,9 @@ def prune_empty_dirs(tops: Iterable[str], name: str = "") -> str | None:
     """
     kept: str | None = None
     for top in tops:
+        forget = _TEMP_ROOTS.pop(top, None)
+        if forget is not None:
+            forget()  # cleaned up here: the guardian must not touch it any more
         if not os.path.isdir(top) or os.path.islink(top):
             continue
         if not _prune(top):

@@ -30,6 +30,11 @@ def set_console_hook(hook: ConsoleHook | None) -> ConsoleHook | None:
     redraw. ``None`` restores the default (which already handles tqdm).
     Returns the previous hook. Called on aiolaunch's console thread.
     """
+    if hook is not None and not callable(hook):
+        raise TypeError(
+            f"set_console_hook({hook!r}) needs a callable hook(stream, text), or None for "
+            "the default"
+        )
     global _hook
     previous, _hook = _hook, hook
     return previous

@@ -153,6 +153,16 @@ def _redirect(spec: ChildSpec) -> None:
             os.dup2(passed.fd, fd)
             os.close(passed.fd)
         _rebind_stdio(fd, name)
+    # A fatal error's dump ("Fatal Python error: Segmentation fault" and the
+    # stacks) belongs in the worker's stderr. faulthandler inherited through
+    # fork writes to the fd the parent gave it (pytest: a copy of its
+    # terminal, past any capture); point it at this worker's fd 2.
+    faulthandler = sys.modules.get("faulthandler")
+    if faulthandler is not None and faulthandler.is_enabled():
+        try:
+            faulthandler.enable(file=2, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass
 
 
 def _send_result(fd: int, value: Any) -> None:

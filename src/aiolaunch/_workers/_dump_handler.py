@@ -137,7 +137,12 @@ def tasks_text() -> str:
     """
     lines = [TASKS_HEADER]
     asyncio = sys.modules.get("asyncio")
-    loop = asyncio._get_running_loop() if asyncio is not None else None
+    loop = None
+    if asyncio is not None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # none in the main thread
+            pass
     if asyncio is None or loop is None:
         lines.append("<no running event loop in the main thread>")
     else:

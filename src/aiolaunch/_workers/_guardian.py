@@ -13,6 +13,14 @@ Workers spawned but not yet registered, and descendants that left their
 worker's group (``setsid()``), are found by the token every worker carries in
 ``AIOLAUNCH_GUARDIAN``: at EOF the guardian also scans ``/proc/*/environ``.
 
+Folders and files the supervisor made for a group (its stacks folder, the
+control socket, temporary log folders) are registered too (``cN KIND PATH`` /
+``xN``): a supervisor killed before its cleanup - SIGKILL, or a signal it does
+not handle - would leave them behind. After the kills the guardian removes
+them as the supervisor would have: the stacks and socket folders and files,
+then the *empty* folders of temporary log roots (logs are kept). Paths travel
+octal-escaped (any byte but NUL), and only names aiolaunch gives are removed.
+
 Limits: a descendant that both leaves the group and scrubs its environment
 is not found; without ``/proc`` (macOS) only registered groups are killed; a
 process the supervisor forks without exec (``os.fork``) inherits the pipe's
@@ -23,11 +31,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import os
+import threading
+from typing import TYPE_CHECKING
 
 from .._types import PerProcess
 
-__all__ = ["GUARDIAN_ENV", "GUARDIAN_NAME", "Guardian", "current_guardian", "guardian"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "GUARDIAN_ENV",
+    "GUARDIAN_NAME",
+    "Guardian",
+    "clean_up_after",
+    "current_guardian",
+    "guardian",
+]
 
 #: Environment variable carrying the guardian's token into binary workers.
 GUARDIAN_ENV = "AIOLAUNCH_GUARDIAN"
@@ -41,8 +63,26 @@ trap '' INT HUP QUIT TERM
 # (256 groups: 0.14 s of CPU, 1024: 8 s, competing with the supervisor). $g
 # lists every group ever added; it is compacted once it is over twice the
 # live count, so it stays O(live) and each line stays O(1) amortized.
-g="" n=0 live=0
+g="" n=0 live=0 cl="" cn=0 clive=0
 while read -r l; do
+  case $l in
+    c*)  # cN KIND PATH: clean PATH up after the supervisor (see clean below)
+      r=${l#c}; k=${r%% *}
+      case $k in ''|*[!0-9]*) continue ;; esac
+      eval "c_$k=\${r#* }"; cl="$cl $k"; cn=$((cn+1)); clive=$((clive+1))
+      if [ "$cn" -gt $((2*clive+64)) ]; then
+        h=""
+        for k in $cl; do eval "r=\${c_$k-}"; [ -n "$r" ] && h="$h $k"; done
+        cl=$h cn=$clive
+      fi
+      continue ;;
+    x*)  # xN: the supervisor cleaned N up itself
+      k=${l#x}
+      case $k in ''|*[!0-9]*) continue ;; esac
+      eval "r=\${c_$k-}"
+      if [ -n "$r" ]; then unset "c_$k"; clive=$((clive-1)); fi
+      continue ;;
+  esac
   p=${l#?}
   case $p in ''|*[!0-9]*) continue ;; esac
   eval "r=\${g_$p-}"
@@ -64,9 +104,27 @@ for p in $g; do
   eval "r=\${g_$p-}"
   if [ -n "$r" ]; then kill -s KILL -- "-$p" 2>/dev/null; fi
 done
+# What the supervisor made and did not clean up: trees and files first (the
+# stacks folder, the control socket), then empty folders of temporary log
+# roots. Only aiolaunch's own names are removed, whatever the path says.
+clean() {
+  x='[a-z0-9_]'  # the socket's private folder: "." and mkdtemp's 8 characters
+  for pass in 1 2; do
+    for k in $cl; do
+      eval "r=\${c_$k-}"
+      [ -n "$r" ] || continue
+      f=$(printf '%bx' "${r#? }"); f=${f%x}
+      case $pass${r%% *}:${f##*/} in
+        1T:.aiolaunch-stacks|1T:aiolaunch_stacks_*|1T:.$x$x$x$x$x$x$x$x) rm -rf -- "$f" ;;
+        1F:control.sock|1F:[0-9]*-[0-9]*) rm -f -- "$f" ;;
+        2P:*) find "$f" -depth -type d -exec rmdir -- {} + 2>/dev/null ;;
+      esac
+    done
+  done
+}
 # Workers spawned but not yet registered, and descendants that left their
 # group (setsid), carry our token in their environment: find them in /proc.
-[ -d /proc/self ] || exit 0
+[ -d /proc/self ] || { clean; exit 0; }
 kill_path() { p=${1#/proc/}; kill -s KILL "${p%/environ}" 2>/dev/null; }
 # A worker spawned as the supervisor died shows our token only once its exec
 # completed (before, /proc has its parent's environment): look again later.
@@ -84,6 +142,7 @@ for wait in 0 0.1 0.5; do
     done
   fi
 done
+clean
 """
 
 
@@ -102,6 +161,12 @@ class Guardian:
         self.pid = 0
         self._pending: list[str] = []
         self._flush_loop: asyncio.AbstractEventLoop | None = None
+        #: what to clean up after the supervisor: id -> its ``c`` line
+        self._cleanups: dict[int, str] = {}
+        self._ids = itertools.count()
+        # Cleanups are forgotten from worker threads (the group's file cleanup
+        # runs in one): the queue and the pipe are shared.
+        self._lock = threading.Lock()
         self._start()
 
     def _start(self) -> None:
@@ -125,8 +190,8 @@ class Guardian:
         finally:
             os.close(r)
         self.fd = w
-        if self.groups:  # a restarted guardian takes over the live registrations
-            self._send("".join(f"+{g}\n" for g in self.groups))
+        if self.groups or self._cleanups:  # a restarted guardian takes over the live registrations
+            self._send("".join(f"+{g}\n" for g in self.groups) + "".join(self._cleanups.values()))
 
     def _send(self, text: str) -> None:
         try:
@@ -150,17 +215,43 @@ class Guardian:
             self.groups.discard(pgid)
             self._queue(f"-{pgid}\n")
 
+    def clean_up_after(self, kind: str, path: str) -> int:
+        """Remove ``path`` if the supervisor dies before :meth:`forget` (its id).
+
+        ``kind``: ``"T"`` a tree (the stacks folder ``.aiolaunch-stacks`` or
+        ``aiolaunch_stacks_*``, the socket's private folder ``.XXXXXXXX``), ``"F"`` a file
+        (``control.sock``, a registry entry ``PID-N``), ``"P"`` a temporary
+        log root, of which only the empty folders go. Other names are never
+        removed (the guardian checks them).
+        """
+        n = next(self._ids)
+        line = f"c{n} {kind} {_escape(os.path.abspath(path))}\n"
+        with self._lock:
+            self._cleanups[n] = line
+        self._queue(line)
+        return n
+
+    def forget(self, n: int) -> None:
+        """The supervisor cleaned ``n`` up itself (any thread). Idempotent."""
+        if os.getpid() != self.owner:
+            return  # a forked child: the pipe is its parent's
+        with self._lock:
+            known = self._cleanups.pop(n, None) is not None
+        if known:
+            self._queue(f"x{n}\n")
+
     def _queue(self, line: str) -> None:
         # On an event loop, lines are sent once per loop iteration: starting
         # 256 workers is one write (and one wakeup of the shell, which would
         # otherwise preempt the supervisor between spawns), not 256. Safe: a
         # worker not yet registered carries the token in its environment and
         # is found by the guardian's /proc scan if the supervisor dies now.
-        self._pending.append(line)
+        with self._lock:
+            self._pending.append(line)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self.flush()
+            self.flush()  # no loop here (e.g. a worker thread): send now
             return
         if self._flush_loop is loop:
             return  # already scheduled
@@ -174,9 +265,28 @@ class Guardian:
     def flush(self) -> None:
         """Send the queued registrations now."""
         self._flush_loop = None
-        if self._pending:
-            text, self._pending = "".join(self._pending), []
-            self._send(text)
+        with self._lock:
+            if self._pending:
+                text, self._pending = "".join(self._pending), []
+                self._send(text)
+
+
+def _escape(path: str) -> str:
+    """``path`` for one line of the guardian's pipe: every byte but ``[A-Za-z0-9/._-]``
+    as ``\\0NNN`` (what ``printf %b`` reads back)."""
+    safe = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-"
+    return "".join(chr(b) if b in safe else f"\\0{b:03o}" for b in os.fsencode(path))
+
+
+def clean_up_after(kind: str, path: str) -> Callable[[], None]:
+    """Register ``path`` with this process's guardian (see
+    :meth:`Guardian.clean_up_after`); returns the call that forgets it (idempotent).
+    Without a guardian (no /bin/sh) nothing happens."""
+    g = guardian()
+    if g is None:
+        return lambda: None
+    n = g.clean_up_after(kind, path)
+    return functools.partial(g.forget, n)
 
 
 def _start() -> Guardian | None:

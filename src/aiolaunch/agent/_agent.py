@@ -329,7 +329,7 @@ def _check_args(
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}")
     for what, value in seconds.items():
-        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
             raise ValueError(f"{what}={value!r} must be a number of seconds >= 0")
     if logs_specs is not None and log_dir is not None:
         raise ValueError(

@@ -13,13 +13,12 @@ import asyncio
 import logging
 import os
 import string
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._api import start_processes
-from .._logs._specs import attempt_dir_path, make_run_dir, prune_empty_dirs
+from .._logs._specs import attempt_dir_path, make_run_dir, make_temp_dir, prune_empty_dirs
 from .._validate import log_dir_error
 from ._env import substitute_local_rank, worker_envs
 from ._numa import numa_cpus, wrap_for_numa
@@ -62,7 +61,7 @@ class AttemptLogs:
             return {"logs_specs": self._logs_specs}
         if self.run_log_dir is None:
             if self._log_dir is None:
-                root = tempfile.mkdtemp(prefix="aiolaunch_")
+                root = make_temp_dir("aiolaunch_")  # the guardian knows it too
             else:
                 try:
                     os.makedirs(self._log_dir, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -133,12 +134,18 @@ class WorkerSpec:
             or self.max_restarts < 0
         ):
             raise ValueError(f"max_restarts={self.max_restarts!r} must be an int >= 0")
-        if not isinstance(self.monitor_interval, int | float) or self.monitor_interval <= 0:
+        if (
+            isinstance(self.monitor_interval, bool)
+            or not isinstance(self.monitor_interval, int | float)
+            or not 0 < self.monitor_interval < math.inf
+        ):
             raise ValueError(
                 f"monitor_interval={self.monitor_interval!r} must be a number > 0 (seconds)"
             )
         if self.master_port is not None and (
-            not isinstance(self.master_port, int) or not 0 < self.master_port < 65536
+            isinstance(self.master_port, bool)
+            or not isinstance(self.master_port, int)
+            or not 0 < self.master_port < 65536
         ):
             raise ValueError(
                 f"master_port={self.master_port!r} must be an int in 1..65535, "

@@ -6,7 +6,7 @@ import uuid
 
 from ..._api import free_port
 from .._env import GroupAssignment
-from . import Rendezvous
+from ._base import Rendezvous
 
 __all__ = ["StaticRendezvous", "free_port"]
 

@@ -21,7 +21,7 @@ from typing import Any
 import anyio.to_thread
 
 from .._env import GroupAssignment
-from . import Rendezvous
+from ._base import Rendezvous
 
 __all__ = ["TorchRendezvous", "accelerator_count", "create_handler", "require_torch"]
 
