@@ -249,7 +249,9 @@ async def test_watchdog_fail_reports_the_stalled_rank_and_its_peers(tmp_path: Pa
         result = await asyncio.wait_for(ctx.wait(), 30)
         elapsed = time.monotonic() - t0
     assert result is not None and result.is_failed()
-    assert elapsed < 2 + 0.5 + 3 + 2  # stall_after + quiet start + 3 s slack (+2 s load)
+    # stall_after + the quiet start, and generous slack: 4 workers on a loaded
+    # host (load ~10 on 2 cores) took 8.5 s; the speed is bench_hangs' job.
+    assert elapsed < 2 + 0.5 + 15
     assert list(result.failures) == [2]
     message = str(result.failures[2].message)
     assert "stalled" in message and "no output and no CPU" in message
@@ -283,7 +285,7 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
         result = await asyncio.wait_for(ctx.wait(), 30)
         elapsed = time.monotonic() - t0
     assert result is not None and result.is_failed()
-    assert elapsed < 2 + 3 + 2
+    assert elapsed < 2 + 15  # stall_after and generous slack for a loaded host
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["verdict"]["outliers"] == [2]
     assert "stuck_here" in str(result.failures[2].message)

@@ -292,6 +292,37 @@ def test_a_rank_starved_of_cpu_still_wants_it() -> None:
         assert det.observe(0, sample, float(t)) is None
 
 
+def test_a_starved_rank_at_the_same_frames_is_not_spinning() -> None:
+    # A worker importing on a loaded host: runnable all the time (main_s),
+    # but on a CPU 2 % of it: two stack samples at the same frames say
+    # nothing about a spin (the agent's restart test flaked at load ~10).
+    det = StallDetector(STALL)
+    det.observe(0, Sample(1, 0.0, main_s=0.0, helpers_s=0.0, main_run_s=0.0), 0.0)
+    for t in range(1, 30):
+        sample = Sample(
+            1, 0.02 * t, main_s=float(t), helpers_s=0.0, main_run_s=0.02 * t,
+            stack="_create_fn (dataclasses.py:433)",
+        )  # fmt: skip
+        assert det.observe(0, sample, float(t)) is None
+    # A spinner that gets 20 % of a core on the same host is still a spin.
+    det = StallDetector(STALL)
+    det.observe(0, Sample(1, 0.0, main_s=0.0, helpers_s=0.0, main_run_s=0.0), 0.0)
+    stalls = []
+    for t in range(1, 30):
+        sample = Sample(
+            1, 0.2 * t, main_s=float(t), helpers_s=0.0, main_run_s=0.2 * t, stack="spin (x.py:3)"
+        )
+        if det.observe(0, sample, float(t)) is not None:
+            stalls.append(t)
+    assert stalls == [STALL]
+    # Without main_run_s, the process's CPU bounds what the main thread ran.
+    det = StallDetector(STALL)
+    det.observe(0, Sample(1, 0.0, main_s=0.0, helpers_s=0.0), 0.0)
+    for t in range(1, 30):
+        sample = Sample(1, 0.02 * t, main_s=float(t), helpers_s=0.0, stack="import (x.py:1)")
+        assert det.observe(0, sample, float(t)) is None
+
+
 _ticks = st.lists(
     st.builds(
         Tick,

@@ -27,7 +27,11 @@ Activity, between two samples of the same process:
   descendants): the rule before stacks were sampled.
 
 CPU counts as *wanted*: time on a CPU plus time runnable on the run queue,
-so a busy rank starved by a loaded host is not idle. A rank without activity
+so a busy rank starved by a loaded host is not idle. A sampled rank whose
+main thread wanted the CPU most of an interval but ran under
+:data:`CPU_BUSY_FRACTION` of it (a rank starting up on a loaded host) is
+active too: its stack had no chance to move, so "the same frames" is no
+evidence of a spin. A rank without activity
 for ``stall_after`` seconds is stalled; it is reported once, and again only
 after it was active in between. The first sample of a process (a new rank,
 or a restarted one) only sets the baseline.
@@ -41,10 +45,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CPU_BUSY_FRACTION", "Sample", "Stall", "StallDetector"]
+__all__ = ["CPU_BUSY_FRACTION", "STARVED_FRACTION", "Sample", "Stall", "StallDetector"]
 
 #: CPU time below this fraction of one core between samples is "not advancing"
 CPU_BUSY_FRACTION = 0.10
+#: a main thread that wanted at least this fraction of one core (on a CPU or
+#: runnable) but ran under CPU_BUSY_FRACTION of it is starved, not spinning
+STARVED_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class Sample:
     :param stack: the signature of its main thread's stack (and asyncio
         tasks) now (:func:`aiolaunch._dump_text.signature`), or ``None`` when
         it was not sampled.
+    :param main_run_s: CPU its main thread got so far (on a CPU only), or
+        ``None`` when unknown: then ``cpu_s`` bounds it.
     """
 
     pid: int
@@ -78,6 +87,7 @@ class Sample:
     main_s: float | None = None
     helpers_s: float | None = None
     stack: str | None = None
+    main_run_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +212,9 @@ class StallDetector:
             main_busy = dt > 0 and main >= floor
             helpers = _delta(sample.helpers_s, m.last.helpers_s)
             helpers_busy = dt > 0 and helpers is not None and helpers >= floor
-        if sample.stack is None:  # not sampled: CPU anywhere in the worker
+        if sample.stack is None or self._starved(m, sample, main, dt):
+            # Not sampled, or starved (its stack could not move): CPU
+            # anywhere in the worker.
             active = main_busy or helpers_busy
         else:
             moved = m.stack is not None and sample.stack != m.stack
@@ -217,6 +229,17 @@ class StallDetector:
             if dt > 0:
                 m.cpu_percent += 100.0 * max(0.0, sample.cpu_s - m.last.cpu_s) / dt
         return active
+
+    @staticmethod
+    def _starved(m: _Memory, sample: Sample, main: float | None, dt: float) -> bool:
+        """Whether the main thread wanted most of a core since ``m``'s last
+        sample but ran under :data:`CPU_BUSY_FRACTION` of it."""
+        if main is None or dt <= 0 or main < STARVED_FRACTION * dt:
+            return False
+        ran = _delta(sample.main_run_s, m.last.main_run_s)
+        if ran is None:
+            ran = sample.cpu_s - m.last.cpu_s
+        return ran < CPU_BUSY_FRACTION * dt
 
     def _idle(self, m: _Memory, now: float) -> float:
         if self.progress and not m.printed and self._group_progress is not None:

@@ -317,6 +317,7 @@ class RankActivity:
             self.pid, cpu, self.last_output, None, stat.state, where,
             main_s=None if main is None else main[0] + main[1],
             helpers_s=None if main is None else self._helpers,
+            main_run_s=None if main is None else main[0],
         )  # fmt: skip
 
     def _helping(
