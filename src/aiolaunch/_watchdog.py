@@ -79,7 +79,9 @@ class Watchdog:
       descendants) for ``stall_after``.
 
     CPU counts as *wanted* (on a CPU or waiting on the run queue), so a busy
-    worker starved by a loaded host is not idle. A worker in uninterruptible
+    worker starved by a loaded host is not idle; a sampled worker whose main
+    thread wanted most of a core but ran under 10 % of it is judged by that
+    rule too (its stack had no chance to move). A worker in uninterruptible
     sleep (D state) is caught as idle, and its reason names the D state and
     the kernel function it waits in. Limits: a Python wait loop that
     alternates between functions looks like work (its stack moves), and one
