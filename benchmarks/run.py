@@ -303,7 +303,7 @@ def warm_cases(q: bool) -> list[Case]:
             "warm_restart",
             "restart: gloo DDP, failure -> first all_reduce",
             "warm",
-            {"mode": "restart", "n": 2, "timeout": 180},
+            {"mode": "restart", "n": 2, "timeout": 90},
             {v: (3 if q else 9) for v in three},
             ["turnaround_ms"],
             warmup=1,

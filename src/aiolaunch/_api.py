@@ -353,7 +353,7 @@ def start_processes(
             from ._workers._preload import shared_load_env
             from ._workers._warm import zygote_for
 
-            common["zygote"] = zygote_for(warm, shared_load_env(envs_))
+            common["zygote"] = zygote_for(warm, shared_load_env(envs_), spares=nprocs)
         try:
             if isinstance(entrypoint, str):
                 return SubprocessContext(**common)

@@ -66,6 +66,7 @@ def _reports(out: str) -> list[dict[str, object]]:
     return [json.loads(line.split(":", 1)[1]) for line in out.splitlines() if '"attempt"' in line]
 
 
+@pytest.mark.timeout(300)  # three attempts of a DDP job: a minute on a loaded 2-core host
 @pytest.mark.parametrize("port", ["auto", "fixed"])
 def test_restarts_fork_from_the_zygote_with_a_fresh_store(port: str, tmp_path: Path) -> None:
     script = write_script(tmp_path, "train.py", RESTART)
@@ -73,7 +74,7 @@ def test_restarts_fork_from_the_zygote_with_a_fresh_store(port: str, tmp_path: P
     if port == "fixed":
         argv += ["--master-port", str(aiolaunch.free_port())]
     with driver([*argv, "--tee", "3", str(script)], cwd=str(tmp_path)) as proc:
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=280)
     assert proc.returncode == 0, err
     reports = _reports(out)
     assert sorted((r["attempt"], r["rank"]) for r in reports) == [
@@ -90,11 +91,12 @@ def test_restarts_fork_from_the_zygote_with_a_fresh_store(port: str, tmp_path: P
     assert len({r["port"] for r in reports}) == (3 if port == "auto" else 1)
 
 
+@pytest.mark.timeout(300)
 def test_no_preload_starts_afresh_with_rank_0_hosting(tmp_path: Path) -> None:
     script = write_script(tmp_path, "train.py", RESTART)
     argv = [*AIOLAUNCH, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
     with driver([*argv, "--no-preload", "--tee", "3", str(script)], cwd=str(tmp_path)) as proc:
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=280)
     assert proc.returncode == 0, err
     reports = _reports(out)
     assert len(reports) == 6
@@ -155,13 +157,14 @@ async def test_a_preload_that_runs_an_op_is_refused(
     assert "threads run in the zygote" in caplog.text
 
 
+@pytest.mark.timeout(300)
 def test_cli_default_is_on_only_for_a_script_that_imports_torch(tmp_path: Path) -> None:
     code = "import os, sys\nprint('torch' in sys.modules, os.getppid(), flush=True)\n"
     plain = write_script(tmp_path, "plain.py", code)
     uses = write_script(tmp_path, "uses.py", code + "import torch\n")
     for script, forked in ((plain, False), (uses, True)):
         with driver([*AIOLAUNCH, "--nproc-per-node", "2", "--tee", "3", str(script)]) as proc:
-            out, err = proc.communicate(timeout=300)
+            out, err = proc.communicate(timeout=280)
         assert proc.returncode == 0, err
         lines = [line.split(":", 1)[1].split() for line in out.splitlines() if ":" in line]
         assert len(lines) == 2

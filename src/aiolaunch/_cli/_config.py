@@ -42,6 +42,7 @@ __all__ = [
     "LaunchConfig",
     "config_from_args",
     "determine_local_world_size",
+    "early_preload",
     "parse_endpoint",
     "parse_min_max_nnodes",
     "parse_rdzv_conf",
@@ -353,6 +354,21 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 
 BOOTSTRAP = "aiolaunch._bootstrap"
+
+
+def early_preload(args: argparse.Namespace) -> tuple[Preload, int] | None:
+    """``(preload, nproc)`` before the configuration is built, where that is cheap.
+
+    ``None`` when there is no preload, or ``--nproc-per-node`` is not a
+    number (``gpu``, ``auto``: counting devices imports torch).
+    """
+    python = os.getenv("PYTHON_EXEC", sys.executable) == sys.executable
+    preload = _preload(args, bool(args.run_path) or (not args.no_python and python))
+    try:
+        nproc = int(args.nproc_per_node)
+    except ValueError:
+        return None
+    return None if preload is None or nproc < 1 else (preload, nproc)
 
 
 def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:

@@ -53,14 +53,24 @@ async def _launch(cfg: LaunchConfig) -> RunResult:
             await anyio.to_thread.run_sync(cfg.torch_handler.shutdown)
 
 
-def _prestart(cfg: LaunchConfig) -> None:
-    """Start the zygote now: its imports overlap the agent's own start-up."""
-    if cfg.preload is None:
-        return
+def _prestart(args: argparse.Namespace) -> bool:
+    """Start the zygote now, before the configuration imports the agent: its
+    imports (torch) overlap ours. ``False`` if it did not (then the first
+    spawn starts it, or a bad option is reported by the configuration)."""
+    from ._config import early_preload
+
+    try:
+        got = early_preload(args)
+    except (ValueError, TypeError):
+        return False
+    if got is None:
+        return False
     from .._workers._warm import zygote_for
     from ..agent._env import shared_env
 
-    zygote_for(cfg.preload, shared_env(cfg.spec.local_world_size, os.environ))
+    preload, nproc = got
+    # spares for the workers and the first attempt's store
+    return zygote_for(preload, shared_env(nproc, os.environ), spares=nproc + 1) is not None
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -117,19 +127,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parse(argv)
     _setup_logging()
+    warm = _prestart(args)
     try:
-        cfg = config_from_args(args)  # bad options first, then what to run
-        check_entrypoint(args)
-        make_log_dir(cfg.log_root)  # last: nothing is left behind when a check fails
-    except (ValueError, TypeError, ImportError, OSError) as exc:
-        print(f"aiolaunch: error: {exc}", file=sys.stderr)
-        write_termination_message(f"aiolaunch: error: {exc}")
-        return EXIT_DO_NOT_RETRY
-    for notice in cfg.notices:
-        print(f"aiolaunch: {notice}", file=sys.stderr)
-    for warning in cfg.warnings:
-        log.warning(warning)
-    return _run(cfg)
+        try:
+            cfg = config_from_args(args)  # bad options first, then what to run
+            check_entrypoint(args)
+            make_log_dir(cfg.log_root)  # last: nothing is left behind when a check fails
+        except (ValueError, TypeError, ImportError, OSError) as exc:
+            print(f"aiolaunch: error: {exc}", file=sys.stderr)
+            write_termination_message(f"aiolaunch: error: {exc}")
+            return EXIT_DO_NOT_RETRY
+        warm = warm or cfg.preload is not None
+        for notice in cfg.notices:
+            print(f"aiolaunch: {notice}", file=sys.stderr)
+        for warning in cfg.warnings:
+            log.warning(warning)
+        return _run(cfg)
+    finally:
+        if warm:  # the run is over: its zygote too
+            from .._workers._warm import close_zygotes
+
+            close_zygotes()
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -168,7 +186,6 @@ def _run(cfg: LaunchConfig) -> int:
     saved = {key: os.environ.get(key) for key in cfg.environ}
     os.environ.update(cfg.environ)
     try:
-        _prestart(cfg)
         result = asyncio.run(_launch(cfg))
     except NumaBindingError as exc:
         # torchrun fails the same way (a traceback, exit 1) where it cannot bind
@@ -192,10 +209,6 @@ def _run(cfg: LaunchConfig) -> int:
         write_termination_message(f"aiolaunch: error: {exc}")
         return EXIT_DO_NOT_RETRY
     finally:
-        if cfg.preload is not None:
-            from .._workers._warm import close_zygotes
-
-            close_zygotes()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

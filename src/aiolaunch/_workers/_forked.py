@@ -106,6 +106,11 @@ def _signals(zygote: dict[int, Any], ignored: set[int]) -> None:
 
 
 def _std_fds(got: dict[str, int]) -> None:
+    import fcntl
+
+    for name in ("stdin", "stdout", "stderr"):
+        if name in got and got[name] < 3:  # (the zygote had no fd 0/1/2): out of the way
+            got[name] = fcntl.fcntl(got[name], fcntl.F_DUPFD_CLOEXEC, 3)
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         src = got.get(name)
         if src is None:
@@ -190,12 +195,15 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> None:
     Non-daemon threads are joined and ``atexit`` callbacks run (not the
     ``weakref.finalize`` callbacks the zygote made: torch's 174
     ``_del_library`` took 30 ms in a forked worker); then ``__main__`` is
-    cleared, so the program's objects are finalized (files flushed and
-    closed), cycles are collected, and stdio is flushed (a failure there gives
+    cleared, so the program's objects are finalized by reference counting
+    (files flushed and closed), and stdio is flushed (a failure there gives
     status 120, as in CPython). The interpreter would also tear down every
-    other module: that would copy every page the worker shares with the
-    zygote (0.2-0.5 s for torch, on the path of every restart), and CPython
-    does not promise that objects still alive at exit are finalized anyway.
+    other module and collect the garbage cycles left: the teardown copies
+    every page the worker shares with the zygote (0.2-0.5 s for torch), and
+    the final collection walks every object the worker made (60-120 ms after
+    DDP imported torch._dynamo in the worker), both on the path of every
+    restart; CPython does not promise that objects still alive at exit -
+    cycles included - are finalized.
     """
     from .._compat import exit_steps
 
@@ -214,7 +222,6 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> None:
             for key in list(d):
                 if key != "__builtins__" and key.startswith("_") == first:
                     d[key] = None
-    gc.collect()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:

@@ -62,7 +62,9 @@ class Zygote:
     safe to fork: :attr:`why`), ``"failed"`` (a preload import), ``"dead"``.
     """
 
-    def __init__(self, preload: Preload, env: Mapping[str, str], *, wait: bool = True) -> None:
+    def __init__(
+        self, preload: Preload, env: Mapping[str, str], *, wait: bool = True, spares: int = 0
+    ) -> None:
         self.preload = preload
         #: whether spawns wait for its imports (False: a replacement, used once ready)
         self.wait = wait
@@ -80,7 +82,7 @@ class Zygote:
         self._pending: list[tuple[asyncio.Future[int | None], Forked | None]] = []
         self._ready: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.pid, self.pidfd, ctl, self.status = _start(preload, dict(env))
+        self.pid, self.pidfd, ctl, self.status = _start(preload, dict(env), spares)
         self.ctl = Channel(ctl, self._dispatch)
         self.ctl.on_eof = lambda: self._died("its control socket closed")
 
@@ -287,8 +289,14 @@ class Zygote:
         )
 
 
-def _start(preload: Preload, env: dict[str, str]) -> tuple[int, int, socket.socket, socket.socket]:
-    """Start a zygote process: ``(pid, pidfd, control socket, status socket)``."""
+def _start(
+    preload: Preload, env: dict[str, str], spares: int
+) -> tuple[int, int, socket.socket, socket.socket]:
+    """Start a zygote process: ``(pid, pidfd, control socket, status socket)``.
+
+    ``spares``: children to fork ahead as soon as the imports are done (the
+    size of the first group).
+    """
     from ._lifeline import lifeline_fds
 
     g = guardian()
@@ -302,7 +310,7 @@ def _start(preload: Preload, env: dict[str, str]) -> tuple[int, int, socket.sock
     if here not in sys.path[1:]:  # aiolaunch was put on sys.path, not in the environment
         code = f"import sys; sys.path.insert(0, {here!r}); {_CODE}"
     now, later = ",".join(preload.now), ",".join(preload.later)
-    argv = [sys.executable, "-c", code, "3", "4", "5", now, later]
+    argv = [sys.executable, "-c", code, "3", "4", "5", now, later, str(spares)]
     with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
         ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         status, status_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -335,8 +343,13 @@ def _start(preload: Preload, env: dict[str, str]) -> tuple[int, int, socket.sock
 _ZYGOTES: PerProcess[dict[tuple[Preload, frozenset[tuple[str, str]]], Zygote]] = PerProcess(dict)
 
 
-def zygote_for(preload: Preload, extra_env: Mapping[str, str] | None = None) -> Zygote | None:
+def zygote_for(
+    preload: Preload, extra_env: Mapping[str, str] | None = None, *, spares: int = 0
+) -> Zygote | None:
     """This process's zygote for ``preload`` and the environment ``os.environ | extra_env``.
+
+    ``spares``: a new zygote forks that many children ahead, ready for the
+    first group's workers (its size).
 
     Started now (without waiting for its imports) if there is none yet.
     One that died (killed) is replaced, but the workers of the call that
@@ -351,7 +364,7 @@ def zygote_for(preload: Preload, extra_env: Mapping[str, str] | None = None) -> 
     zygotes = _ZYGOTES.get()
     z = zygotes.get(key)
     if z is None:
-        z = zygotes[key] = Zygote(preload, env)
+        z = zygotes[key] = Zygote(preload, env, spares=spares)
     elif z.state == "dead":
         if not z.workers:  # its orphans still need it (their self-reported statuses)
             z.close()

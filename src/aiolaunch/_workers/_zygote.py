@@ -233,14 +233,18 @@ class _Server:
     made before a LATER import are dropped: they lack the module.
     """
 
-    def __init__(self, ctl: socket.socket, status_fd: int, lifeline_fd: int) -> None:
+    def __init__(
+        self, ctl: socket.socket, status_fd: int, lifeline_fd: int, spares: int = 0
+    ) -> None:
         self.ctl = ctl
         self.status_fd = status_fd
         self.lifeline_fd = lifeline_fd
         self.signals = _signal_state()
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
-        self.want = 0  # spares to keep: the largest burst so far
+        # spares to keep: the largest burst so far (at first, the group size
+        # the supervisor expects: they are forked at once, ahead of its requests)
+        self.want = min(spares, MAX_SPARES)
         self.burst = 0  # requests since the zygote was last idle
         self.later: list[str] = []
         self.poll = select.poll()
@@ -250,8 +254,14 @@ class _Server:
     def serve(self, later: list[str]) -> Callable[[], None]:
         self.later = later
         while True:
-            idle = self.forked and (self.later or len(self.spares) < self.want)
-            events = self.poll.poll(int(IDLE * 1000) if idle else None)
+            short = len(self.spares) < self.want
+            if short and not self.forked:
+                timeout: int | None = 0  # the first group's spares: now, requests first
+            elif self.forked and (self.later or short):
+                timeout = int(IDLE * 1000)
+            else:
+                timeout = None
+            events = self.poll.poll(timeout)
             if not events:
                 job = self._idle()
                 if job is not None:
@@ -273,7 +283,7 @@ class _Server:
 
     def _idle(self) -> Callable[[], None] | None:
         self.burst = 0
-        if self.later:
+        if self.later and self.forked:
             self._import_later()
             return None
         return self._spare()
@@ -397,10 +407,11 @@ class _Server:
 
 
 def main() -> None:
-    """Run the zygote (``sys.argv``: CTL STATUS LIFELINE NOW LATER)."""
+    """Run the zygote (``sys.argv``: CTL STATUS LIFELINE NOW LATER SPARES)."""
     ctl_fd, status_fd, lifeline_fd = (int(a) for a in sys.argv[1:4])
     now = [m for m in sys.argv[4].split(",") if m]
     later = [m for m in sys.argv[5].split(",") if m]
+    spares = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     _close_inherited({ctl_fd, status_fd, lifeline_fd})
     os.set_inheritable(status_fd, False)  # workers keep them; what they exec does not
     os.set_inheritable(lifeline_fd, False)
@@ -421,7 +432,7 @@ def main() -> None:
             send_frame(ctl, {"op": "failed", "module": name, "error": _import_error(exc)})
             os._exit(1)
     gc.freeze()
-    server = _Server(ctl, status_fd, lifeline_fd)
+    server = _Server(ctl, status_fd, lifeline_fd, spares)
     send_frame(
         ctl,
         {

@@ -13,7 +13,6 @@ from .._errors import SignalException
 from .._results import root_cause
 from .._signames import describe_signal
 from .._validate import START_METHODS, check_log_dir_not_file
-from .._workers._preload import resolve_preload
 from ._attempt import AttemptLogs, run_attempt
 from ._elastic_events import EventRecorder
 from ._env import omp_notice
@@ -113,11 +112,7 @@ class LocalElasticAgent:
         self._backoff = float(restart_backoff)
         self._backoff_max = float(restart_backoff_max)
         self._rdzv: Rendezvous = resolve(spec.rdzv_handler, local_addr=spec.local_addr)
-        self._warm = WarmStart(
-            resolve_preload(preload),
-            spec.local_world_size,
-            auto_port=lambda: spec.master_port is None and getattr(self._rdzv, "auto_port", False),
-        )
+        self._warm = WarmStart.for_agent(preload, spec, self._rdzv)
         self._state = WorkerState.INIT
         self._restart_count = 0
         self._running = False
@@ -210,14 +205,7 @@ class LocalElasticAgent:
             self._events.rendezvous_done(
                 assignment, self._restart_count, (time.perf_counter() - rdzv_start) * 1e3
             )
-            a = assignment
-            log.info(
-                "[%s] rendezvous complete: run_id=%s group_rank=%d/%d ranks=%d..%d of %d "
-                "master=%s:%d restart_count=%d", spec.role, a.run_id, a.group_rank,
-                a.group_world_size, a.base_global_rank,
-                a.base_global_rank + spec.local_world_size - 1, a.global_world_size,
-                a.master_addr, a.master_port, self._restart_count,
-            )  # fmt: skip
+            _log_rendezvous(spec, assignment, self._restart_count)
             try:
                 result = await run_attempt(
                     spec,
@@ -256,16 +244,12 @@ class LocalElasticAgent:
                 remaining -= 1
                 self._restart_count += 1
                 membership_round = 0
-                delay = self._backoff_delay(self._restart_count)
+                delay = _backoff(self._backoff, self._backoff_max, self._restart_count)
                 log.warning(
                     "[%s] worker group failed (rank %d: %s); %d/%d restarts left, restarting%s",
-                    spec.role,
-                    rank,
-                    _describe(root),
-                    remaining + 1,
-                    spec.max_restarts,
+                    spec.role, rank, _describe(root), remaining + 1, spec.max_restarts,
                     f" in {delay:g}s" if delay else "",
-                )
+                )  # fmt: skip
                 self._state = WorkerState.STOPPED
                 if delay:
                     await asyncio.sleep(delay)  # allowed: the backoff between attempts
@@ -274,12 +258,8 @@ class LocalElasticAgent:
             log.error(
                 "[%s] worker group failed after %d restart(s); "
                 "root cause: rank %d (local_rank %d) %s",
-                spec.role,
-                self._restart_count,
-                rank,
-                root.local_rank,
-                _describe(root),
-            )
+                spec.role, self._restart_count, rank, root.local_rank, _describe(root),
+            )  # fmt: skip
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _started(self, assignment: GroupAssignment, pids: dict[int, int]) -> None:
@@ -288,17 +268,29 @@ class LocalElasticAgent:
         self._events.workers_started(assignment, pids)
         self._warm.started(assignment.master_addr)
 
-    def _backoff_delay(self, restart_count: int) -> float:
-        if self._backoff <= 0:
-            return 0.0
-        return float(min(self._backoff_max, self._backoff * 2 ** (restart_count - 1)))
-
     def __repr__(self) -> str:
         return (
             f"LocalElasticAgent(role={self._spec.role!r}, "
             f"local_world_size={self._spec.local_world_size}, run_id={self.run_id!r}, "
             f"state={self._state.value}, restart_count={self._restart_count})"
         )
+
+
+def _backoff(base: float, cap: float, restart_count: int) -> float:
+    """The delay before restart ``restart_count``: ``base`` doubled per restart, capped."""
+    if base <= 0:
+        return 0.0
+    return float(min(cap, base * 2 ** (restart_count - 1)))
+
+
+def _log_rendezvous(spec: WorkerSpec, a: GroupAssignment, restart_count: int) -> None:
+    log.info(
+        "[%s] rendezvous complete: run_id=%s group_rank=%d/%d ranks=%d..%d of %d "
+        "master=%s:%d restart_count=%d", spec.role, a.run_id, a.group_rank,
+        a.group_world_size, a.base_global_rank,
+        a.base_global_rank + spec.local_world_size - 1, a.global_world_size,
+        a.master_addr, a.master_port, restart_count,
+    )  # fmt: skip
 
 
 def _backend_name(rdzv: Rendezvous) -> str:

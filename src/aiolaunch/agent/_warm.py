@@ -27,6 +27,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
+from .._workers._preload import resolve_preload
 from ._env import shared_env
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from .._workers._preload import Preload
     from .._workers._warm import Zygote
     from ._env import GroupAssignment
+    from ._rendezvous import Rendezvous
+    from ._spec import WorkerSpec
 
 __all__ = ["WarmStart"]
 
@@ -83,6 +86,16 @@ class WarmStart:
         self._stopping: list[_Store] = []
         self._stores = True  # off after a store failed
         self._task: asyncio.Future[None] | None = None  # started()'s work
+
+    @classmethod
+    def for_agent(cls, preload: object, spec: WorkerSpec, rdzv: Rendezvous) -> WarmStart:
+        """An agent's: ``preload`` as the agent got it (checked here); the port
+        is the agent's when the spec fixes none and the rendezvous lets it."""
+        return cls(
+            resolve_preload(preload),
+            spec.local_world_size,
+            auto_port=lambda: spec.master_port is None and getattr(rdzv, "auto_port", False),
+        )
 
     @property
     def names(self) -> list[str] | None:
