@@ -12,6 +12,7 @@ signal mask), whatever the runner inherited; only the test of an inherited
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -37,7 +38,9 @@ __all__ = [
     "proc_state",
     "run_teardowns",
     "start",
+    "together",
     "wait_dead",
+    "wait_lines",
     "write_atomic",
 ]
 
@@ -210,6 +213,37 @@ def start(
         envs={i: {} for i in range(len(args))},
         **kwargs,
     )
+
+
+async def wait_lines(log_dir: Path, ranks: int, needle: str, timeout: float = 60) -> float:
+    """Wait until ``ranks`` of the ``stdout.log`` files under ``log_dir`` hold
+    ``needle`` (a worker's handshake line); the monotonic time they did."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = 0
+        for path in log_dir.glob("**/stdout.log"):
+            try:
+                done += needle in path.read_text(errors="replace")
+            except OSError:
+                pass
+        if done >= ranks:
+            return time.monotonic()
+        await asyncio.sleep(0.05)  # allowed: polling log files the test reads
+    pytest.fail(f"{ranks} ranks did not print {needle!r} in {log_dir} within {timeout}s")
+
+
+async def together(*coros: Any) -> list[Any]:
+    """``asyncio.gather`` that, when one fails, cancels and awaits the others
+    (their ``async with`` blocks close their groups) before raising."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def exited(ctx: aiolaunch.PContext, rank: int) -> aiolaunch.WorkerExited:

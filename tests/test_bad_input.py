@@ -145,6 +145,24 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
         ("--stall-timeout=0", "> 0", "--stall-timeout 600"),
     ),
     ("stall-inf", ["--stall-timeout", "inf"], {}, ("--stall-timeout=inf", "> 0")),
+    (
+        "straggler-small",
+        ["--stall-timeout", "5", "--straggler-sample", "0.01"],
+        {},
+        ("--straggler-sample=0.01", ">= 0.1", "--straggler-sample 1"),
+    ),
+    (
+        "straggler-nan",
+        ["--stall-timeout", "5", "--straggler-sample", "nan"],
+        {},
+        ("--straggler-sample=nan", ">= 0.1"),
+    ),
+    (
+        "straggler-alone",
+        ["--straggler-sample", "1"],
+        {},
+        ("--straggler-sample needs --stall-timeout",),
+    ),
     ("stall-nan", ["--stall-timeout", "nan"], {}, ("--stall-timeout=nan", "> 0")),
     (
         "on-stall-pet",

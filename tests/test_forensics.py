@@ -249,7 +249,9 @@ async def test_watchdog_fail_reports_the_stalled_rank_and_its_peers(tmp_path: Pa
         result = await asyncio.wait_for(ctx.wait(), 30)
         elapsed = time.monotonic() - t0
     assert result is not None and result.is_failed()
-    assert elapsed < 2 + 0.5 + 3 + 2  # stall_after + quiet start + 3 s slack (+2 s load)
+    # stall_after + the quiet start, and generous slack: 4 workers on a loaded
+    # host (load ~10 on 2 cores) took 8.5 s; the speed is bench_hangs' job.
+    assert elapsed < 2 + 0.5 + 15
     assert list(result.failures) == [2]
     message = str(result.failures[2].message)
     assert "stalled" in message and "no output and no CPU" in message
@@ -283,14 +285,17 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
         result = await asyncio.wait_for(ctx.wait(), 30)
         elapsed = time.monotonic() - t0
     assert result is not None and result.is_failed()
-    assert elapsed < 2 + 3 + 2
+    assert elapsed < 2 + 15  # stall_after and generous slack for a loaded host
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["verdict"]["outliers"] == [2]
     assert "stuck_here" in str(result.failures[2].message)
     assert all((tmp_path / str(r) / "stacks-1.txt").exists() for r in range(4))
-    # Every rank went quiet, but only the odd one out is the failure.
+    # Every rank went quiet, but only the odd one out is the failure. (The
+    # others are stalled too once quiet for stall_after; ranks start at
+    # different times, so some may not be flagged yet when it acts.)
     assert list(result.failures) == [2]
-    assert sorted(s["rank"] for s in report["stalled"]) == [0, 1, 2, 3]
+    assert 2 in {s["rank"] for s in report["stalled"]}
+    assert report["stopped_by_aiolaunch"] == [0, 1, 3]
     assert report["root_cause"]["rank"] == 2
 
 
@@ -541,7 +546,7 @@ async def test_group_files_are_made_as_start_processes_returns(tmp_path: Path) -
 def test_register_makes_the_stacks_folder_a_worker_gets_to_first(tmp_path: Path) -> None:
     # A worker can run its bootstrap before the supervisor made the folder.
     folder = tmp_path / "later" / ".aiolaunch-stacks"
-    code = "import os; from aiolaunch._dump_handler import register; print(register(), os.getpid())"
+    code = "import os; from aiolaunch._workers._dump_handler import register; print(register(), os.getpid())"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(sys.path),

@@ -212,7 +212,7 @@ def test_the_report_says_where_stderr_went(tmp_path: Path, redirect: bool) -> No
 
 
 def takes_the_dump_signal(how: str) -> None:
-    from aiolaunch._dump_handler import DUMP_SIGNAL
+    from aiolaunch._workers._dump_handler import DUMP_SIGNAL
 
     if how == "handler":
         signal.signal(DUMP_SIGNAL, lambda *_: None)

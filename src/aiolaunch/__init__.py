@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ._events import WorkerRestarting as WorkerRestarting
     from ._events import WorkerStalled as WorkerStalled
     from ._events import WorkerStarted as WorkerStarted
+    from ._events import WorkerStraggling as WorkerStraggling
     from ._kinds import MultiprocessContext as MultiprocessContext
     from ._kinds import SubprocessContext as SubprocessContext
     from ._logs import set_console_hook as set_console_hook
@@ -91,6 +92,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerStalled": "._events",
     "WorkerStarted": "._events",
     "WorkerStatus": "._status",
+    "WorkerStraggling": "._events",
     "free_port": "._api",
     "launch": "._api",
     "record": "._error_file",
@@ -130,6 +132,7 @@ __all__ = [
     "WorkerStalled",
     "WorkerStarted",
     "WorkerStatus",
+    "WorkerStraggling",
     "__version__",
     "free_port",
     "launch",

@@ -61,7 +61,7 @@ def _handles(pid: int, sig: int) -> bool:
 
 def check_attachable(stacks_dir: str, pid: int) -> None:
     """:raises AttachError: ``pid`` is not a live aiolaunch Python worker with the handler."""
-    from ._dump_handler import start_time
+    from ._stacks import start_time
 
     try:
         with open(os.path.join(stacks_dir, f"{pid}.ok")) as f:

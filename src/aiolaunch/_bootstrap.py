@@ -10,8 +10,8 @@ uncaught exception: its traceback, without the bootstrap's frames, and
 status 1; ``sys.exit(n)``: ``n``; a script that cannot be opened: python's
 one line, status 2).
 
-Before the program starts, :func:`aiolaunch._dump_handler.register` installs the
-stack-dump handler when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
+Before the program starts, :func:`aiolaunch._workers._dump_handler.register` installs the
+stack-dump handlers when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
 :func:`aiolaunch._workers._attach.register` the ``aiolaunch attach`` one.
 """
 
@@ -37,8 +37,8 @@ def main(argv: list[str], dumps: bool = True) -> None:
         )
         raise SystemExit(2)
     if dumps:
-        from aiolaunch._dump_handler import register
         from aiolaunch._workers._attach import register as register_attach
+        from aiolaunch._workers._dump_handler import register
 
         register()
         register_attach()  # `aiolaunch attach RANK`: pdb on request

@@ -94,6 +94,12 @@ class StackDumper:
         self._full: asyncio.Future[Dump] | None = None  # a round for every rank, queued or running
 
     @property
+    def lock(self) -> asyncio.Lock:
+        """Held for a round: periodic samples (:class:`~aiolaunch._sampler.StackSampler`)
+        of the same files take it too."""
+        return self._lock
+
+    @property
     def count(self) -> int:
         """How many rounds were dumped."""
         return self._count

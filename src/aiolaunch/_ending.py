@@ -224,6 +224,8 @@ class GroupEnding:
 
     # -- the outcome ----------------------------------------------------------
     async def _end(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
+        if decided:  # a rank failed: where the others are, before they are stopped
+            await self._forensics.before_stop()
         await self._forensics.stop()
         for observer in self._observers:  # in turn: no task each (most have nothing to stop)
             await observer.aclose()
@@ -236,6 +238,7 @@ class GroupEnding:
             w.release()
         dest = self._logs.dest
         result = build_result(self._state, failed, dest.error_files, dest.stdouts, dest.stderrs)
+        self._forensics.annotate(result)
         self.result = result
         self.phase = Phase.ENDED
         sweep = [w.pid for w in workers] if decided else None

@@ -164,6 +164,12 @@ def _format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     text = text.rstrip("\n").replace("\n", "\n  ")
     sig = exit_signal_name(failure.exitcode)
     sig_str = f" ({sig})" if sig else ""
+    # Where the other ranks were (aiolaunch's, with a watchdog): before the
+    # traceback, which stays last as torch has it.
+    others = getattr(failure, "others", "")  # unpickled from an older version: none
+    others_str = ""
+    if others:
+        others_str = "  others    : " + others.replace("\n", "\n              ") + "\n"
     return (
         f"[{idx}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"
@@ -171,6 +177,7 @@ def _format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
         f"  rank      : {rank} (local_rank: {failure.local_rank})\n"
         f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){sig_str}\n"
         f"  error_file: {failure.error_file}\n"
+        f"{others_str}"
         f"  traceback : {text}"
     )
 

@@ -126,6 +126,22 @@ class WorkerStalled(Event):
 
 
 @dataclass(frozen=True)
+class WorkerStraggling(Event):
+    """The watchdog names a straggler (``Watchdog(stragglers=period)``): a
+    rank that waits inside ``torch.distributed`` collectives far less often
+    than its peers, so they wait for it.
+
+    ``wait_share`` is the fraction of its stack samples inside a collective,
+    ``peers_wait_share`` the same for the other ranks together (over the last
+    window of samples). Emitted once per straggling spell: again only after
+    the rank waited about as often as its peers in between.
+    """
+
+    wait_share: float
+    peers_wait_share: float
+
+
+@dataclass(frozen=True)
 class GroupStopped(Event):
     """The context finished: every worker is gone. The last event."""
 

@@ -5,9 +5,15 @@ behind a narrow interface (see docs/ARCHITECTURE.md, "Hangs"):
 
 - :class:`~aiolaunch._watchdog.Sampler`: ``/proc`` readings of live ranks;
 - :class:`~aiolaunch._dumper.StackDumper`: numbered, bounded stack dumps;
+- :class:`~aiolaunch._sampler.StackSampler`: periodic stack samples (no
+  files), sharing the dumper's lock;
 - :func:`~aiolaunch._status.worker_statuses`: what ``status()`` shows;
 - :class:`~aiolaunch._watcher.StallWatcher` (with a watchdog): the sampling
   loop, the pure stall rule, and actions through the group's commands;
+- :class:`~aiolaunch._straggler_watch.StragglerWatch` (``stragglers=``):
+  its own sampling loop and the pure straggler statistic;
+- the stacks of every live rank at the group's first failure
+  (:meth:`Forensics.before_stop`, with a watchdog);
 - the control socket (:class:`~aiolaunch._control.ControlServer`) serving the
   command table of ``_commands.py`` with this object as its target;
 - :class:`~aiolaunch._observe.LiveView`: the metrics server, ``attach``
@@ -32,9 +38,11 @@ from ._commands import dispatch, status_answer
 from ._dumper import StackDumper, check_dump_timeout
 from ._logs._specs import make_temp_dir, prune_empty_dirs
 from ._observe import LiveView
-from ._report import RunReport, write_report
-from ._stacks import STACKS_DIR_ENV
+from ._report import AtFailure, RunReport, Straggler, write_report
+from ._sampler import StackSampler
+from ._stacks import STACKS_DIR_ENV, StackReport
 from ._status import worker_statuses
+from ._straggler_watch import StragglerWatch
 from ._watchdog import Sampler
 from ._watcher import StallWatcher
 from ._workers._guardian import clean_up_after
@@ -60,6 +68,8 @@ logger = logging.getLogger("aiolaunch")
 
 #: Seconds between the last spawn and the group's files and control socket (#26).
 SERVE_DELAY = 0.02
+#: At a rank's failure, at most this long for the other ranks' stacks.
+AT_FAILURE_TIMEOUT = 2.0
 
 
 class Forensics:
@@ -104,14 +114,26 @@ class Forensics:
             self.stacks_dir = self.private_dir = tempfile.mkdtemp(prefix="aiolaunch_stacks_")
         self.sampler = Sampler(logs.last_output)
         self.dumper = StackDumper(state, self.stacks_dir, self._rank_dir, self.sampler.rebase)
+        self.stacks = StackSampler(self.stacks_dir, self.dumper.lock)
         self.watcher: StallWatcher | None = None
         if watchdog is not None:
             self.watcher = StallWatcher(
-                watchdog, state, self.sampler, self.dumper, emit=bus.emit,
+                watchdog, state, self.sampler, self.dumper, self.stacks, emit=bus.emit,
                 restartable=restartable, write_report=lambda: self.write_report(None),
                 paused=lambda rank: self.live.attached(rank),
             )  # fmt: skip
-        self.live = LiveView(state, self.stacks_dir, self.watcher, metrics)
+        self.stragglers: StragglerWatch | None = None
+        if watchdog is not None and watchdog.stragglers is not None:
+            self.stragglers = StragglerWatch(
+                watchdog.stragglers, state, self.stacks, emit=bus.emit,
+                discount=self.sampler.discount,
+            )  # fmt: skip
+        #: where every live rank was at the group's first failure (watchdog only)
+        self.at_failure: AtFailure | None = None
+        self.live = LiveView(
+            state, self.stacks_dir, self.watcher, metrics,
+            straggling=self.stragglers.straggling if self.stragglers is not None else None,
+        )  # fmt: skip
         self._server: ControlServer | None = None
         self._forget_stacks: Callable[[], None] = lambda: None
         self._server_task: asyncio.Task[None] | None = None
@@ -150,6 +172,8 @@ class Forensics:
         self._server_task = asyncio.ensure_future(self._serve(make_files))
         if self.watcher is not None:
             self.watcher.start()
+        if self.stragglers is not None:
+            self.stragglers.start()
 
     async def _serve(self, make_files: Callable[[], None]) -> None:
         from ._control import ControlServer
@@ -177,6 +201,8 @@ class Forensics:
             await asyncio.gather(task, return_exceptions=True)
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.stragglers is not None:
+            await self.stragglers.stop()
         await self.live.stop()
         if self._server is not None:
             # Stop listening now; the socket's files go in cleanup() (file
@@ -206,6 +232,7 @@ class Forensics:
             self._server.remove()
             self._server = None
         self.sampler.close()
+        self.stacks.close()
         self.live.close()
         try:
             os.rmdir(self.stacks_dir)  # empty, unless a dump wrote into it
@@ -252,13 +279,23 @@ class Forensics:
         :raises ValueError: an unknown rank, or ``timeout`` not a finite number > 0.
         """
         timeout = check_dump_timeout("dump_stacks(timeout)", timeout)
-        nprocs = self._state.nprocs
-        if ranks is not None and not isinstance(ranks, list | tuple | set | frozenset | range):
-            raise TypeError(f"dump_stacks(ranks={ranks!r}) must be a list of local ranks or None")
-        bad = [r for r in ranks or () if isinstance(r, bool) or r not in range(nprocs)]
-        if bad:
-            raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
+        _check_ranks(ranks, self._state.nprocs)
         return (await self.dump(ranks, timeout)).stacks
+
+    # -- the first failure -----------------------------------------------------
+    async def before_stop(self) -> None:
+        """The group is about to be stopped: with a watchdog, when a rank
+        failed on its own (a stall's dump is done), every live rank's stacks
+        first (:func:`dump_at_failure`), for the report and the summary."""
+        if self.watcher is not None and self.at_failure is None:
+            self.at_failure = await dump_at_failure(self._state, self.dumper)
+
+    def annotate(self, result: RunProcsResult) -> None:
+        """Put where the other ranks were on the first failure's ``others``
+        (shown by its ``ChildFailedError`` summary)."""
+        a = self.at_failure
+        if a is not None and a.rank in result.failures:
+            result.failures[a.rank].others = a.lines()
 
     def write_report(self, result: RunProcsResult | None) -> tuple[str, str] | None:
         """Write ``report.json``/``report.txt`` now (``result``: ``None`` while running)."""
@@ -273,6 +310,11 @@ class Forensics:
             stalls=w.reported_stalls() if w is not None else (),
             verdict=w.verdict if w is not None else None,
             dumps=w.dumps if w is not None else None,
+            at_failure=self.at_failure,
+            stragglers=[
+                Straggler(g.rank, g.wait_share, g.peers_wait_share, g.samples)
+                for g in (self.stragglers.named() if self.stragglers is not None else ())
+            ],
         )
         return write_report(report)
 
@@ -288,6 +330,14 @@ class Forensics:
         return d
 
 
+def _check_ranks(ranks: object, nprocs: int) -> None:
+    if ranks is not None and not isinstance(ranks, list | tuple | set | frozenset | range):
+        raise TypeError(f"dump_stacks(ranks={ranks!r}) must be a list of local ranks or None")
+    bad = [r for r in ranks or () if isinstance(r, bool) or r not in range(nprocs)]
+    if bad:
+        raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
+
+
 def _group_dir(root: str, error_files: Mapping[int, str]) -> tuple[str, bool]:
     # The folder holding the rank folders: {log_dir} in aiolaunch's layout,
     # {run}/attempt_N in torch's. Without one (logs to /dev/null), our own.
@@ -297,3 +347,19 @@ def _group_dir(root: str, error_files: Mapping[int, str]) -> tuple[str, bool]:
         if path and path != os.devnull:
             return os.path.dirname(os.path.dirname(path)), False
     return make_temp_dir("aiolaunch_forensics_"), True
+
+
+async def dump_at_failure(state: GroupState, dumper: StackDumper) -> AtFailure | None:
+    """Where every live rank is now that a rank failed on its own (not for a
+    stall): their stacks, at most :data:`AT_FAILURE_TIMEOUT`; ``None`` when
+    none failed on its own, or none is left alive."""
+    failed = [r for r in state.failed_ranks() if r not in state.forced]
+    live = [w.local_rank for w in state.workers() if w.alive]
+    if not failed or not live:
+        return None
+    try:
+        dump = await dumper.dump(live, AT_FAILURE_TIMEOUT)
+    except Exception:  # a report must never turn into a second failure
+        logger.exception("aiolaunch: dumping the stacks at the failure of %r", state.name)
+        return None
+    return AtFailure(failed[0], StackReport.from_dumps(dump.stacks), dump.stacks, dump.files)

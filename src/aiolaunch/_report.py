@@ -4,8 +4,9 @@ Written when a group fails (after its result) and when the watchdog flags a
 stall (then without an outcome yet). It names the root cause - rank, exit
 code or signal, the recorded exception and traceback, or for programs
 without ``@record`` the last lines of their stderr log - the ranks that
-failed on their own vs. those aiolaunch stopped, and the stalled ranks with
-their stacks and the outlier verdict.
+failed on their own vs. those aiolaunch stopped, the stalled ranks with
+their stacks and the outlier verdict, where every live rank was at the
+first failure (with a watchdog), and the stragglers named.
 
 :class:`RunReport` is a plain frozen dataclass built from plain values
 (:meth:`RunReport.build`); it knows nothing of the context that made it.
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from ._stacks import StackReport
     from ._stall import Stall
 
-__all__ = ["RunReport", "write_report"]
+__all__ = ["AtFailure", "RunReport", "Straggler", "write_report"]
 
 logger = logging.getLogger("aiolaunch")
 
@@ -66,6 +67,31 @@ class StalledRank:
 
 
 @dataclass(frozen=True)
+class AtFailure:
+    """Where every live rank was when ``rank`` failed (with a watchdog: their
+    stacks are dumped before they are stopped)."""
+
+    rank: int
+    verdict: StackReport
+    stacks: dict[int, str]
+    files: dict[int, str]
+
+    def lines(self) -> str:
+        """The verdict's lines (``ranks 0,2: where``), one per place."""
+        return str(self.verdict)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank the watchdog named a straggler."""
+
+    rank: int
+    wait_share: float
+    peers_wait_share: float
+    samples: int
+
+
+@dataclass(frozen=True)
 class RunReport:
     """Everything the report says, as plain values."""
 
@@ -79,6 +105,8 @@ class RunReport:
     stopped_by_aiolaunch: list[int] | None = None
     stalled: list[StalledRank] = field(default_factory=list)
     verdict: StackReport | None = None
+    at_failure: AtFailure | None = None
+    stragglers: list[Straggler] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -93,6 +121,8 @@ class RunReport:
         stalls: Iterable[Stall] = (),
         verdict: StackReport | None = None,
         dumps: Mapping[int, str] | None = None,
+        at_failure: AtFailure | None = None,
+        stragglers: Iterable[Straggler] = (),
     ) -> RunReport:
         """The report of group ``name``.
 
@@ -101,6 +131,8 @@ class RunReport:
         :param forced: ranks failed for a stall (not "failed on their own").
         :param stderrs: ``{rank: stderr log path}`` for the root cause's tail.
         :param stalls: the stalled ranks, with ``dumps`` their stacks.
+        :param at_failure: where the live ranks were at the first failure.
+        :param stragglers: the ranks named stragglers.
         """
         outcome = "running" if result is None else ("failed" if result.is_failed() else "ok")
         cause: RootCause | None = None
@@ -143,6 +175,8 @@ class RunReport:
             stopped_by_aiolaunch=stopped_list,
             stalled=stalled,
             verdict=verdict,
+            at_failure=at_failure,
+            stragglers=sorted(stragglers, key=lambda s: s.rank),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -161,6 +195,16 @@ class RunReport:
             data["stalled"] = [vars(s).copy() for s in self.stalled]
         if self.verdict is not None:
             data["verdict"] = {**self.verdict.to_json(), "text": str(self.verdict)}
+        if self.at_failure is not None:
+            a = self.at_failure
+            data["at_failure"] = {
+                "rank": a.rank,
+                "verdict": {**a.verdict.to_json(), "text": str(a.verdict)},
+                "stacks": {str(r): t for r, t in sorted(a.stacks.items())},
+                "files": {str(r): p for r, p in sorted(a.files.items())},
+            }
+        if self.stragglers:
+            data["stragglers"] = [vars(s).copy() for s in self.stragglers]
         return data
 
     def to_text(self) -> str:
@@ -184,6 +228,18 @@ class RunReport:
         if self.verdict is not None:
             out += ["", "Where every rank is (innermost frames of the main thread):"]
             out.append(str(self.verdict))
+        if self.at_failure is not None:
+            a = self.at_failure
+            out += ["", f"Where every rank was when rank {a.rank} failed (stacks dumped then):"]
+            out.append(a.lines())
+            for rank, path in sorted(a.files.items()):
+                out.append(f"  rank {rank}: {path}")
+        for g in self.stragglers:
+            out += [
+                "",
+                f"Straggler: rank {g.rank} waited in collectives in {100 * g.wait_share:.0f}% "
+                f"of its {g.samples} stack samples, its peers in {100 * g.peers_wait_share:.0f}%",
+            ]
         for s in self.stalled:
             out += ["", f"Stalled: rank {s.rank} (pid {s.pid}): {s.reason}"]
             if s.stacks_file:

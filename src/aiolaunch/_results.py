@@ -142,6 +142,11 @@ class ProcessFailure:
     #: unix seconds: whole seconds from an error file (torch writes
     #: ``int(time.time())``), else sub-second (see :func:`root_cause`)
     timestamp: float = field(init=False)
+    #: where the other live ranks were when this rank failed, one line per
+    #: place (``"ranks 0,2: all_reduce (distributed_c10d.py:2950) <- ..."``):
+    #: set by a supervisor with a watchdog, which dumped their stacks first;
+    #: ``""`` otherwise (aiolaunch's own field, not torch's)
+    others: str = field(init=False, default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.error_file_data = _empty_error_data()

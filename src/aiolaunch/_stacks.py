@@ -1,10 +1,11 @@
 """Stack dumps of live workers, and the verdict on which rank is the odd one out.
 
-Worker side (:func:`register`, run by the function-worker bootstrap and by
-``python -m aiolaunch._bootstrap``): :mod:`faulthandler` is registered for
-:data:`DUMP_SIGNAL` (a real-time signal: Slurm and libkineto own SIGUSR1/2),
-appending every thread's stack to ``{dir}/{pid}.txt``, and a marker
-``{dir}/{pid}.ok`` is written *after* the handler is in place.
+Worker side (:mod:`._workers._dump_handler`, installed by the function-worker
+bootstrap and by ``python -m aiolaunch._bootstrap``): :mod:`faulthandler` is
+registered for :data:`DUMP_SIGNAL` (a real-time signal: Slurm and libkineto
+own SIGUSR1/2), appending every thread's stack to ``{dir}/{pid}.txt``; a
+Python handler for :data:`TASKS_SIGNAL` appends the asyncio tasks of the main
+thread's loop; a marker ``{dir}/{pid}.ok`` is written *after* both are in place.
 
 Supervisor side (:func:`dump_stacks`): a worker is signalled only when its
 marker exists, names its current process start time (a recycled pid is not
@@ -14,49 +15,76 @@ would terminate the process: those workers get an entry saying why instead
 (or a ``py-spy dump`` where py-spy is installed), never the signal.
 
 faulthandler writes from inside the signal handler, in C, so a main thread
-stuck in C code or holding the GIL still dumps. The supervisor knows a dump is
-complete when the file stops growing and ends with a newline.
+stuck in C code or holding the GIL still dumps. The supervisor knows a thread
+dump is complete when the file stops growing and ends with a newline. Ranks
+whose main thread then turns out to wait in an idle asyncio loop get the
+second signal, and their answer ends with :data:`TASKS_END`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._dump_handler import DUMP_SIGNAL, STACKS_DIR_ENV, register, start_time
+from ._dump_text import idle_loop_text, rank_where
+from ._workers._dump_handler import (
+    DUMP_SIGNAL,
+    STACKS_DIR_ENV,
+    TASKS_END,
+    TASKS_SIGNAL,
+    register,
+)
+from ._workers._proc import read_stat
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["DUMP_SIGNAL", "STACKS_DIR_ENV", "StackReport", "dump_stacks", "register"]
+__all__ = [
+    "DUMP_SIGNAL",
+    "QUIET_S",
+    "STACKS_DIR_ENV",
+    "TASKS_SIGNAL",
+    "StackReport",
+    "dump_stacks",
+    "register",
+    "registered",
+    "tasks_done",
+    "thread_dump_done",
+]
+
+#: At most this long for an idle asyncio loop's task dump (its handler runs
+#: as soon as the signal interrupts the loop's select()).
+_TASKS_TIMEOUT = 1.0
 
 
 #: how messages name :data:`DUMP_SIGNAL`
 DUMP_SIGNAL_NAME = "SIGRTMIN+5"
 
 
-def _sigmasks(pid: int) -> dict[bytes, bool]:
-    """Whether :data:`DUMP_SIGNAL` is in each ``Sig*`` mask of ``/proc/<pid>/status``
+def _sigmasks(pid: int, sig: int = DUMP_SIGNAL) -> dict[bytes, bool]:
+    """Whether ``sig`` is in each ``Sig*`` mask of ``/proc/<pid>/status``
     (``SigCgt``: caught, ``SigIgn``: ignored, ``SigBlk``: blocked); ``{}`` if gone."""
     masks: dict[bytes, bool] = {}
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if line.startswith(b"Sig") and line[6:7] == b":":
-                    masks[line[:6]] = bool(int(line.split()[1], 16) >> (DUMP_SIGNAL - 1) & 1)
+                    masks[line[:6]] = bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     except (OSError, ValueError):
         pass
     return masks
 
 
+def handles(pid: int, sig: int) -> bool:
+    """Whether ``/proc/<pid>/status`` shows a handler for ``sig`` (``SigCgt``)."""
+    return _sigmasks(pid, sig).get(b"SigCgt", False)
+
+
 def silent_reason(pid: int, timeout: float) -> str:
     """Why ``pid``, sent the dump signal, wrote nothing within ``timeout`` (one line)."""
-    from ._workers._proc import read_stat
-
     stat = read_stat(pid)
     state = "" if stat is None else stat.state
     if state in ("", "Z", "X"):
@@ -82,6 +110,12 @@ def silent_reason(pid: int, timeout: float) -> str:
         f"the dump signal ({DUMP_SIGNAL_NAME}) is not aiolaunch's - the program replaced it "
         "(signal.signal or a library); leave that signal to aiolaunch, or install py-spy>"
     )
+
+
+def start_time(pid: int) -> str | None:
+    """The process start time in clock ticks since boot: with the pid, one process."""
+    stat = read_stat(pid)
+    return None if stat is None else str(stat.starttime)
 
 
 def registered(directory: str, pid: int) -> str | None:
@@ -132,52 +166,115 @@ async def _py_spy(pid: int, timeout: float) -> str | None:
     return f"(py-spy dump)\n{out.decode(errors='replace')}" if proc.returncode == 0 else None
 
 
-async def dump_stacks(directory: str, pids: Mapping[int, int], timeout: float) -> dict[int, str]:
+async def dump_stacks(
+    directory: str, pids: Mapping[int, int], timeout: float, *, fallback: bool = True
+) -> dict[int, str]:
     """Signal every registered worker in ``pids`` (``{rank: pid}``) at once; collect.
 
-    Returns ``{rank: text}`` for every rank: faulthandler's dump, or one line
+    Returns ``{rank: text}`` for every rank: faulthandler's dump (plus the
+    asyncio task section of a rank idle in its event loop), or one line
     starting with ``<`` that says why there is none (unregistered, exited,
-    no answer within ``timeout``).
+    no answer within ``timeout``). ``fallback``: ``py-spy dump`` an
+    unregistered worker where py-spy is installed (a process per worker: not
+    for periodic samples).
     """
     out: dict[int, str] = {}
-    offsets: dict[int, int] = {}
+    targets: dict[int, int] = {}
     for rank, pid in pids.items():
         why = registered(directory, pid)
-        if why is not None:
-            spy = await _py_spy(pid, timeout)
-            out[rank] = spy if spy is not None else f"<pid {pid} {why}>"
+        if why is None:
+            targets[rank] = pid
             continue
-        path = os.path.join(directory, f"{pid}.txt")
-        try:
-            offsets[rank] = os.stat(path).st_size
-            os.kill(pid, DUMP_SIGNAL)
-        except (OSError, ProcessLookupError):
-            out[rank] = f"<pid {pid} has exited>"
+        spy = await _py_spy(pid, timeout) if fallback else None
+        out[rank] = spy if spy is not None else f"<pid {pid} {why}>"
     deadline = time.monotonic() + timeout
-    sizes: dict[int, int] = {}
-    pending = dict(offsets)
-    while pending:
-        # faulthandler writes the whole dump from its signal handler, usually in
-        # well under a millisecond; a file that stopped growing and ends in a
-        # newline is complete.
-        await asyncio.sleep(0.005)  # allowed: no completion event exists for a dump
-        for rank in list(pending):
-            pid = pids[rank]
-            size = _size(os.path.join(directory, f"{pid}.txt"))
-            if size > pending[rank] and size == sizes.get(rank):
-                text = _read_from(os.path.join(directory, f"{pid}.txt"), pending[rank])
-                if text.endswith("\n"):
-                    out[rank] = text
-                    del pending[rank]
-                    continue
-            sizes[rank] = size
-        if time.monotonic() > deadline:
-            for rank in pending:
-                pid = pids[rank]
-                partial = _read_from(os.path.join(directory, f"{pid}.txt"), pending[rank])
-                out[rank] = partial or silent_reason(pid, timeout)
-            break
+    texts = await _collect(directory, targets, DUMP_SIGNAL, deadline, thread_dump_done)
+    for rank, pid in targets.items():
+        text = texts.get(rank)
+        out[rank] = text or silent_reason(pid, timeout)
+    idle = {
+        rank: pid
+        for rank, pid in targets.items()
+        if idle_loop_text(texts.get(rank, "")) and handles(pid, TASKS_SIGNAL)
+    }
+    if idle:
+        bound = min(deadline, time.monotonic() + _TASKS_TIMEOUT)
+        tasks = await _collect(directory, idle, TASKS_SIGNAL, bound, tasks_done)
+        for rank, text in tasks.items():
+            if tasks_done(text):
+                out[rank] += text
     return {rank: out[rank] for rank in sorted(out)}
+
+
+def thread_dump_done(text: str, stable: bool) -> bool:
+    """Whether a thread dump is complete (``stable``: it did not grow since
+    the previous look).
+
+    faulthandler writes a dump line by line from its signal handler and has
+    no end marker; a worker preempted mid-dump stops growing for a while, so
+    "stopped growing" alone would cut a dump under load. The main thread
+    comes last, and its outermost frame ends the dump: runpy's
+    ``_run_module_as_main`` (``python -m``: the bootstrap), a spawned
+    child's ``<string>`` ``<module>``, or ``...`` (faulthandler's depth or
+    thread limits). A ``<module>`` frame of a file can be an inner one too (a
+    script run by the bootstrap, a module being imported): that one counts
+    once the dump stopped growing.
+    """
+    if not text.endswith("\n"):
+        return False
+    last = text[text.rstrip("\n").rfind("\n") + 1 :].strip()
+    if last.endswith(" in _run_module_as_main") or last in ("...", "<no Python frame>"):
+        return True
+    if last.endswith(" in <module>"):
+        return stable or last.startswith('File "<string>"')
+    return False
+
+
+def tasks_done(text: str, stable: bool = True) -> bool:
+    """Whether an asyncio task dump is complete (it ends with its marker)."""
+    return text.rstrip().endswith(TASKS_END)
+
+
+#: A dump that stopped growing for this long without its known end is
+#: taken as complete (a main thread with an unusual outermost frame).
+QUIET_S = 0.2
+
+
+async def _collect(
+    directory: str, pids: Mapping[int, int], sig: int, deadline: float,
+    done: Callable[[str, bool], bool],
+) -> dict[int, str]:  # fmt: skip
+    """Send ``sig`` to every pid; ``{rank: what its file grew by}``: once it
+    is ``done``, or has not grown for :data:`QUIET_S`, or whatever came by
+    ``deadline``."""
+    offsets: dict[int, int] = {}
+    for rank, pid in pids.items():
+        try:
+            offsets[rank] = os.stat(os.path.join(directory, f"{pid}.txt")).st_size
+            os.kill(pid, sig)
+        except OSError:  # gone (ProcessLookupError), or its file is
+            offsets.pop(rank, None)
+    out: dict[int, str] = {}
+    sizes: dict[int, tuple[int, float]] = {}  # rank: (size, since when)
+    pause = 0.002
+    while offsets:
+        await asyncio.sleep(pause)  # allowed: no completion event exists for a dump
+        pause = min(pause * 2, 0.02)
+        now = time.monotonic()
+        last = now > deadline
+        for rank in list(offsets):
+            path = os.path.join(directory, f"{pids[rank]}.txt")
+            size = _size(path)
+            prev, since = sizes.get(rank, (-1, now))
+            if size != prev:
+                sizes[rank] = (size, now)
+            if size <= offsets[rank] and not last:
+                continue  # nothing yet
+            text = _read_from(path, offsets[rank]) if size > offsets[rank] else ""
+            if last or done(text, size == prev) or (size == prev and now - since >= QUIET_S):
+                out[rank] = text
+                del offsets[rank]
+    return out
 
 
 def _size(path: str) -> int:
@@ -197,45 +294,6 @@ def _read_from(path: str, offset: int) -> str:
 
 
 # -- the verdict -------------------------------------------------------------
-
-_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<func>.*)$')
-_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
-# py-spy's format: 'Thread 123 (idle): "MainThread"' then '    func (file.py:41)'
-_SPY_THREAD = re.compile(r"^Thread (0x)?[0-9a-fA-F]+ .*:")
-_SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^()]+):(?P<line>\d+)\)$")
-#: innermost frames of the main thread that identify "where a rank is"
-_DEPTH = 3
-
-
-def _main_thread_frames(text: str) -> list[tuple[str, str, str]]:
-    """Frames (func, file basename, line) of the main thread, innermost first.
-
-    CPython lists the newest thread first, so the main thread is the last
-    block of a faulthandler dump; py-spy names it ``"MainThread"``.
-    """
-    blocks: list[list[tuple[str, str, str]]] = []
-    main: list[tuple[str, str, str]] | None = None
-    for line in text.splitlines():
-        if _THREAD.match(line) or line.startswith("Stack (most recent call first)"):
-            blocks.append([])
-            continue
-        if _SPY_THREAD.match(line):
-            blocks.append([])
-            if '"MainThread"' in line:
-                main = blocks[-1]
-            continue
-        m = _FRAME.match(line) or _SPY_FRAME.match(line)
-        if m:
-            if not blocks:
-                blocks.append([])
-            blocks[-1].append((m["func"], os.path.basename(m["file"]), m["line"]))
-    if main is not None:
-        return main
-    return blocks[-1] if blocks else []
-
-
-def _where(frames: list[tuple[str, str, str]]) -> str:
-    return " <- ".join(f"{func} ({file}:{line})" for func, file, line in frames[:_DEPTH])
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -260,7 +318,12 @@ class StackReport:
 
     ``groups``: ``[(ranks, summary), ...]``, the largest group first, where
     ``summary`` names the innermost frames of the main thread (``func
-    (file:line) <- caller (file:line)``), or the reason a rank has no dump.
+    (file:line) <- caller (file:line)``), or the reason a rank has no dump;
+    ranks at different lines of one innermost function (one spin loop) are
+    one group, shown with its first rank's line.
+    An asyncio rank whose main thread waits in its idle event loop is placed
+    by its deepest task's await chain instead (``task: load_batch (data.py:41)
+    <- step (train.py:9)``): every asyncio rank waits in that same loop.
     ``outliers``: ranks outside the one largest group (empty when every rank
     is in one place, or when no group is larger than all others: then there
     is no majority to differ from). ``str(report)`` is the readable form::
@@ -276,17 +339,14 @@ class StackReport:
     def from_dumps(cls, dumps: Mapping[int, str]) -> StackReport:
         """Build the report from :meth:`PContext.dump_stacks`'s ``{rank: text}``."""
         by_where: dict[str, list[int]] = {}
+        shown: dict[str, str] = {}  # key -> where, with the first rank's innermost line
         for rank in sorted(dumps):
-            text = dumps[rank]
-            frames = _main_thread_frames(text)
-            if frames:
-                where = _where(frames)
-            else:
-                first = text.strip().splitlines()[0] if text.strip() else "<empty dump>"
-                where = first if first.startswith("<") else "<no Python frames>"
-            by_where.setdefault(where, []).append(rank)
+            key, where = rank_where(dumps[rank])
+            by_where.setdefault(key, []).append(rank)
+            shown.setdefault(key, where)
         groups = sorted(
-            ((ranks, where) for where, ranks in by_where.items()), key=lambda g: (-len(g[0]), g[0])
+            ((ranks, shown[key]) for key, ranks in by_where.items()),
+            key=lambda g: (-len(g[0]), g[0]),
         )
         outliers: list[int] = []
         if len(groups) > 1 and len(groups[0][0]) > len(groups[1][0]):

@@ -35,6 +35,7 @@ class WorkerStatus:
     :param pid: process id of its current incarnation.
     :param state: ``"running"``, ``"sleeping"``, ``"disk-sleep"`` (D state),
         ``"stopped"``, ``"stalled"`` (flagged by the watchdog),
+        ``"straggling"`` (named a straggler: its peers wait for it),
         ``"restarting"`` or ``"exited"``.
     :param restarts: how many times this rank was restarted.
     :param last_output_s: seconds since it last wrote anything (``None`` until
@@ -121,7 +122,12 @@ def worker_statuses(state: GroupState, sampler: Sampler, marks: RankMarks) -> li
                 WorkerStatus(rank, w.pid, "exited", restarts, None, 0.0, 0, w.returncode, **extra)
             )
             continue
-        name = "stalled" if marks.stalled(rank) else _STATES.get(act.state, act.state)
+        if marks.stalled(rank):
+            name = "stalled"
+        elif marks.straggling(rank):
+            name = "straggling"  # what `aiolaunch status` shows
+        else:
+            name = _STATES.get(act.state, act.state)
         age = None if act.last_output is None else round(now - act.last_output, 3)
         out.append(
             WorkerStatus(

@@ -1,17 +1,22 @@
 """The stall watchdog's settings (:class:`Watchdog`) and its ``/proc`` sampler.
 
 The sampler (:class:`RankActivity`, one per live worker process) reads what
-the stall rule (``_stall.py``) judges: CPU time of every thread and the
-process state from ``/proc/<pid>/stat``, and ``wchar`` from ``/proc/<pid>/io``
-- every ``write()`` the worker made, whatever its streams are wired to (pipe,
-log file written directly, inherited terminal) - as the time output was
-last seen. A process in uninterruptible sleep (D state) also gets the kernel
-function it waits in (``wchan``), named in the stall's reason.
+the stall rule (``_stall.py``) judges, for the whole worker: CPU time of
+every thread (and the children it reaped) and the process state from
+``/proc/<pid>/stat``; the main thread's time on a CPU and waiting for one
+from ``schedstat``; ``wchar`` from ``/proc/<pid>/io`` - every ``write()`` the
+worker made, whatever its streams are wired to (pipe, log file written
+directly, inherited terminal) - as the time output was last seen; and, while
+its own threads rest, its helpers' (:mod:`aiolaunch._descendants`). A
+process in uninterruptible sleep (D state) also gets the kernel function it
+waits in (``wchan``), named in the stall's reason. The stacks the rule
+compares come from :class:`aiolaunch._sampler.StackSampler`.
 
-Sampling costs two small ``/proc`` reads per worker, kept open and re-read
-with ``pread``, at most once a second per group; for long ``stall_after`` the
-period grows to ``stall_after / 10`` (at most 30 s), so detection comes at
-most two periods after ``stall_after``.
+Sampling costs three small ``/proc`` reads per worker (plus one for a
+worker's children while it rests), kept open and re-read with ``pread``, at
+most once a second per group; for long ``stall_after`` the period grows to
+``stall_after / 10`` (at most 30 s), so detection comes at most two periods
+after ``stall_after``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._stall import Sample
+from ._descendants import Descendants, Threads
+from ._stall import CPU_BUSY_FRACTION, Sample
 from ._workers._proc import parse_stat
 
 if TYPE_CHECKING:
@@ -49,15 +55,38 @@ def matches_every_line(pattern: str) -> bool:
 
 @dataclass(frozen=True)
 class Watchdog:
-    """Detect workers that hang, without changing the worker's code.
+    """Detect workers that hang, and name stragglers, without changing the worker's code.
 
     Pass it as ``start_processes(..., watchdog=Watchdog(...))`` (or
     ``WorkerSpec(watchdog=...)``, CLI ``--stall-timeout``). A worker is
-    *stalled* when for ``stall_after`` seconds it wrote nothing (with
-    ``progress``: no line matching it) **and** its CPU time did not advance
-    by 10 % of a core. A worker in uninterruptible sleep (D state) has
-    neither, and its reason then names the D state and the kernel function
-    it waits in. A worker that keeps writing is never stalled.
+    *stalled* when for ``stall_after`` seconds it shows no activity:
+
+    - no output (with ``progress``: no line matching it - other output,
+      heartbeats included, is not progress; a rank that never prints one, as
+      ranks other than 0 usually don't, goes by the group's progress lines);
+    - and its stack did not move: a Python worker started by aiolaunch (a
+      function worker, or a script run by the CLI) is sampled through the
+      dump signal once a period while its main thread burns CPU without
+      output, and a main thread at the same frames in every sample is
+      *spinning* - a GPU rank in ``.item()`` or an NCCL wait, a Python wait
+      loop - stalled whatever its CPU. A stack that moves is work (a silent
+      compute phase is healthy). Without ``progress``, a main thread that
+      waits while its helpers work (other threads, DataLoader workers, a
+      child it waits on) is active too.
+    - A worker that cannot be sampled (a binary, a program not started
+      through the bootstrap, a Python worker finalizing) keeps the rule from
+      before stacks were sampled: no CPU anywhere in it (every thread, its
+      descendants) for ``stall_after``.
+
+    CPU counts as *wanted* (on a CPU or waiting on the run queue), so a busy
+    worker starved by a loaded host is not idle; a sampled worker whose main
+    thread wanted most of a core but ran under 10 % of it is judged by that
+    rule too (its stack had no chance to move). A worker in uninterruptible
+    sleep (D state) is caught as idle, and its reason names the D state and
+    the kernel function it waits in. Limits: a Python wait loop that
+    alternates between functions looks like work (its stack moves), and one
+    call into C that computes longer than ``stall_after`` without output
+    looks like a spin.
 
     On a stall the context emits :class:`aiolaunch.WorkerStalled` once per
     stall (again only after the worker was active in between), dumps the
@@ -67,11 +96,31 @@ class Watchdog:
 
     - ``"observe"``: nothing more; the group keeps running.
     - ``"fail"``: the group is stopped and :meth:`PContext.wait` returns a
-      failure for the stalled rank(s), whose ``ProcessFailure.message`` names
-      "stalled", the idle time and the rank's place in the outlier verdict.
+      failure whose ``ProcessFailure.message`` names "stalled", the reason
+      and the rank's place in the outlier verdict. One story: when the
+      stalled ranks wait in one place and another rank is elsewhere (the odd
+      one out of the verdict), that rank is the failure and the root cause,
+      whether idle, spinning or printing; the others are "stopped by
+      aiolaunch".
     - ``"restart"``: a stalled rank with a :class:`RestartPolicy` is killed and
       restarted by it; otherwise as ``"fail"`` (an agent then restarts the
       group within ``max_restarts``).
+
+    With a watchdog, the first failure of a rank also dumps every other live
+    rank's stacks (at most ~2 s) before they are stopped: the report and the
+    ``ChildFailedError`` summary (``others``) show where each rank was.
+
+    ``stragglers`` (a stack-sample period in seconds, off by default): every
+    rank's stack is sampled that often (jittered), each sample classified as
+    waiting inside a ``torch.distributed`` collective or not, and a rank that
+    waits far less than its peers over a window (they wait for it) is named:
+    :class:`aiolaunch.WorkerStraggling`, a warning, ``"straggling"`` in
+    ``status()`` and the report. The statistic (``aiolaunch._straggler``)
+    asks for a large gap, a one-sided Fisher exact test at 1e-6 on effective
+    samples, consistency across the window and persistence, so a balanced
+    run never names anyone; a rank waiting 4 % of the time among peers at
+    40 % is named after ~30-60 samples. DDP's gradient all-reduce runs in C++
+    inside ``backward()``: there only explicit collectives are measured.
 
     Linux: activity is read from ``/proc`` (elsewhere no worker is ever
     flagged). The sampling period is ``stall_after / 10`` within [1, 30] s.
@@ -81,12 +130,16 @@ class Watchdog:
         output (streams the supervisor reads; a non-redirected stream is then
         piped through the supervisor).
     :param action: ``"observe"``, ``"fail"`` or ``"restart"``.
-    :raises ValueError: a bad ``stall_after``, ``progress`` or ``action``.
+    :param stragglers: seconds between two straggler samples (>= 0.1), or
+        ``None`` (off). CLI ``--straggler-sample``.
+    :raises ValueError: a bad ``stall_after``, ``progress``, ``action`` or
+        ``stragglers``.
     """
 
     stall_after: float = 600.0
     progress: str | None = None
     action: str = "fail"
+    stragglers: float | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -97,6 +150,15 @@ class Watchdog:
         ):
             raise ValueError(
                 f"Watchdog(stall_after={self.stall_after!r}) must be a number of seconds > 0"
+            )
+        if self.stragglers is not None and (
+            isinstance(self.stragglers, bool)
+            or not isinstance(self.stragglers, int | float)
+            or not 0.1 <= self.stragglers < float("inf")
+        ):
+            raise ValueError(
+                f"Watchdog(stragglers={self.stragglers!r}) must be a stack-sample period in "
+                "seconds >= 0.1, or None (off)"
             )
         if self.action not in _ACTIONS:
             raise ValueError(
@@ -140,14 +202,23 @@ class RankActivity:
     """The ``/proc`` readings of one worker process, kept between samples.
 
     :meth:`read` returns a :class:`~aiolaunch._stall.Sample` for the stall
-    rule and keeps what ``status()`` shows: :attr:`cpu_percent` since the
-    previous reading, :attr:`rss`, :attr:`state`, and :attr:`last_output`
-    (monotonic time ``wchar`` last advanced, or output seen by the log
-    pipeline: :meth:`seen`).
+    rule: the CPU of every thread and of the children it reaped (``stat``),
+    its main thread's wanted CPU (``schedstat``: on a CPU or waiting for one)
+    and, cumulated, its helpers' - its other threads', and, while its own
+    threads rest, its descendants' (:mod:`aiolaunch._descendants`). It keeps
+    what ``status()`` shows: :attr:`cpu_percent` since the previous reading,
+    :attr:`rss`, :attr:`state`, and :attr:`last_output` (monotonic time
+    ``wchar`` of it or of a descendant last advanced, or output seen by the
+    log pipeline: :meth:`seen`).
+
+    :param suspect_after: after resting this long, the costlier looks: every
+        thread's run-queue wait, every thread's children (each at most every
+        few seconds).
     """
 
-    def __init__(self, pid: int, now: float) -> None:
+    def __init__(self, pid: int, now: float, *, suspect_after: float = 2.0) -> None:
         self.pid = pid
+        self.suspect_after = suspect_after
         self.last_output: float | None = None
         self.cpu_percent = 0.0
         #: CPU seconds of the process (every thread) at the last reading
@@ -156,11 +227,18 @@ class RankActivity:
         self.state = "?"
         self._t = now
         self._cpu: float | None = None
+        self._main: tuple[float, float] | None = None
+        self._helpers = 0.0
+        self._rested_since = now
         self._wchar: int | None = None
+        self._discount = 0
+        self._schedstat = True
         # /proc/<pid>/stat and io kept open and re-read with pread(): a third
         # of the cost of open+read+close each period (and a held fd can never
         # read a recycled pid: it fails with ESRCH once the process is gone).
         self._fds: dict[str, int | None] = {}
+        self._descendants = Descendants(pid)
+        self._threads = Threads(pid)
 
     def _pread(self, name: str, size: int) -> bytes | None:
         fd = self._fds.get(name, -1)
@@ -188,10 +266,23 @@ class RankActivity:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._fds.clear()
+        self._descendants.close()
 
     def _wchar_now(self) -> int | None:
         data = self._pread("io", 1024)
         return None if data is None else _parse_wchar(data)
+
+    def _main_now(self) -> tuple[float, float] | None:
+        """The main thread's seconds on a CPU and runnable waiting for one
+        (``schedstat``), or ``None``."""
+        if self._schedstat:
+            raw = self._pread("schedstat", 128)
+            if raw:
+                with contextlib.suppress(ValueError):
+                    on_cpu, waiting, _ = raw.split(None, 2)
+                    return int(on_cpu) / 1e9, int(waiting) / 1e9
+            self._schedstat = False  # none here: stat's one number for every thread
+        return None
 
     def read(self, now: float, *, writes: bool = True) -> Sample | None:
         """Read ``/proc`` now; ``None`` when the process is gone.
@@ -202,31 +293,74 @@ class RankActivity:
         stat = None if raw is None else parse_stat(raw)
         if stat is None:
             return None
-        cpu = (stat.utime + stat.stime) / _CLK_TCK  # every thread of the process
-        self.cpu_s = cpu
+        # Every thread of the process (cpu_s), and the children it waited for.
+        self.cpu_s = (stat.utime + stat.stime) / _CLK_TCK
+        cpu = self.cpu_s + (stat.cutime + stat.cstime) / _CLK_TCK
+        main = self._main_now()
         dt = now - self._t
-        # CPU time comes in clock ticks (10 ms): a percentage over less than
-        # CPU_WINDOW would be noise (two readers a few ms apart - top, a
-        # scrape, the watchdog - would see 0 % or 100 %), so the window only
-        # moves on once it is that long; until then the last figure stands.
+        # CPU time comes in clock ticks (10 ms): a percentage (and a helpers'
+        # share) over less than CPU_WINDOW would be noise (two readers a few ms
+        # apart - top, a scrape, the watchdog - would see 0 % or 100 %), so the
+        # window only moves on once it is that long; until then the last
+        # figures stand (the stall rule reads cumulative times: unaffected).
         if self._cpu is None or dt >= CPU_WINDOW:
             if self._cpu is not None:
-                self.cpu_percent = 100.0 * (cpu - self._cpu) / dt
-            self._t, self._cpu = now, cpu
+                self._helping(now, dt, cpu - self._cpu, main, stat.num_threads)
+            self._t, self._cpu, self._main = now, cpu, main
         self.state, self.rss = stat.state, stat.rss_pages * _PAGE
         if writes:
             wchar = self._wchar_now()
             if wchar is not None:
-                if self._wchar is not None and wchar != self._wchar:
-                    self.last_output = now
-                self._wchar = wchar
+                if self._wchar is not None and wchar - self._wchar > self._discount:
+                    self.last_output = self._rested_since = now
+                self._wchar, self._discount = wchar, 0
         where = wchan(self.pid) if stat.state == "D" else ""
-        return Sample(self.pid, cpu, self.last_output, None, stat.state, where)
+        return Sample(
+            self.pid, cpu, self.last_output, None, stat.state, where,
+            main_s=None if main is None else main[0] + main[1],
+            helpers_s=None if main is None else self._helpers,
+            main_run_s=None if main is None else main[0],
+        )  # fmt: skip
+
+    def _helping(
+        self, now: float, dt: float, used: float, main: tuple[float, float] | None, threads: int
+    ) -> None:
+        """Count what the helpers did since the previous reading."""
+        self.cpu_percent = 100.0 * used / dt
+        floor = CPU_BUSY_FRACTION * dt
+        if main is None or self._main is None:
+            if used >= floor:
+                self._rested_since = now
+            return
+        main_on = main[0] - self._main[0]
+        others = max(0.0, used - main_on)  # other threads on a CPU, reaped children
+        self._helpers += others
+        if main_on + main[1] - self._main[1] >= floor or others >= floor:
+            self._rested_since = now  # its own threads work: no need to look further
+            return
+        rested = now - self._rested_since
+        suspect = rested >= self.suspect_after
+        if suspect and threads > 1:
+            # Starved helper threads wait on the run queue: a read per thread,
+            # once a second at first, less often the longer it rests.
+            waited = self._threads.look(now, every=min(max(1.0, rested / 4), 30.0))
+            self._helpers += waited or 0.0
+        helpers = self._descendants.look(now, full=suspect)
+        self._helpers += helpers.cpu_s
+        if helpers.wrote:
+            self.last_output = now
+        if helpers.cpu_s >= floor or helpers.wrote:
+            self._rested_since = now
 
     def seen(self, when: float) -> None:
         """Output was seen at ``when`` (monotonic) by other means (the log pipeline)."""
         if self.last_output is None or when > self.last_output:
             self.last_output = when
+
+    def discount(self, nbytes: int) -> None:
+        """The worker wrote ``nbytes`` of a stack dump since the last reading:
+        not output."""
+        self._discount += nbytes
 
     def rebase(self) -> None:
         """Forget writes made since the last reading (our own stack dump, say)."""
@@ -243,16 +377,20 @@ class Sampler:
     merged into :attr:`RankActivity.last_output`.
     """
 
-    def __init__(self, output_age: Callable[[int], float | None]) -> None:
+    def __init__(
+        self, output_age: Callable[[int], float | None], *, suspect_after: float = 2.0
+    ) -> None:
         self._output_age = output_age
         self._ranks: dict[int, RankActivity] = {}
+        #: see :class:`RankActivity` (the watchdog sets a third of ``stall_after``)
+        self.suspect_after = suspect_after
 
     def _activity(self, rank: int, pid: int, now: float) -> RankActivity:
         act = self._ranks.get(rank)
         if act is None or act.pid != pid:  # first sight, or a restarted rank
             if act is not None:
                 act.close()
-            act = self._ranks[rank] = RankActivity(pid, now)
+            act = self._ranks[rank] = RankActivity(pid, now, suspect_after=self.suspect_after)
         age = self._output_age(rank)
         if age is not None:
             act.seen(now - age)
@@ -274,6 +412,12 @@ class Sampler:
             act = self._ranks.get(rank)
             if act is not None and act.pid == pid:
                 act.rebase()
+
+    def discount(self, pid: int, rank: int, nbytes: int) -> None:
+        """``rank``'s process ``pid`` wrote ``nbytes`` of a stack sample: not output."""
+        act = self._ranks.get(rank)
+        if act is not None and act.pid == pid:
+            act.discount(nbytes)
 
     def forget(self, rank: int) -> None:
         """``rank``'s process is gone: close what is held for it."""

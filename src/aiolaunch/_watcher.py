@@ -2,8 +2,11 @@
 
 The one place that samples on a period: hangs have no event. Once per
 :attr:`Watchdog.period` the :class:`StallWatcher` reads each live rank's
-``/proc`` (:class:`~aiolaunch._watchdog.Sampler`) and hands the sample to the
-pure rule (:class:`~aiolaunch._stall.StallDetector`). A stall is handled in
+``/proc`` (:class:`~aiolaunch._watchdog.Sampler`), samples the stacks of the
+ranks whose main thread burns CPU without output and runs now
+(:class:`~aiolaunch._sampler.StackSampler`: the ones that may spin), and
+hands each sample to the pure rule (:class:`~aiolaunch._stall.StallDetector`).
+A stall is handled in
 this order: a :class:`WorkerStalled` event, the stacks of every rank (the
 others show what the stalled one waits for), the report, *then* the action,
 taken only through the group's own commands (circus's watchdog casts
@@ -14,6 +17,11 @@ taken only through the group's own commands (circus's watchdog casts
   restart policy (its policy restarts it);
 - ``fail``: ``GroupState.fail(rank, message)``: the group is decided, and
   ``wait()`` stops it through the usual path.
+
+Who fails is one story (``_story.py``): the odd ones out of the verdict,
+whatever they do, when the stalled ranks wait in one place; a verdict with no
+odd one out while a live rank is still on its way waits for the next sample
+(at most ``stall_after``).
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from ._dump_text import signature
 from ._events import WorkerStalled
 from ._rates import StepRate
-from ._stacks import StackReport, rank_ranges
-from ._stall import Stall, StallDetector
+from ._stacks import StackReport
+from ._stall import Sample, Stall, StallDetector
+from ._story import odd_ones, ranks_text, too_early
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,6 +47,7 @@ if TYPE_CHECKING:
     from ._dumper import StackDumper
     from ._events import Event
     from ._group import GroupState
+    from ._sampler import StackSampler
     from ._watchdog import Sampler, Watchdog
 
 __all__ = ["StallWatcher"]
@@ -45,6 +56,9 @@ logger = logging.getLogger("aiolaunch")
 
 #: seconds a stall waits for every rank's stacks before it acts anyway
 _STALL_DUMP_TIMEOUT = 5.0
+#: at most this long a sample waits for a rank's stack (a stopped rank,
+#: one in D state: it has no CPU and is judged by the CPU rule meanwhile)
+_SAMPLE_TIMEOUT = 2.0
 
 
 class StallWatcher:
@@ -67,6 +81,7 @@ class StallWatcher:
         state: GroupState,
         sampler: Sampler,
         dumper: StackDumper,
+        stacks: StackSampler,
         *,
         emit: Callable[[Event], None],
         restartable: Callable[[int], bool],
@@ -78,7 +93,11 @@ class StallWatcher:
         self.detector = StallDetector(watchdog.stall_after, progress=self._progress is not None)
         self._state = state
         self._sampler = sampler
+        # Costlier looks (every thread, every thread's children) for a rank
+        # idle a third of stall_after: in time for the rule, rare otherwise.
+        sampler.suspect_after = max(1.0, watchdog.stall_after / 3)
         self._dumper = dumper
+        self._stacks = stacks
         self._emit = emit
         self._restartable = restartable
         self._write_report = write_report
@@ -94,6 +113,9 @@ class StallWatcher:
         self.verdict: StackReport | None = None
         self.dumps: dict[int, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        #: stalls waiting for their story (see _early), and since when
+        self._pending: dict[int, Stall] = {}
+        self._episode: float | None = None
 
     def start(self) -> None:
         """Start sampling."""
@@ -159,15 +181,28 @@ class StallWatcher:
         while True:
             await asyncio.sleep(period)  # allowed: /proc has no change events
             now = time.monotonic()
-            newly: list[Stall] = []
+            samples: dict[int, Sample] = {}
+            pids: dict[int, int] = {}
             for w in self._state.workers():
                 rank = w.local_rank
                 if not w.alive or self._state.restarting(rank) or self._paused(rank):
                     self.detector.forget(rank)
+                    self._stacks.forget(w.pid)
                     continue
                 sample = self._sampler.sample(rank, w.pid, now, writes=writes)
-                if sample is None:
-                    continue
+                if sample is not None:
+                    samples[rank], pids[rank] = sample, w.pid
+            # Where the busy, quiet ranks are (those that may spin): the dump
+            # signal, then the texts' signatures; the others, and ranks that
+            # cannot be sampled, keep stack=None: the CPU rule.
+            busy = {r: p for r, p in pids.items() if self.detector.wants_stack(r, samples[r], now)}
+            texts = await self._stacks.sample(busy, min(_SAMPLE_TIMEOUT, period)) if busy else {}
+            newly: list[Stall] = []
+            for rank, sample in samples.items():
+                text = texts.get(rank)
+                if text is not None:
+                    self._sampler.discount(pids[rank], rank, self._stacks.wrote.get(rank, 0))
+                    sample = dataclasses.replace(sample, stack=signature(text))
                 if not writes:
                     sample = dataclasses.replace(
                         sample, last_progress=self._last_progress.get(rank)
@@ -176,20 +211,29 @@ class StallWatcher:
                 if stall is not None:
                     self._detected[rank] = time.time()
                     newly.append(stall)
-            if newly:
+            if newly or self._pending:
                 try:
                     await self._on_stall(newly)
                 except Exception:  # the watchdog must outlive a failed dump or report
                     logger.exception("aiolaunch: handling a stall of %r failed", self._state.name)
 
     # -- a stall --------------------------------------------------------------
-    async def _on_stall(self, stalls: list[Stall]) -> None:
+    async def _on_stall(self, newly: list[Stall]) -> None:
         wd = self.watchdog
-        for s in stalls:
+        for s in newly:
             self._stall_counts[s.rank] = self._stall_counts.get(s.rank, 0) + 1
             self._emit(
                 WorkerStalled(rank=s.rank, time=time.monotonic(), idle_s=s.idle_s, reason=s.reason)
             )
+        # The stalls not acted on yet (an earlier one may wait for its story),
+        # as long as their rank is still stalled.
+        pending = {**self._pending, **{s.rank: s for s in newly}}
+        pending = {r: s for r, s in pending.items() if self.detector.flagged(r)}
+        self._pending = {}
+        if not pending:
+            self._episode = None
+            return
+        self._episode = self._episode or time.monotonic()
         # Every rank's stacks before anything is stopped: the others show what
         # the stalled one is waiting for (or what waits for it).
         dump = await self._dumper.dump(None, _STALL_DUMP_TIMEOUT)
@@ -201,28 +245,38 @@ class StallWatcher:
                 verdict_line=verdict.line_for(s.rank) or "",
                 stacks_file=dump.files.get(s.rank, ""),
             )
-            for s in stalls
+            for s in sorted(pending.values(), key=lambda s: s.rank)
         ]
         self.stalls.update((s.rank, s) for s in stalls)
         paths = self._write_report()
-        logger.warning(
-            "aiolaunch: %s %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
-            "Report: %s",
-            "rank" if len(stalls) == 1 else "ranks", rank_ranges(s.rank for s in stalls),
-            self._state.name, stalls[0].reason, verdict, paths[1] if paths else "(not written)",
-        )  # fmt: skip
+        if newly:
+            logger.warning(
+                "aiolaunch: %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
+                "Report: %s",
+                ranks_text(s.rank for s in newly), self._state.name, newly[0].reason, verdict,
+                paths[1] if paths else "(not written)",
+            )  # fmt: skip
         if wd.action == "observe":
+            self._episode = None
             return
-        # Ranks that stalled together usually wait for one another: when some
-        # of them are the odd ones out, those are the failure, and the rest
-        # (stopped by aiolaunch) are listed as stalled in the report only.
-        chosen = [s for s in stalls if s.rank in verdict.outliers]
-        if not chosen:
-            # The odd one out may have gone quiet a moment after the others
-            # (its stall would be detected next period): it is still the cause.
-            chosen = self._quiet_outliers(verdict, dump.files) or stalls
-        outliers = set(verdict.outliers)
-        for s in sorted(chosen, key=lambda s: (s.rank not in outliers, s.rank)):
+        now = time.monotonic()
+        pids = {w.local_rank: w.pid for w in self._state.workers() if w.alive}
+        live = [r for r in pids if not self._paused(r)]
+        age = now - self._episode
+        if too_early(stalls, verdict, live, self.detector, age=age, stall_after=wd.stall_after):
+            self._pending = pending  # judged again with the next sample
+            return
+        self._episode = None
+        culprits = odd_ones(
+            stalls, verdict, pids, dump.files, self.detector, period=wd.period, now=now
+        )
+        for s in culprits:
+            if s.rank not in pending:  # an odd one out that had not stalled itself
+                self.detector.flag(s.rank)
+                self._stall_counts[s.rank] = self._stall_counts.get(s.rank, 0) + 1
+                self._detected.setdefault(s.rank, time.time())
+                self.stalls[s.rank] = s
+        for s in culprits:
             why = f"stalled: {s.reason}"
             # With "restart", the rank's restart policy takes it from here: a
             # SIGKILLed worker is a failed exit (its stacks are on disk already).
@@ -230,21 +284,3 @@ class StallWatcher:
             if restart and self._state.kill(s.rank, signal.SIGKILL, why):
                 continue
             self._state.fail(s.rank, s.message(), when=self._detected.get(s.rank))
-
-    def _quiet_outliers(self, verdict: StackReport, files: dict[int, str]) -> list[Stall]:
-        now = time.monotonic()
-        out: list[Stall] = []
-        for rank in verdict.outliers:
-            idle = self.detector.idle(rank, now)
-            w = self._state.worker(rank)
-            if idle is None or idle < self.watchdog.period or w is None:
-                continue
-            reason = f"no output and no CPU for {idle:.1f}s while its peers stalled"
-            s = Stall(rank, w.pid, round(idle, 3), reason, verdict.line_for(rank) or "")
-            s = dataclasses.replace(s, stacks_file=files.get(rank, ""))
-            self.detector.flag(rank)
-            self._stall_counts[rank] = self._stall_counts.get(rank, 0) + 1
-            self._detected[rank] = time.time()
-            self.stalls[rank] = s
-            out.append(s)
-        return out

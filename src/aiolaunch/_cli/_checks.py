@@ -44,6 +44,7 @@ def watchdog_from_args(args: argparse.Namespace) -> Any:
         for flag, value in (
             ("--on-stall", args.on_stall),
             ("--progress-regex", args.progress_regex),
+            ("--straggler-sample", args.straggler_sample),
         ):
             if value is not None:
                 raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
@@ -69,10 +70,17 @@ def watchdog_from_args(args: argparse.Namespace) -> Any:
                 "empty one), so any output would count as progress; pass a pattern of your "
                 "progress lines, e.g. --progress-regex '^step ', or drop the flag"
             )
+    sample = args.straggler_sample
+    if sample is not None and not (math.isfinite(sample) and sample >= 0.1):
+        raise ValueError(
+            f"--straggler-sample={sample} must be a stack-sample period in seconds >= 0.1, "
+            "e.g. --straggler-sample 1"
+        )
     return Watchdog(
         stall_after=float(args.stall_timeout),
         progress=args.progress_regex,
         action=args.on_stall or "fail",
+        stragglers=None if sample is None else float(sample),
     )
 
 

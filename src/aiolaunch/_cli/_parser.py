@@ -296,8 +296,9 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="Watchdog: a worker with no output and no CPU for this long is stalled; every "
-        "rank's stacks are dumped to LOG_DIR/<rank>/stacks-<n>.txt (default: off).",
+        help="Watchdog: a worker with no output for this long whose stack did not move (or, "
+        "for workers that cannot be sampled, without CPU) is stalled; every rank's stacks "
+        "are dumped to LOG_DIR/<rank>/stacks-<n>.txt (default: off).",
     )
     add(
         "--on-stall",
@@ -316,8 +317,19 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=EnvOption,
         default=None,
         metavar="REGEX",
-        help="Watchdog: only output lines matching REGEX count as progress (e.g. '^step '). "
-        "Needs --stall-timeout.",
+        help="Watchdog: only output lines matching REGEX count as progress (e.g. '^step '); "
+        "ranks that never print one follow the group's progress. Needs --stall-timeout.",
+    )
+    add(
+        "--straggler-sample",
+        "--straggler_sample",
+        action=EnvOption,
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Watchdog: sample every rank's stack this often and name a rank that waits in "
+        "torch.distributed collectives far less than its peers (a straggler: they wait for "
+        "it) in a warning, `aiolaunch status` and the report. Needs --stall-timeout.",
     )
     # -- live observability (aiolaunch's own) --
     add(

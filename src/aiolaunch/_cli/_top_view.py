@@ -26,7 +26,8 @@ KEY_DOWN, KEY_UP, KEY_LEFT, KEY_HOME, KEY_END = 258, 259, 260, 262, 360
 KEY_NPAGE, KEY_PPAGE, KEY_ENTER, KEY_BACKSPACE = 338, 339, 343, 263
 ESC = 27
 _STATE_ORDER = (
-    "stalled", "running", "sleeping", "disk-sleep", "stopped", "restarting", "starting", "exited",
+    "stalled", "straggling", "running", "sleeping", "disk-sleep", "stopped", "restarting",
+    "starting", "exited",
 )  # fmt: skip
 _HEAD_ROWS = 3  # title, subtitle, column header
 _FOOT_ROWS = 1

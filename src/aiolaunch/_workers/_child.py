@@ -192,8 +192,8 @@ def run_worker(spec: ChildSpec) -> None:
     _redirect(spec)
     _reset_asyncio_after_fork()
     os.environ.update(spec.env)
-    from .._dump_handler import register
     from ._attach import register as register_attach
+    from ._dump_handler import register
 
     register()  # stack dumps on request (before user code: a hang can come early)
     register_attach()  # `aiolaunch attach RANK`: pdb on request

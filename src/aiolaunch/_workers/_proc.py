@@ -135,6 +135,10 @@ class ProcStat(NamedTuple):
     starttime: int
     #: resident set size, in pages
     rss_pages: int
+    #: CPU time of its reaped children (those it waited for), in clock ticks
+    cutime: int = 0
+    cstime: int = 0
+    num_threads: int = 1
     #: page faults of the children this process waited for (reaped), minor
     #: and major: non-zero once it reaped any child; -1 when not known
     cminflt: int = -1
@@ -216,6 +220,9 @@ def parse_stat(raw: bytes) -> ProcStat | None:
             stime=int(fields[12]),
             starttime=int(fields[19]),
             rss_pages=int(fields[21]),
+            cutime=int(fields[13]),
+            cstime=int(fields[14]),
+            num_threads=int(fields[17]),
             **more,
         )
     except ValueError:

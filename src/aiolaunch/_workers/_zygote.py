@@ -420,8 +420,8 @@ def main() -> None:
     # What every forked worker runs first: imported once, here.
     import cloudpickle  # noqa: F401
 
-    from .. import _bootstrap, _dump_handler, _error_file  # noqa: F401
-    from . import _child, _forked  # noqa: F401
+    from .. import _bootstrap, _error_file  # noqa: F401
+    from . import _child, _dump_handler, _forked  # noqa: F401
 
     for name in now:
         import importlib
