@@ -101,10 +101,9 @@ class Forensics:
         self._stderrs = dict(logs.dest.stderrs)
         log_dir, self._own_dir = _group_dir(getattr(logs.dest, "root", ""), self._error_files)
         self.log_dir = os.path.abspath(log_dir)
-        # Made by the first worker whose bootstrap registers for dumps
-        # (_dump_handler.register), not by the supervisor: a folder costs a
-        # mkdir at the start and an rmdir at the end, and some filesystems
-        # discard the freed block synchronously (ext4 -o discard: ms) (#26).
+        # Made by the first worker that registers for dumps, not by us: a
+        # folder costs a mkdir and an rmdir, and ext4 -o discard frees its
+        # block synchronously (ms; #26, docs/ARCHITECTURE.md).
         self.stacks_dir = os.path.join(self.log_dir, ".aiolaunch-stacks")
         #: where the group's own small files go (the stop-deadline file)
         self.private_dir = self.log_dir
@@ -234,12 +233,7 @@ class Forensics:
         self.sampler.close()
         self.stacks.close()
         self.live.close()
-        try:
-            os.rmdir(self.stacks_dir)  # empty, unless a dump wrote into it
-        except FileNotFoundError:
-            pass
-        except OSError:
-            shutil.rmtree(self.stacks_dir, ignore_errors=True)
+        _remove_folder(self.stacks_dir)
         self._forget_stacks()
         if self._own_dir and not self.dumper.count and not self.reported:
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -328,6 +322,15 @@ class Forensics:
         d = os.path.join(self.log_dir, str(rank))
         os.makedirs(d, exist_ok=True)
         return d
+
+
+def _remove_folder(path: str) -> None:
+    try:
+        os.rmdir(path)  # one rmdir: empty, unless a dump wrote into it
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_ranks(ranks: object, nprocs: int) -> None:
