@@ -361,7 +361,10 @@ import asyncio, sys, aiolaunch
 
 async def main():
     marks = sys.argv[1]
-    script = f"trap 'echo x >> {marks}/sig' INT TERM; while :; do sleep 0.05; done"
+    # `ready` once the trap is set: a SIGTERM before it would kill the shell.
+    script = (
+        f"trap 'echo x >> {marks}/sig' INT TERM; : > {marks}/ready; while :; do sleep 0.05; done"
+    )
     async with aiolaunch.start_processes(
         name="s", entrypoint="/bin/sh", args={0: ("-c", script)}, envs={0: {}},
         log_dir=marks + "/logs", shutdown_timeout=300,
@@ -380,6 +383,12 @@ def test_second_ctrl_c_outside_wait_kills_workers_before_exit(tmp_path: Path) ->
     with driver([sys.executable, str(script), str(tmp_path)]) as proc:
         assert proc.stdout is not None
         pid = int(proc.stdout.readline())
+        # Handshake: the worker's trap is set (a fast spawn returns before the
+        # shell ran its first line; close()'s SIGTERM would then kill it).
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "worker never ready"
+            time.sleep(0.01)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         while not (tmp_path / "sig").exists():  # close() sent SIGTERM: grace running

@@ -123,8 +123,13 @@ def test_signal_is_forwarded_then_raised(tmp_path: Path, sig: signal.Signals) ->
 
 
 def test_signal_ignoring_workers_get_sigkill_after_grace(tmp_path: Path) -> None:
-    script = "trap '' TERM; while :; do sleep 0.05; done"
+    # `ready$RANK` once SIGTERM is ignored: one sent before would kill the shell.
+    script = f"trap '' TERM; : > {tmp_path}/ready$RANK; while :; do sleep 0.05; done"
     with _start(tmp_path, "binary", "0.3", str(tmp_path / "logs"), script) as (proc, pids):
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "workers never ready"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         # Bounded by the 0.3 s grace, not by the workers (they ignore SIGTERM).
         out, err = proc.communicate(timeout=30)
