@@ -11,6 +11,7 @@ import signal
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -20,7 +21,6 @@ from _helpers import alive, driver, wait_dead
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Iterator
-    from pathlib import Path
 
 SUPERVISOR = textwrap.dedent(
     """
@@ -90,6 +90,8 @@ def _start(
     """The supervisor script as a driver: default dispositions, killed and reaped at the end.
 
     ``ignore_hup``: start it with SIGHUP ignored, as ``nohup`` does.
+    With the default worker script (no 5th argument) it yields only once every
+    worker's grandchild runs ``sleep`` (see :func:`_grandchildren`).
     """
     script = tmp_path / "supervisor.py"
     script.write_text(SUPERVISOR)
@@ -100,7 +102,34 @@ def _start(
         if not line:
             _, err = proc.communicate()
             pytest.fail(f"supervisor died early: {err}")
+        if len(argv) == 3:
+            _grandchildren(Path(argv[2]))
         yield proc, {k: int(v) for k, v in json.loads(line)["pids"].items()}
+
+
+def _grandchildren(logdir: Path) -> list[int]:
+    """The pids of both workers' ``sleep`` children, once each has exec'd.
+
+    A signal must not reach a grandchild between /bin/sh's fork and its exec:
+    the forked copy still runs the shell's trap handler, which swallows the
+    signal, and the ``sleep`` it becomes then never got it - the group then
+    waits out the whole grace period (seen in CI: 1 in ~150 runs).
+    """
+    deadline = time.monotonic() + 30
+    while True:
+        # pid files are renamed into place: a gc<rank> file is never empty
+        pids = [int(p.read_text()) for p in sorted(logdir.glob("gc[0-9]"))]
+        if len(pids) == 2 and all(_comm(p) == "sleep" for p in pids):
+            return pids
+        assert time.monotonic() < deadline, f"grandchildren not started: {pids}"
+        time.sleep(0.005)
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
@@ -160,13 +189,7 @@ def test_workers_die_with_a_sigkilled_supervisor(tmp_path: Path, kind: str) -> N
     the lifeline thread does. Both reach grandchildren in the worker's group.
     """
     with _start(tmp_path, kind, "5", str(tmp_path / "w")) as (proc, pids):
-        grandchildren: list[int] = []
-        deadline = time.monotonic() + 30
-        while len(grandchildren) < 2 and time.monotonic() < deadline:
-            # pid files are renamed into place: a gc<rank> file is never empty
-            grandchildren = [int(p.read_text()) for p in (tmp_path / "w").glob("gc[0-9]")]
-            time.sleep(0.02)
-        assert len(grandchildren) == 2
+        grandchildren = _grandchildren(tmp_path / "w")
         proc.kill()
         proc.communicate(timeout=30)
     assert not wait_dead([*pids.values(), *grandchildren])
