@@ -24,10 +24,17 @@ import time
 from typing import TYPE_CHECKING
 
 from ._dump_text import idle_loop_text
-from ._stacks import DUMP_SIGNAL, QUIET_S, TASKS_SIGNAL, registered, tasks_done, thread_dump_done
+from ._stacks import (
+    DUMP_SIGNAL,
+    TASKS_SIGNAL,
+    collect_dumps,
+    registered,
+    tasks_done,
+    thread_dump_done,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
 __all__ = ["StackSampler"]
 
@@ -129,7 +136,7 @@ class StackSampler:
                 targets[rank] = t
         self.wrote = {}
         deadline = time.monotonic() + timeout
-        texts = await self._collect(targets, DUMP_SIGNAL, deadline, thread_dump_done)
+        texts = await collect_dumps(targets, DUMP_SIGNAL, deadline, thread_dump_done, self.wrote)
         idle = {
             r: targets[r]
             for r, text in texts.items()
@@ -137,42 +144,8 @@ class StackSampler:
         }
         if idle:
             bound = min(deadline, time.monotonic() + 1.0)
-            tasks = await self._collect(idle, TASKS_SIGNAL, bound, tasks_done)
+            tasks = await collect_dumps(idle, TASKS_SIGNAL, bound, tasks_done, self.wrote)
             for rank, text in tasks.items():
                 if tasks_done(text):
                     texts[rank] += text
         return {r: t for r, t in texts.items() if t}
-
-    async def _collect(
-        self, targets: Mapping[int, _Target], sig: int, deadline: float,
-        done: Callable[[str, bool], bool],
-    ) -> dict[int, str]:  # fmt: skip
-        offsets: dict[int, int] = {}
-        for rank, t in targets.items():
-            offsets[rank] = t.size()
-            try:
-                os.kill(t.pid, sig)
-            except OSError:
-                del offsets[rank]
-        out: dict[int, str] = {}
-        seen: dict[int, tuple[int, float]] = {}
-        pause = 0.002
-        while offsets:
-            await asyncio.sleep(pause)  # allowed: no completion event exists for a dump
-            pause = min(pause * 2, 0.02)
-            now = time.monotonic()
-            last = now > deadline
-            for rank in list(offsets):
-                t = targets[rank]
-                size = t.size()
-                prev, since = seen.get(rank, (-1, now))
-                if size != prev:
-                    seen[rank] = (size, now)
-                if size <= offsets[rank] and not last:
-                    continue
-                text = t.read(offsets[rank], size) if size > offsets[rank] else ""
-                if last or done(text, size == prev) or (size == prev and now - since >= QUIET_S):
-                    out[rank] = text
-                    self.wrote[rank] = self.wrote.get(rank, 0) + max(0, size - offsets[rank])
-                    del offsets[rank]
-        return out

@@ -27,7 +27,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._dump_text import idle_loop_text, rank_where
 from ._workers._dump_handler import (
@@ -47,7 +47,9 @@ __all__ = [
     "QUIET_S",
     "STACKS_DIR_ENV",
     "TASKS_SIGNAL",
+    "DumpFile",
     "StackReport",
+    "collect_dumps",
     "dump_stacks",
     "register",
     "registered",
@@ -188,7 +190,8 @@ async def dump_stacks(
         spy = await _py_spy(pid, timeout) if fallback else None
         out[rank] = spy if spy is not None else f"<pid {pid} {why}>"
     deadline = time.monotonic() + timeout
-    texts = await _collect(directory, targets, DUMP_SIGNAL, deadline, thread_dump_done)
+    files = {rank: _PathDump(directory, pid) for rank, pid in targets.items()}
+    texts = await collect_dumps(files, DUMP_SIGNAL, deadline, thread_dump_done)
     for rank, pid in targets.items():
         text = texts.get(rank)
         out[rank] = text or silent_reason(pid, timeout)
@@ -199,7 +202,8 @@ async def dump_stacks(
     }
     if idle:
         bound = min(deadline, time.monotonic() + _TASKS_TIMEOUT)
-        tasks = await _collect(directory, idle, TASKS_SIGNAL, bound, tasks_done)
+        idle_files = {rank: files[rank] for rank in idle}
+        tasks = await collect_dumps(idle_files, TASKS_SIGNAL, bound, tasks_done)
         for rank, text in tasks.items():
             if tasks_done(text):
                 out[rank] += text
@@ -240,20 +244,63 @@ def tasks_done(text: str, stable: bool = True) -> bool:
 QUIET_S = 0.2
 
 
-async def _collect(
-    directory: str, pids: Mapping[int, int], sig: int, deadline: float,
-    done: Callable[[str, bool], bool],
-) -> dict[int, str]:  # fmt: skip
-    """Send ``sig`` to every pid; ``{rank: what its file grew by}``: once it
-    is ``done``, or has not grown for :data:`QUIET_S`, or whatever came by
-    ``deadline``."""
-    offsets: dict[int, int] = {}
-    for rank, pid in pids.items():
+class DumpFile(Protocol):
+    """A worker's dump file as :func:`collect_dumps` reads it."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def size(self) -> int:
+        """The file's size now; ``-1`` when it cannot be read."""
+        ...
+
+    def read(self, offset: int, size: int) -> str:
+        """Bytes ``offset`` to ``size``, decoded; ``""`` when they cannot be read."""
+        ...
+
+
+class _PathDump:
+    """A dump file opened anew for each look (one-off dumps hold no fds)."""
+
+    __slots__ = ("path", "pid")
+
+    def __init__(self, directory: str, pid: int) -> None:
+        self.pid, self.path = pid, os.path.join(directory, f"{pid}.txt")
+
+    def size(self) -> int:
         try:
-            offsets[rank] = os.stat(os.path.join(directory, f"{pid}.txt")).st_size
-            os.kill(pid, sig)
-        except OSError:  # gone (ProcessLookupError), or its file is
-            offsets.pop(rank, None)
+            return os.stat(self.path).st_size
+        except OSError:
+            return -1
+
+    def read(self, offset: int, size: int) -> str:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                return f.read(size - offset).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+async def collect_dumps(
+    files: Mapping[int, DumpFile], sig: int, deadline: float,
+    done: Callable[[str, bool], bool], grown: dict[int, int] | None = None,
+) -> dict[int, str]:  # fmt: skip
+    """Send ``sig`` to every file's pid; ``{rank: what its file grew by}``:
+    once it is ``done``, or has not grown for :data:`QUIET_S`, or whatever
+    came by ``deadline``. A rank whose file cannot be read or whose process
+    is gone is left out. ``grown``: the bytes each rank's file grew by are
+    added to it (a sampler discounts its own dumps from a rank's output).
+    """
+    offsets: dict[int, int] = {}
+    for rank, f in files.items():
+        offsets[rank] = f.size()
+        try:
+            if offsets[rank] < 0:
+                raise FileNotFoundError
+            os.kill(f.pid, sig)
+        except OSError:  # its file is gone, or so is the process
+            del offsets[rank]
     out: dict[int, str] = {}
     sizes: dict[int, tuple[int, float]] = {}  # rank: (size, since when)
     pause = 0.002
@@ -263,34 +310,19 @@ async def _collect(
         now = time.monotonic()
         last = now > deadline
         for rank in list(offsets):
-            path = os.path.join(directory, f"{pids[rank]}.txt")
-            size = _size(path)
+            size = files[rank].size()
             prev, since = sizes.get(rank, (-1, now))
             if size != prev:
                 sizes[rank] = (size, now)
             if size <= offsets[rank] and not last:
                 continue  # nothing yet
-            text = _read_from(path, offsets[rank]) if size > offsets[rank] else ""
+            text = files[rank].read(offsets[rank], size) if size > offsets[rank] else ""
             if last or done(text, size == prev) or (size == prev and now - since >= QUIET_S):
                 out[rank] = text
+                if grown is not None:
+                    grown[rank] = grown.get(rank, 0) + max(0, size - offsets[rank])
                 del offsets[rank]
     return out
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return -1
-
-
-def _read_from(path: str, offset: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
 
 
 # -- the verdict -------------------------------------------------------------
