@@ -848,7 +848,7 @@ def main() -> int:
                     if v == "aiolaunch" or m not in al or m not in row["stats"].get(v, {}):
                         continue
                     x, y = al[m]["median"], row["stats"][v][m]["median"]
-                    hb = case.higher_better and m == case.metrics[0]
+                    hb = case.higher_better and m.endswith("MB_per_s")  # rates; not times or CPU
                     if x > 0 and y > 0:
                         ratios.setdefault(m, {})[v] = x / y if hb else y / x
             row["ratios"] = ratios

@@ -86,8 +86,8 @@ class StragglerWatch:
     async def _loop(self) -> None:
         jitter = random.Random()
         while True:
-            # allowed: sampling on a period (jittered) is the point
-            await asyncio.sleep(self.period * jitter.uniform(0.75, 1.25))
+            # Sampling on a period is the point; jittered so ranks' phases vary.
+            await asyncio.sleep(self.period * jitter.uniform(0.75, 1.25))  # allowed: sampling
             try:
                 self._count(await self._sample())
             except Exception:  # a statistic must never stop a job
