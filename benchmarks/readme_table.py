@@ -109,6 +109,10 @@ def render_why(out: dict) -> str:
         f"{fx(R.ratio('throughput', f'tee {n} x', 'MB_per_s', 'torch-p0.1'))} at N={n}"
         for n in (1, 4, 16)
     )
+    tee_console = ", ".join(
+        f"{fx(R.ratio('throughput', f'tee {n} x', 'console_MB_per_s', 'torch-p0.1'))} at N={n}"
+        for n in (1, 4, 16)
+    )
     torch_tee_fail = any(
         "torch-p0.1" in (R.row("throughput", f"tee {n} x") or {}).get("errors", {})
         for n in (1, 4, 16)
@@ -149,8 +153,9 @@ def render_why(out: dict) -> str:
             "prefixes mid-line; tqdm floods"
             + ("; lost console lines in this run" if torch_tee_fail else ""),
             f"inotify-driven ({tee_al}); line-atomic; never drops a line (a slow console "
-            f"catches up from the file); progress bars drawn in place; {tee_tp} torch's "
-            "throughput",
+            f"catches up from the file); progress bars drawn in place; the console gets the "
+            f"output at {tee_console} torch's rate; the writers' own rate: {tee_tp} torch's "
+            "(on few cores, the copy to the console takes CPU the writers would use)",
         ),
         ("`torchrun` vs `aiolaunch`", e2e_torch, e2e_al),
         (
