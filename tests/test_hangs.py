@@ -87,8 +87,10 @@ async def _spinning_api(log_dir: Path, stall: float) -> None:
     stalls = _stalls(ctx)
     assert stalls, "no WorkerStalled event"
     # From the moment they spin: stall_after plus a few samples (1 s each),
-    # and slack for two loaded cores.
-    assert stalls[0].time - spinning < stall + 8, stalls[0].time - spinning
+    # and slack for two loaded cores - six spinners share them here (the CLI
+    # half runs at once), and CI on 3.10 once took 15.9 s. A bound well under
+    # the 60 s wait: a rank flagged late is a bug, its speed is bench_hangs'.
+    assert stalls[0].time - spinning < stall + 25, stalls[0].time - spinning
     message = str(result.failures[2].message)
     assert "spinning" in message and "spin_in_data_wait" in message and "outlier" in message
     report = json.loads((log_dir / "report.json").read_text())

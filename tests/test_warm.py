@@ -178,12 +178,12 @@ EXITS = {
     "os._exit": ("import os; print('x', flush=True); os._exit(7)", 7, ""),
     "SIGINT caught": (
         "import os, signal, sys\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    import time; time.sleep(10)\nexcept KeyboardInterrupt:\n    sys.exit(5)",
+        "    import time; time.sleep(2)\nexcept KeyboardInterrupt:\n    sys.exit(5)",
         5,
         "",
     ),
     "SIGINT": (
-        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(10)",
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(2)",
         -2,
         "KeyboardInterrupt\n",
     ),
@@ -200,6 +200,11 @@ EXITS = {
 @pytest.mark.parametrize("case", list(EXITS))
 async def test_exit_status_and_traceback(mode: str, case: str, tmp_path: Path) -> None:
     code, status, err_tail = EXITS[case]
+    if case.startswith("SIGINT") and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # The suite runs as a background job (or under nohup -i): SIGINT is
+        # ignored here, so a fresh python - and a warm worker, which must be
+        # what python makes - keeps ignoring it and runs to the end.
+        status, err_tail = 0, ""
     script = write_script(tmp_path, "exit.py", code)
     out_file = tmp_path / "left_open.txt"
     result, _ = await run_python(mode, tmp_path, {0: (*BOOT, str(script), str(out_file))})
