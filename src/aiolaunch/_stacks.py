@@ -294,13 +294,14 @@ async def collect_dumps(
     """
     offsets: dict[int, int] = {}
     for rank, f in files.items():
-        offsets[rank] = f.size()
+        start = f.size()
+        if start < 0:
+            continue  # its file is gone
         try:
-            if offsets[rank] < 0:
-                raise FileNotFoundError
             os.kill(f.pid, sig)
-        except OSError:  # its file is gone, or so is the process
-            del offsets[rank]
+        except OSError:  # so is the process (ProcessLookupError)
+            continue
+        offsets[rank] = start
     out: dict[int, str] = {}
     sizes: dict[int, tuple[int, float]] = {}  # rank: (size, since when)
     pause = 0.002
