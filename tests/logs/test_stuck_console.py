@@ -89,6 +89,13 @@ def _until(cond: object, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def _tail(path: Path, size: int = 256) -> bytes:
+    """The last ``size`` bytes of ``path`` (whole file if shorter)."""
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - size))
+        return f.read().replace(b"\r", b"")
+
+
 def _with_stopped_reader(tmp_path: Path, argv: list[str]) -> tuple[int, str, str]:
     """Run ``argv`` with stdout into ``cat``; SIGSTOP ``cat`` for STOP seconds
     once the flood reached it. Returns (exit status, console text, stderr)."""
@@ -154,7 +161,11 @@ def test_tee_loses_nothing_to_ctrl_s_in_a_terminal(tmp_path: Path) -> None:
     shell = (
         f"while [ ! -e {go} ]; do sleep 0.02; done; stty ixon; "
         + " ".join(f"'{a}'" for a in argv)
-        + f"; echo EXIT=$? > {done}"
+        # The status goes to the terminal (its line ends the pane's stream, so
+        # seeing it there means every line before it arrived) and to ``done``
+        # by rename: a plain ``>`` lets the test read the file between its
+        # creation and the write (CI read '' once).
+        + f"; rc=$?; echo EXIT=$rc; echo EXIT=$rc > {done}.tmp; mv {done}.tmp {done}"
     )
     tmux = ["tmux", "-S", sock, "-f", "/dev/null"]
     env = {**_env(), "TERM": "xterm"}
@@ -174,7 +185,7 @@ def test_tee_loses_nothing_to_ctrl_s_in_a_terminal(tmp_path: Path) -> None:
         subprocess.run([*tmux, "send-keys", "C-q"], check=True)
         _until(done.exists, "the run to end", timeout=240)
         assert done.read_text().strip() == "EXIT=0"
-        time.sleep(0.5)  # allowed: pipe-pane's cat writes the last bytes
+        _until(lambda: _tail(pane).rstrip().endswith(b"EXIT=0"), "the status line in the pane")
     finally:
         subprocess.run([*tmux, "kill-server"], check=False)
     _check_every_line(pane.read_bytes().decode(errors="replace").replace("\r", ""), n)
