@@ -8,7 +8,9 @@
  *   sleep  STAMP RANK                 append "RANK ready T"; pause forever
  *   ignore STAMP RANK                 ignore SIGTERM; append "RANK ready T"; pause
  *   lines  N INTERVAL_US              N lines "T\n" on stdout, INTERVAL_US apart
- *   bulk   RANK MIB [STAMP]           MIB blocks of the verifiable pattern on stdout;
+ *   bulk   RANK MIB [STAMP [WRITE]]   MIB blocks of the verifiable pattern on stdout,
+ *                                     WRITE bytes per write() (default: the 1 MiB
+ *                                     block; 128: a line each, as print(flush=True));
  *                                     with STAMP, then append "RANK first T" (just
  *                                     before the first write) and "RANK last T"
  *                                     (just after the last): the writer's own rate
@@ -83,6 +85,7 @@ int main(int argc, char **argv) {
         /* block k: 8192 lines of 128 bytes; line = 127 filler bytes + '\n';
          * the first 15 bytes of the block are "%03d %010d " (rank, k). */
         int rank = atoi(argv[2]), mib = atoi(argv[3]);
+        size_t each = argc > 5 ? (size_t)atol(argv[5]) : (size_t)1 << 20;
         static char block[1 << 20];
         for (int i = 0; i < (1 << 20); i++)
             block[i] = (i % 128 == 127) ? '\n' : (char)('a' + (i % 128) % 26);
@@ -91,7 +94,8 @@ int main(int argc, char **argv) {
             char hdr[32];
             snprintf(hdr, sizeof hdr, "%03d %010d ", rank, k);
             memcpy(block, hdr, 15);
-            write_all(block, sizeof block);
+            for (size_t at = 0; at < sizeof block; at += each)
+                write_all(block + at, each < sizeof block - at ? each : sizeof block - at);
         }
         double last = mono();
         if (argc > 4) {

@@ -42,6 +42,7 @@ def main(argv):
         os._exit(0)
     if mode == "bulk":
         rank, mib = int(argv[2]), int(argv[3])
+        each = int(argv[5]) if len(argv) > 5 else 1 << 20
         block = bytearray(
             bytes(((ord("a") + (i % 128) % 26) if i % 128 != 127 else 10) for i in range(128))
             * 8192
@@ -49,9 +50,10 @@ def main(argv):
         first = time.monotonic()
         for k in range(mib):
             block[:15] = b"%03d %010d " % (rank, k)
-            view = memoryview(block)
-            while view:
-                view = view[os.write(1, view) :]
+            for at in range(0, len(block), each):
+                view = memoryview(block)[at : at + each]
+                while view:
+                    view = view[os.write(1, view) :]
         last = time.monotonic()
         if len(argv) > 4:
             fd = os.open(argv[4], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -3,10 +3,13 @@
 run.py's ``throughput`` rows call :func:`writers_trial`; this file, run as a
 script, is that trial's supervisor (aiolaunch, torch or the raw floor)::
 
-    python _writers.py IMPL PERIOD MODE N MIB LOG_DIR STAMP RESULT WORKER...
+    python _writers.py IMPL PERIOD MODE N MIB WRITE LOG_DIR STAMP RESULT WORKER...
 
 Each worker (``_worker.c``'s ``bulk`` mode) writes MIB blocks of 128-byte
-lines to its stdout and stamps, *inside the worker*, the monotonic time just
+lines to its stdout, WRITE bytes per ``write()`` (1 MiB: a bulk copy, at the
+page cache's speed; 128: a line each, as ``print(..., flush=True)`` or
+``PYTHONUNBUFFERED=1`` - CPU-bound writers, whose rate falls with every
+CPU-second the supervisor takes from them), and stamps, *inside the worker*, the monotonic time just
 before its first write and just after its last. The supervisor's stdout - the
 console of the tee - is a pipe read by a separate counting process
 (``_worker.c``'s ``count`` mode, as a terminal or ``| tee`` would read it),
@@ -154,9 +157,9 @@ def _supervise_raw(entry: str, args: dict, mode: str, log_dir: str) -> dict:
 
 
 def supervise(argv: list[str]) -> None:
-    impl, period, mode, n, mib, log_dir, stamp, result = argv[:8]
-    worker = argv[8:]
-    args = {r: (*worker[1:], "bulk", str(r), mib, stamp) for r in range(int(n))}
+    impl, period, mode, n, mib, write, log_dir, stamp, result = argv[:9]
+    worker = argv[9:]
+    args = {r: (*worker[1:], "bulk", str(r), mib, stamp, write) for r in range(int(n))}
     if impl == "aiolaunch":
         out = _supervise_aiolaunch(worker[0], args, mode, log_dir)
     elif impl == "torch":
@@ -195,7 +198,8 @@ def writers_trial(
 ) -> dict:
     """One throughput trial of ``variant`` (see the module docstring).
 
-    ``params``: ``n`` workers, ``mib`` per worker, ``tee`` (else redirect).
+    ``params``: ``n`` workers, ``mib`` per worker, ``tee`` (else redirect),
+    ``write``: bytes per ``write()`` (default 1 MiB).
     ``profile``: run the supervisor under cProfile into this file.
     """
     n, mib, tee = params["n"], params["mib"], params["tee"]
@@ -212,7 +216,8 @@ def writers_trial(
     if profile:
         code = "import cProfile,sys;sys.argv=sys.argv[1:];cProfile.run(open(sys.argv[0]).read(),%r)"
         sup = [sys.executable, "-c", code % profile, here]
-    argv = [*sup, impl, period, mode, str(n), str(mib), log_dir, stamp, result, *worker]
+    write = str(params.get("write", 1 << 20))
+    argv = [*sup, impl, period, mode, str(n), str(mib), write, log_dir, stamp, result, *worker]
     with subprocess.Popen([*worker, "count", counted], stdin=subprocess.PIPE) as console:
         try:
             p = subprocess.run(

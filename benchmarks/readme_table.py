@@ -113,6 +113,16 @@ def render_why(out: dict) -> str:
         f"{fx(R.ratio('throughput', f'tee {n} x', 'console_MB_per_s', 'torch-p0.1'))} at N={n}"
         for n in (1, 4, 16)
     )
+    lines = "a write() per line"
+    tee_lines = ", ".join(
+        f"{fx(R.ratio('throughput', f'tee {n} x 4 MiB, {lines}', 'MB_per_s', 'torch-p0.1'))}"
+        f" at N={n}"
+        for n in (1, 4, 16)
+    )
+    tee_lines_console = ", ".join(
+        fx(R.ratio("throughput", f"tee {n} x 4 MiB, {lines}", "console_MB_per_s", "torch-p0.1"))
+        for n in (1, 4, 16)
+    )
     torch_tee_fail = any(
         "torch-p0.1" in (R.row("throughput", f"tee {n} x") or {}).get("errors", {})
         for n in (1, 4, 16)
@@ -154,8 +164,10 @@ def render_why(out: dict) -> str:
             + ("; lost console lines in this run" if torch_tee_fail else ""),
             f"inotify-driven ({tee_al}); line-atomic; never drops a line (a slow console "
             f"catches up from the file); progress bars drawn in place; the console gets the "
-            f"output at {tee_console} torch's rate; the writers' own rate: {tee_tp} torch's "
-            "(on few cores, the copy to the console takes CPU the writers would use)",
+            f"output at {tee_console} torch's rate and the writers' own rate is {tee_tp} "
+            f"torch's with 1 MiB writes; with {lines} (`print(..., flush=True)`), console "
+            f"{tee_lines_console}, writers {tee_lines} torch's (a streaming file is read "
+            "without its inotify watch: an event per write() would slow its writer)",
         ),
         ("`torchrun` vs `aiolaunch`", e2e_torch, e2e_al),
         (

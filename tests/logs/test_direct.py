@@ -262,7 +262,9 @@ async def test_a_waiting_probe_watches_its_log_file_until_ready(tmp_path: Path) 
         redirects=Std.ALL,
         ready=aiolaunch.ReadyLine(r"listening on \d+", stream="stdout"),
     ) as ctx:
-        assert _inotify_watches(before) == 1  # stdout, for the probe; stderr: nobody
+        # stdout, for the probe, once its first tick found it quiet (a file
+        # begins unwatched: _follow's streaming); stderr: nobody
+        await _until(lambda: _inotify_watches(before) == 1, "the watch")
         (tmp_path / "go").touch()
         await ctx.wait_ready(timeout=30)
         (tmp_path / "more").touch()
@@ -305,3 +307,72 @@ async def test_echo_to_dev_stdout_in_a_redirected_worker(
     assert result is not None and not result.is_failed()
     assert Path(result.stdouts[0]).read_text() == log
     assert capsys.readouterr().out.splitlines()[-2:] == ["[t0]:second", "[t0]:third"]
+
+
+# Writes "i" lines, one write() each, until STOP exists; then "quiet N" and sleeps.
+STREAMING = """
+import os, sys, time
+i = 0
+while not os.path.exists(sys.argv[1]):
+    for _ in range(100):
+        os.write(1, b"%d\\n" % i)
+        i += 1
+os.write(1, b"quiet %d\\n" % i)
+time.sleep(60)
+"""
+
+
+async def test_a_streaming_tee_is_read_without_its_watch_and_loses_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#26: a worker that writes a line per ``write()`` would queue an inotify
+    event per write (a cost to the writer, in the kernel): while its file
+    keeps growing, the watch is off and the group's tick reads it; once the
+    file is quiet, the watch is back. The console has every line in order."""
+    before = _inotify_fds()
+    stop = tmp_path / "stop"
+    async with aiolaunch.start_processes(
+        name="s",
+        entrypoint=sys.executable,
+        args={0: ("-c", STREAMING, str(stop))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        tee=Std.OUT,
+    ) as ctx:
+        log = Path(ctx.stdouts[0])
+        await _until(lambda: log.stat().st_size > 1 << 20, "a MiB of lines")
+        await _until(lambda: _inotify_watches(before) == 0, "the watch to come off")
+        stop.touch()
+        await _until(lambda: b"quiet" in log.read_bytes()[-32:], "the last line")
+        await _until(lambda: _inotify_watches(before) == 1, "the watch to come back")
+        await ctx.close(timeout=5)
+    text = log.read_text().splitlines()
+    n = int(text[-1].split()[1])
+    assert text == [str(i) for i in range(n)] + [f"quiet {n}"]
+    console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[s0]:")]
+    assert console == [f"[s0]:{line}" for line in text]
+
+
+async def test_many_streaming_writers_at_once_lose_no_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """16 workers writing a line per ``write()`` from their first instant
+    (the later spawns hold the loop meanwhile): every line of each reaches
+    its file and, in its order, the console."""
+    code = "import os\nfor i in range(20000):\n    os.write(1, b'%d\\n' % i)\n"
+    async with aiolaunch.start_processes(
+        name="m",
+        entrypoint=sys.executable,
+        args={r: ("-c", code) for r in range(16)},
+        envs={r: {} for r in range(16)},
+        log_dir=str(tmp_path / "logs"),
+        tee=Std.OUT,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None and not result.is_failed()
+    want = [str(i) for i in range(20000)]
+    out = capsys.readouterr().out.splitlines()
+    for r in range(16):
+        assert Path(result.stdouts[r]).read_text().splitlines() == want
+        prefix = f"[m{r}]:"
+        assert [line[len(prefix) :] for line in out if line.startswith(prefix)] == want

@@ -1,0 +1,126 @@
+"""The inotify pieces without processes: the event parser and the group's tick."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+import sys
+
+import pytest
+
+from aiolaunch._logs import _inotify
+from aiolaunch._logs._inotify import HOLD_S, Watches
+
+EVENT = struct.Struct("iIII")
+IN_MODIFY, IN_Q_OVERFLOW, IN_IGNORED = 0x2, 0x4000, 0x8000
+
+
+def _events(*evs: tuple[int, int, bytes]) -> bytes:
+    return b"".join(EVENT.pack(wd, mask, 0, len(name)) + name for wd, mask, name in evs)
+
+
+def test_parse_gives_each_watch_once() -> None:
+    buf = _events(*[(wd, IN_MODIFY, b"") for wd in (3, 1, 3, 2, 1)])
+    assert _inotify._parse(buf) == ({1, 2, 3}, False)
+
+
+def test_parse_sees_an_overflow() -> None:
+    buf = _events((4, IN_MODIFY, b""), (-1, IN_Q_OVERFLOW, b""), (5, IN_MODIFY, b""))
+    assert _inotify._parse(buf) == ({4, 5}, True)
+
+
+def test_parse_walks_events_with_names() -> None:
+    # Not from a file's watch (a directory's), but parsed, not misread.
+    name = b"x.log".ljust(16, b"\0")
+    buf = _events((7, IN_MODIFY, name), (8, IN_MODIFY, b""), (-1, IN_Q_OVERFLOW, b""))
+    assert _inotify._parse(buf) == ({7, 8}, True)
+
+
+def test_parse_an_ignored_event_is_its_watch_id() -> None:
+    # IN_IGNORED (the watch is gone) names a wd whose callbacks are gone:
+    # reported, and harmless to the caller (no callbacks for it).
+    assert _inotify._parse(_events((9, IN_IGNORED, b""))) == ({9}, False)
+
+
+def test_parse_nothing() -> None:
+    assert _inotify._parse(b"") == (set(), False)
+
+
+async def test_repeat_calls_every_callback_on_one_tick_until_false() -> None:
+    loop = asyncio.get_running_loop()
+    calls: dict[str, list[float]] = {"a": [], "b": []}
+
+    def make(name: str, times: int):  # type: ignore[no-untyped-def]
+        def tick() -> bool:
+            calls[name].append(loop.time())
+            return len(calls[name]) < times
+
+        return tick
+
+    watches = Watches()
+    t0 = loop.time()
+    watches.repeat(make("a", 4))
+    watches.repeat(make("b", 2))
+    while len(calls["a"]) < 4:
+        await asyncio.sleep(HOLD_S)
+    await asyncio.sleep(10 * HOLD_S)
+    assert len(calls["a"]) == 4 and len(calls["b"]) == 2  # none after its False
+    assert abs(calls["a"][1] - calls["b"][1]) < HOLD_S  # one period for both
+    assert calls["a"][0] >= t0 + HOLD_S * 0.9
+    assert all(b - a >= HOLD_S * 0.9 for a, b in itertools.pairwise(calls["a"]))
+    # Stopped, then started again by a new callback.
+    watches.repeat(make("b", 3))
+    while len(calls["b"]) < 3:
+        await asyncio.sleep(HOLD_S)
+    watches.close()
+
+
+async def test_a_callback_may_repeat_itself_again_and_close_stops_all() -> None:
+    watches = Watches()
+    seen: list[str] = []
+
+    def once() -> bool:
+        seen.append("once")
+        watches.repeat(again)  # registered from inside a tick
+        return False
+
+    def again() -> bool:
+        seen.append("again")
+        return True
+
+    watches.repeat(once)
+    while "again" not in seen:
+        await asyncio.sleep(HOLD_S)
+    watches.close()
+    n = len(seen)
+    await asyncio.sleep(20 * HOLD_S)
+    assert len(seen) == n  # closed: nothing ticks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+async def test_events_after_a_quiet_spell_are_read_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The hold applies while events keep coming: a modification after a
+    quiet spell reaches its callback on the loop's next turn, and every
+    modification, held or not, reaches it."""
+    watches = Watches()
+    assert watches.ensure()
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    got = asyncio.Event()
+    count = 0
+
+    def modified() -> None:
+        nonlocal count
+        count += 1
+        got.set()
+
+    watches.watch(str(path), modified)
+    with path.open("ab", buffering=0) as f:
+        for _ in range(3):
+            got.clear()
+            f.write(b"x")
+            await asyncio.wait_for(got.wait(), 5)
+            await asyncio.sleep(5 * HOLD_S)  # quiet
+    assert count == 3
+    watches.close()
