@@ -268,9 +268,14 @@ async def test_a_waiting_probe_watches_its_log_file_until_ready(tmp_path: Path) 
         (tmp_path / "go").touch()
         await ctx.wait_ready(timeout=30)
         (tmp_path / "more").touch()
+        log = Path(ctx.stdouts[0])
+        await _until(lambda: log.read_bytes().endswith(b"more output\n"), "the second line")
+        # Ended at the latest by that write (nobody wants the bytes); maybe
+        # earlier: print() wrote the first line in two write()s, which can
+        # look like a streaming file, whose tick ends when nobody wants it.
         await _until(lambda: _inotify_watches(before) == 0, "the watch to end")
         await ctx.close(timeout=5)
-    assert Path(ctx.stdouts[0]).read_text() == "server listening on 1234\nmore output\n"
+    assert log.read_text() == "server listening on 1234\nmore output\n"
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,9 @@ as a network card's driver does under load): with a watch, each ``write()``
 of the worker queues an inotify event in the kernel - measured on this
 project's 2-core host, 128-byte writes (``print(..., flush=True)``) ran at
 97 MB/s watched against 148 unwatched, with nothing reading the events. So
-two events less than :data:`_STREAMING_S` apart take the watch off, and the
+:data:`_STREAMING_EVENTS` events in a row, each less than :data:`_STREAMING_S`
+after the one before (or :data:`_STREAMING_BYTES` after it: a loop that is
+late to read them sees them farther apart), take the watch off, and the
 group's tick (:meth:`Watches.repeat`, every ``HOLD_S``) reads the file while
 it grew since the last tick; the first tick that finds it unchanged puts the
 watch back and reads once more (the bytes of the gap). A file begins so (at
@@ -55,11 +57,15 @@ _BUDGET = 8 << 20
 _RESUME_BACK = 64 * 1024
 # Bytes kept per sink to see that the file was rewritten under us.
 _TAIL = 16
-# Two events of one file closer than this: it streams (see the docstring).
-# Events come at most once per HOLD_S while they keep coming (_inotify), so
-# a writer that streams is seen at HOLD_S apart; one that writes a line
-# every few milliseconds keeps its watch (its events cost it little).
+# A file streams (see the docstring) after this many events in a row, each
+# less than _STREAMING_S or _STREAMING_BYTES after the one before. Events
+# come at most once per HOLD_S while they keep coming (_inotify), so a
+# writer that streams is seen at HOLD_S apart; one that writes a line every
+# few milliseconds keeps its watch (its events cost it little), and so does
+# print(), whose line and newline may be two write()s.
+_STREAMING_EVENTS = 3
 _STREAMING_S = 2 * HOLD_S
+_STREAMING_BYTES = 64 * 1024
 
 
 class _Cursor:
@@ -100,6 +106,10 @@ class _Growth:
         self._streaming: int | None = None
         #: the loop time of the last event
         self._event_at = -1.0
+        #: the file's size at the last event
+        self._event_size = 0
+        #: events in a row that came soon after the one before
+        self._soon = 0
         self._closed = False
 
     def stream(self) -> None:
@@ -112,6 +122,7 @@ class _Growth:
         """Someone needs the bytes: watch the file, unless it streams."""
         if self._wd is None and self._streaming is None and not self._closed:
             self._wd = self._watches.watch(f"/proc/self/fd/{self._fd}", self._modified)
+            self._event_size = os.fstat(self._fd).st_size
 
     def unwant(self) -> None:
         """Nobody needs the bytes: no wakeup per write from now on (a tick
@@ -128,11 +139,15 @@ class _Growth:
     def _modified(self) -> None:
         self._grew()
         now = asyncio.get_running_loop().time()
-        if now - self._event_at < _STREAMING_S and self._wd is not None and not self._closed:
+        size = os.fstat(self._fd).st_size
+        soon = now - self._event_at < _STREAMING_S or size - self._event_size >= _STREAMING_BYTES
+        self._soon = self._soon + 1 if soon else 0
+        self._event_at, self._event_size = now, size
+        if self._soon + 1 >= _STREAMING_EVENTS and self._wd is not None:
             # It streams: no event per write from now on (the module docstring).
+            self._soon = 0
             self.unwant()
             self.stream()
-        self._event_at = now
 
     def _tick(self) -> bool:
         """While streaming: ``grew()`` if the file did; ``False`` once it stopped."""
