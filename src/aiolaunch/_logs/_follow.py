@@ -91,11 +91,16 @@ class _Cursor:
 class _Growth:
     """How a follower learns that its file grew: the file's inotify watch
     while it is quiet, the group's tick while it streams (the module
-    docstring). Calls ``grew()`` on the loop after the file grew; ``wanted()``
+    docstring). Calls ``grew(size)`` on the loop after the file grew (``size``:
+    its size just read, or ``None``); ``wanted()``
     says whether anyone needs its bytes (else: neither watch nor tick)."""
 
     def __init__(
-        self, fd: int, watches: Watches, grew: Callable[[], None], wanted: Callable[[], bool]
+        self,
+        fd: int,
+        watches: Watches,
+        grew: Callable[[int | None], None],
+        wanted: Callable[[], bool],
     ) -> None:
         self._fd = fd
         self._watches = watches
@@ -137,9 +142,9 @@ class _Growth:
         self.unwant()
 
     def _modified(self) -> None:
-        self._grew()
-        now = asyncio.get_running_loop().time()
         size = os.fstat(self._fd).st_size
+        self._grew(size)
+        now = asyncio.get_running_loop().time()
         soon = now - self._event_at < _STREAMING_S or size - self._event_size >= _STREAMING_BYTES
         self._soon = self._soon + 1 if soon else 0
         self._event_at, self._event_size = now, size
@@ -157,13 +162,13 @@ class _Growth:
         size = os.fstat(self._fd).st_size
         if size != self._streaming:
             self._streaming = size
-            self._grew()
+            self._grew(size)
             return True
         # Quiet for a period: the watch back on, then the bytes written
         # before it was (their events went to no watch).
         self._streaming = None
         self.want()
-        self._grew()
+        self._grew(None)
         return False
 
 
@@ -218,11 +223,13 @@ class FileFollower:
         self._grew()
 
     # -- following --------------------------------------------------------
-    def _grew(self) -> None:
+    def _grew(self, size: int | None = None) -> None:
         if not self._scheduled:
-            self._pump()
+            self._pump(size)
 
-    def _pump(self) -> None:
+    def _pump(self, size: int | None = None) -> None:
+        """Feed the sinks up to ``size`` (the file's size, just read by the
+        caller), or up to the size now."""
         self._scheduled = False
         if self._closed:
             return
@@ -232,7 +239,7 @@ class FileFollower:
         # an event of their own. Chasing a writer that writes a line per
         # write() would read a few KiB per pread in a tight loop beside it
         # (measured: 1259 reads for 4 MiB, a core busy, the writer slowed).
-        end = os.fstat(self._fd).st_size
+        end = os.fstat(self._fd).st_size if size is None else size
         budget = _BUDGET
         while budget > 0:
             n = self._feed_next(end)
