@@ -49,26 +49,32 @@ def test_parse_nothing() -> None:
 
 async def test_repeat_calls_every_callback_on_one_tick_until_false() -> None:
     loop = asyncio.get_running_loop()
-    calls: dict[str, list[float]] = {"a": [], "b": []}
+    ticks: list[float] = []  # the time of each tick (its first callback)
+    calls: dict[str, list[int]] = {"a": [], "b": []}  # the tick of each call
+
+    def first() -> bool:
+        ticks.append(loop.time())
+        return len(calls["a"]) < 3  # a's fourth call is the last
 
     def make(name: str, times: int):  # type: ignore[no-untyped-def]
         def tick() -> bool:
-            calls[name].append(loop.time())
+            calls[name].append(len(ticks))
             return len(calls[name]) < times
 
         return tick
 
     watches = Watches()
     t0 = loop.time()
+    watches.repeat(first)
     watches.repeat(make("a", 4))
     watches.repeat(make("b", 2))
     while len(calls["a"]) < 4:
         await asyncio.sleep(HOLD_S)
     await asyncio.sleep(10 * HOLD_S)
-    assert len(calls["a"]) == 4 and len(calls["b"]) == 2  # none after its False
-    assert abs(calls["a"][1] - calls["b"][1]) < HOLD_S  # one period for both
-    assert calls["a"][0] >= t0 + HOLD_S * 0.9
-    assert all(b - a >= HOLD_S * 0.9 for a, b in itertools.pairwise(calls["a"]))
+    assert calls == {"a": [1, 2, 3, 4], "b": [1, 2]}  # one tick for all; none after False
+    assert len(ticks) == 4
+    assert ticks[0] >= t0 + HOLD_S * 0.9
+    assert all(b - a >= HOLD_S * 0.9 for a, b in itertools.pairwise(ticks))
     # Stopped, then started again by a new callback.
     watches.repeat(make("b", 3))
     while len(calls["b"]) < 3:
