@@ -131,14 +131,20 @@ async def test_spinning_ranks_are_stalled_and_the_odd_one_named(tmp_path: Path) 
 # -- progress that CPU cannot fake ---------------------------------------------------
 
 
-def fib(n: int) -> int:
-    return n if n < 2 else fib(n - 1) + fib(n - 2)
+def descend(depth: int) -> int:
+    return sum(range(2000)) if depth == 0 else descend(depth - 1)
 
 
 def busy_and_silent(seconds: float) -> str:
+    # The stack moves: each round works at another depth, 1 to 60, so two
+    # samples agree with p = 1/60, four in a row (a spin) ~5e-6. (fib(18)
+    # did not: most of its calls are at a few depths, and four samples at
+    # one depth were seen on a loaded host.)
     end = time.monotonic() + seconds
+    depth = 0
     while time.monotonic() < end:
-        fib(18)  # the stack moves: every sample lands at another depth
+        depth = depth % 60 + 1
+        descend(depth)
     return "done"
 
 
