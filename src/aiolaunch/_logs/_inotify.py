@@ -56,8 +56,8 @@ def _parse(buf: bytes) -> tuple[set[int], bool]:
     """The watch ids in ``buf`` (events) and whether the queue overflowed.
 
     A watch on a file gives events without a name, 16 bytes each: read as an
-    int array, not event by event in Python (a burst of writes to 16 files
-    queues ~16000 events that do not merge: 40 ms in a Python loop).
+    int array, not event by event in Python (16 workers writing at once queue
+    events that do not merge: 69542 of them, 0.33 s, event by event).
     """
     ints = array.array("i")
     ints.frombytes(buf[: len(buf) - len(buf) % _EVENT.size])
@@ -152,7 +152,7 @@ class Inotify:
         now = self._loop.time()
         if now - self._last < HOLD_S:
             # Events come faster than one per HOLD_S (many files growing at
-            # once; a file that streams loses its watch at its second event,
+            # once; a file that streams loses its watch after a few events,
             # _follow): off the loop until then, the events wait in the
             # kernel's queue and each wakeup takes many.
             self._loop.remove_reader(self._fd)
