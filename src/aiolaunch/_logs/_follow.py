@@ -91,9 +91,9 @@ class _Cursor:
 class _Growth:
     """How a follower learns that its file grew: the file's inotify watch
     while it is quiet, the group's tick while it streams (the module
-    docstring). Calls ``grew(size)`` on the loop after the file grew (``size``:
-    its size just read, or ``None``); ``wanted()``
-    says whether anyone needs its bytes (else: neither watch nor tick)."""
+    docstring). Calls ``grew(size)`` on the loop after the file grew
+    (``size``: its size just read, or ``None``); ``wanted()`` says whether
+    anyone needs its bytes (else: neither watch nor tick)."""
 
     def __init__(
         self,
