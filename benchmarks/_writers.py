@@ -9,11 +9,11 @@ Each worker (``_worker.c``'s ``bulk`` mode) writes MIB blocks of 128-byte
 lines to its stdout, WRITE bytes per ``write()`` (1 MiB: a bulk copy, at the
 page cache's speed; 128: a line each, as ``print(..., flush=True)`` or
 ``PYTHONUNBUFFERED=1`` - CPU-bound writers, whose rate falls with every
-CPU-second the supervisor takes from them), and stamps, *inside the worker*, the monotonic time just
-before its first write and just after its last. The supervisor's stdout - the
-console of the tee - is a pipe read by a separate counting process
-(``_worker.c``'s ``count`` mode, as a terminal or ``| tee`` would read it),
-which stamps its last read. Metrics:
+CPU-second the supervisor takes from them), and stamps, *inside the worker*,
+the monotonic time just before its first write and just after its last. The
+supervisor's stdout - the console of the tee - is a pipe read by a separate
+counting process (``_worker.c``'s ``count`` mode, as a terminal or ``| tee``
+would read it), which stamps its last read. Metrics:
 
 - ``MB_per_s``: the writers' own rate, all bytes / (latest last write -
   earliest first write) - not the time until ``wait()`` returns, which for
