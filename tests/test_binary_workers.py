@@ -382,6 +382,11 @@ async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
     ) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()
+    # The group's lines go out in one batch, WATCH_DELAY after the first:
+    # that write finds the pipe broken and starts a new guardian.
+    deadline = time.monotonic() + 5
+    while guard.pid == old and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
     assert guard.pid != old and alive(guard.pid), "a new guardian took over"
     with pytest.raises(ChildProcessError):
         os.waitpid(old, os.WNOHANG)  # the old one was reaped, not left a zombie

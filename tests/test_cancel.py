@@ -131,3 +131,50 @@ async def test_shielded_holds_off_an_anyio_cancel_scope() -> None:
     # the cleanup ran to its end although the scope's deadline came first
     assert done == ["cleaned", "after"]
     assert scope.cancel_called
+
+
+async def test_expire_ends_the_block_now_as_if_the_time_ran_out() -> None:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with move_on_after(30) as scope:
+        loop.call_later(0.02, scope.expire)
+        await asyncio.Event().wait()
+    assert scope.cancelled_caught
+    assert loop.time() - t0 < 5
+
+
+async def test_an_escalation_cuts_a_grace_period_short_without_a_task() -> None:
+    from aiolaunch._terminate import Escalation, _grace_period
+
+    loop = asyncio.get_running_loop()
+    never = asyncio.Event()
+    tasks_before = len(asyncio.all_tasks())
+    seen: list[int] = []
+
+    async def gone() -> None:
+        seen.append(len(asyncio.all_tasks()))
+        await never.wait()
+
+    escalation = Escalation()
+    loop.call_later(0.02, escalation.set)
+    t0 = loop.time()
+    assert await _grace_period(gone, 30, escalation) is True
+    assert loop.time() - t0 < 5
+    assert seen == [tasks_before], "gone() ran in the caller's task"
+    assert await _grace_period(gone, 30, escalation) is True, "set before: no wait at all"
+    assert seen == [tasks_before]
+    # Running out is not being cut short; neither is gone() returning first,
+    # and a later set() finds no hook left.
+    assert await _grace_period(never.wait, 0.02, Escalation()) is False
+    late = Escalation()
+    done = asyncio.Event()
+    loop.call_later(0.01, done.set)
+    assert await _grace_period(done.wait, 30, late) is False
+    assert late._callbacks == []
+    late.set()
+
+    async def fails() -> None:
+        raise OSError("from gone()")
+
+    with pytest.raises(OSError, match="from gone"):
+        await _grace_period(fails, 30, Escalation())

@@ -118,3 +118,88 @@ def test_proc_table_sees_a_tree_with_a_zombie_as_possibly_escaped() -> None:
             os.killpg(p.pid, signal.SIGKILL)
             quiet.kill()
             quiet.wait()
+
+
+def _ready(code: str) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _end(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+def test_proc_table_lists_processes_never_their_threads() -> None:
+    # /proc answers for a thread id as for a process (never listing it): a
+    # table that tries pids one by one must not take threads for children.
+    p = _ready(
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print('ready', flush=True); time.sleep(30)\n"
+    )
+    try:
+        threads = {int(t) for t in os.listdir(f"/proc/{p.pid}/task")} - {p.pid}
+        assert len(threads) == 3
+        table = ProcTable(p.pid)
+        assert p.pid in table.stats
+        assert not threads & set(table.stats), "a thread read as a process"
+        assert table.tree(p.pid) == set()
+    finally:
+        _end(p)
+
+
+def test_proc_table_reads_the_workers_only_when_something_else_was_born() -> None:
+    """``alone``: live workers with no other process born since the first of
+    them have nothing below them; any other process makes the table read
+    everything (it may be a descendant, or one re-parented away)."""
+    quiet = [_ready("import time; print('ready', flush=True); time.sleep(30)") for _ in range(2)]
+    with_child = _ready(
+        "import os, time\n"
+        "if os.fork() == 0: time.sleep(30); os._exit(0)\n"
+        "print('ready', flush=True); time.sleep(30)\n"
+    )
+    # A double fork: the daemon lives on, re-parented away; its parent was reaped.
+    escaped = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, time\n"
+         "r, w = os.pipe()\n"
+         "if os.fork() == 0:\n"
+         "    os.setsid()\n"
+         "    if os.fork() == 0: os.write(w, b'%d' % os.getpid()); time.sleep(30); os._exit(0)\n"
+         "    os._exit(0)\n"
+         "os.wait(); print(os.read(r, 16).decode(), flush=True); time.sleep(30)\n"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert escaped.stdout is not None
+    daemon = int(escaped.stdout.readline())
+    try:
+        a, b = (q.pid for q in quiet)
+        table = ProcTable(min(a, b), [a, b])
+        # Alone unless another process started on this host meanwhile; the
+        # answers are the same either way.
+        assert table.alone in (frozenset({a, b}), frozenset())
+        if table.alone:
+            assert table.stats == {}
+        assert table.tree(a) == table.tree(b) == set()
+        assert not table.may_have_escaped(a) and not table.may_have_escaped(b)
+
+        table = ProcTable(with_child.pid, [with_child.pid])
+        assert table.alone == frozenset()
+        (child,) = table.tree(with_child.pid)
+        assert table.stats[child].ppid == with_child.pid
+        assert not table.may_have_escaped(with_child.pid)
+
+        table = ProcTable(escaped.pid, [escaped.pid])
+        assert table.alone == frozenset(), "the daemon was born since: not alone"
+        assert table.tree(escaped.pid) == set(), "re-parented away: out of the tree"
+        assert table.may_have_escaped(escaped.pid), "the reaped child left a trace"
+    finally:
+        os.kill(daemon, signal.SIGKILL)
+        _end(*quiet, with_child, escaped)

@@ -108,6 +108,14 @@ class move_on_after:
             self._cm.__enter__()
         return self
 
+    def expire(self) -> None:
+        """End the block now, as if its time ran out (on the loop; inside
+        the block only)."""
+        if sys.version_info >= (3, 11):
+            self._cm.reschedule(asyncio.get_running_loop().time())
+        else:  # pragma: no cover - 3.10
+            self._cm.cancel()
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,

@@ -32,7 +32,7 @@ from ._cancel import move_on_after, shielded
 from ._compat import task_cancelling, task_uncancel
 from ._events import group_stopped
 from ._results import build_result
-from ._terminate import sweep_tagged, terminate_group
+from ._terminate import Escalation, sweep_tagged, terminate_group
 from ._workers._proc import CONTEXT_ENV
 
 if TYPE_CHECKING:
@@ -109,10 +109,13 @@ class GroupEnding:
         self._forensics = forensics
         self._observers = observers
         self._bus = bus
-        self._kill_now = asyncio.Event()  # ends the grace period: escalate()
+        self._kill_now = Escalation()  # ends the grace period: escalate()
         self._outcome: asyncio.Task[RunProcsResult] | None = None
         self._aftermath: asyncio.Task[None] | None = None
         self._handed = asyncio.Event()
+        # close() was called: it awaits the aftermath too, so an end that
+        # needs no sweep does it in the outcome task (see _end).
+        self._closing = False
 
     def env(self) -> dict[str, str]:
         """What every worker's environment gets: the token, inherited by every
@@ -209,6 +212,7 @@ class GroupEnding:
             if before + count >= 2:
                 self.escalate("second cancellation of close()")
 
+        self._closing = True
         await shielded(self.begin(death_sig, grace), on_cancel)
         await self.finished(on_cancel)
 
@@ -241,9 +245,21 @@ class GroupEnding:
         self._forensics.annotate(result)
         self.result = result
         self.phase = Phase.ENDED
+        self._bus.emit(group_stopped(result.is_failed()))
+        if self._closing and not decided:
+            # close() returns after the aftermath anyway, and without a sweep
+            # (nothing but plain file I/O) it needs no task of its own: here it
+            # saves close() the loop turns of one (~0.15 ms of its ~2; #26).
+            self._handed.set()
+            self._aftermath = None
+            try:
+                self._drop_files(result)
+                await self._logs.prune_temp_dirs()
+            finally:
+                self.phase = Phase.CLOSED
+            return result
         sweep = [w.pid for w in workers] if decided else None
         self._aftermath = asyncio.ensure_future(self._after(result, sweep, death_sig, grace))
-        self._bus.emit(group_stopped(result.is_failed()))
         return result
 
     async def _stop(

@@ -274,6 +274,8 @@ def prune_empty_dirs(tops: Iterable[str], name: str = "") -> str | None:
         forget = _TEMP_ROOTS.pop(top, None)
         if forget is not None:
             forget()  # cleaned up here: the guardian must not touch it any more
+        if _rmdir_quietly(top):
+            continue  # the common case, one system call (not a symlink: rmdir fails there)
         if not os.path.isdir(top) or os.path.islink(top):
             continue
         if not _prune(top):
