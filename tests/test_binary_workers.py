@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import aiolaunch
-from _helpers import alive
+from _helpers import alive, driver
 from aiolaunch import Std
 
 if TYPE_CHECKING:
@@ -390,6 +390,57 @@ async def test_a_killed_guardian_is_replaced(tmp_path: Path) -> None:
     assert guard.pid != old and alive(guard.pid), "a new guardian took over"
     with pytest.raises(ChildProcessError):
         os.waitpid(old, os.WNOHANG)  # the old one was reaped, not left a zombie
+
+
+GUARDIAN_BATCHES = """
+import asyncio
+from aiolaunch._workers import _guardian as G
+
+g = G.guardian()
+sent = []
+send = g._send
+g._send = lambda text: (sent.append(text), send(text))
+
+
+async def first():
+    g.watch(32769)  # above pid_max: never a real group
+
+
+asyncio.run(first())  # ends before WATCH_DELAY: the line is still queued
+assert sent == [] and g._pending, (sent, g._pending)
+
+
+async def second():
+    g.unwatch(32769)
+    assert sent == [], f"sent on the path of the start that queued a line: {sent}"
+    await asyncio.sleep(G.WATCH_DELAY * 5)
+    assert sent == ["+32769\\n-32769\\n"], sent
+
+
+asyncio.run(second())
+
+
+async def third():
+    g.watch(32770)
+
+
+asyncio.run(third())
+assert g._pending
+G._flush_at_exit(g)  # what atexit runs: before the pipe's EOF
+assert sent[-1] == "+32770\\n" and not g._pending, (sent, g._pending)
+g.unwatch(32770)
+print("ok", flush=True)
+"""
+
+
+def test_guardian_lines_of_an_ended_loop_go_with_the_next_batch_or_at_exit() -> None:
+    """Lines still queued when an ``asyncio.run()`` ended are sent with the
+    next loop's batch - not at once, on the path of the start that queues the
+    next line - and whatever is queued at exit goes before the pipe's EOF."""
+    with driver([sys.executable, "-c", GUARDIAN_BATCHES]) as proc:
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip() == "ok"
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd on this platform")

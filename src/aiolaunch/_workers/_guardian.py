@@ -30,6 +30,7 @@ write end and so delays the guardian until that process exits too.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import itertools
@@ -273,9 +274,18 @@ class Guardian:
             self.flush()  # no loop here (e.g. a worker thread): send now
             return
         if self._flush_loop is not None and self._flush_loop is not loop:
-            # Scheduled on a loop that is gone (or another thread's): send now.
-            self.flush()
-            return
+            if self._flush_loop.is_running():
+                # Scheduled on another thread's loop: send now.
+                self.flush()
+                return
+            # On a loop that ended (an earlier asyncio.run()) before it sent
+            # them: the lines go with this one's batch, not now - a write
+            # (and the shell's wake-up) on the path of the start that queues
+            # this line (#26). As soon as the earliest of them needs.
+            if self._flush is not None:
+                self._flush.cancel()
+            delay = delay if self._flush_timed else 0.0
+            self._flush = self._flush_loop = None
         if self._flush is not None:
             if delay or not self._flush_timed:
                 return  # already scheduled, as soon as this one needs
@@ -323,7 +333,18 @@ def clean_up_after(kind: str, path: str, delay: float = 0.0) -> Callable[[], Non
 def _start() -> Guardian | None:
     if not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
         return None
-    return Guardian()
+    g = Guardian()
+    # Lines still queued when the process exits (its last loop ended within
+    # WATCH_DELAY of them) go before the pipe's EOF: the guardian then kills
+    # only what is still registered.
+    atexit.register(_flush_at_exit, g)
+    return g
+
+
+def _flush_at_exit(g: Guardian) -> None:
+    if os.getpid() == g.owner:  # not in a forked child (it inherits atexit's list)
+        with contextlib.suppress(OSError):
+            g.flush()
 
 
 _GUARDIAN: PerProcess[Guardian | None] = PerProcess(_start)
