@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 
 __all__ = ["PContext"]
 
+# After the last spawn of a start: that worker runs on this process's CPU (a
+# vfork child execs where its parent ran, and the parent wakes there too);
+# yielding gives it the CPU now, not after the bookkeeping that follows here
+# and in the caller (wait()'s set-up): on a 2-core host its first instruction
+# came ~0.3 ms sooner (#26). Not after every spawn: that slowed N=4 and 64.
 _sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
@@ -136,14 +141,8 @@ class PContext:
         try:
             for rank in range(self.nprocs):
                 await self._start_one(rank)
-            # The last worker spawned runs on this process's CPU (a vfork
-            # child execs where its parent ran, and the parent wakes there
-            # too): give it the CPU now, not after the bookkeeping that
-            # follows here and in the caller (wait()'s set-up) - on a 2-core
-            # host its first instruction came ~0.3 ms sooner (#26).
-            _sched_yield()
-            # The spawns may never yield: a cancellation that came meanwhile
-            # (Ctrl-C) must land inside this try.
+            _sched_yield()  # the last worker runs now (see _sched_yield)
+            # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land in this try.
             await asyncio.sleep(0)  # allowed: one loop turn, not a wait
             self._forensics.start(self._ending.deadline.make)
         except BaseException as exc:
