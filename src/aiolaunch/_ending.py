@@ -250,8 +250,6 @@ class GroupEnding:
             # close() returns after the aftermath anyway, and without a sweep
             # (nothing but plain file I/O) it needs no task of its own: here it
             # saves close() the loop turns of one (~0.15 ms of its ~2; #26).
-            self._handed.set()
-            self._aftermath = None
             try:
                 self._drop_files(result)
                 await self._logs.prune_temp_dirs()
