@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -179,6 +181,46 @@ async def test_slow_console_does_not_stall_workers(
     term = Terminal()
     term.feed(slow.getvalue())
     assert [l for l in term.screen() if l] == [f"[w0]:line {i}" for i in range(3000)]
+
+
+NICENESS_PROBE = """
+import asyncio, os, sys, threading
+import aiolaunch
+os.nice(int(sys.argv[1]))  # Linux: this thread's niceness, inherited by threads it starts
+
+async def main():
+    async with aiolaunch.start_processes(
+        name="n", entrypoint=sys.executable, args={0: ("-c", "print('hi')")}, envs={0: {}},
+        tee=aiolaunch.Std.OUT,
+    ) as ctx:
+        await ctx.wait()
+    console = [t for t in threading.enumerate() if t.name == "aiolaunch-console"]
+    assert len(console) == 1, console
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    them = os.getpriority(os.PRIO_PROCESS, console[0].native_id)
+    print("niceness", me, them, file=sys.stderr)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize(("start", "console"), [(0, 10), (5, 15), (15, 19)])
+def test_the_console_thread_runs_nicer_than_the_supervisor(
+    tmp_path: Path, start: int, console: int
+) -> None:
+    """Copying lines to the console yields the CPU to the workers (#26): the
+    console thread is 10 nicer than the thread that started it, capped at
+    19 - never less nice than the supervisor, also one started under nice."""
+    if os.getpriority(os.PRIO_PROCESS, 0) != 0:
+        pytest.skip("the test process itself runs under nice")
+    p = subprocess.run(
+        [sys.executable, "-c", NICENESS_PROBE, str(start)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "[n0]:hi" in p.stdout
+    assert f"niceness {start} {console}" in p.stderr, p.stderr
 
 
 async def test_unredirected_output_reaches_a_python_level_stdout(

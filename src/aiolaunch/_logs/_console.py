@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import shutil
 import threading
@@ -54,6 +55,16 @@ CONSOLE_FLUSH_TIMEOUT = 5.0
 _PIECE = 1 << 20
 STATUS_INTERVAL = 0.1
 _CLEAR_LINE = "\r\x1b[K"
+#: How much nicer than the supervisor the console thread runs (Linux: nice
+#: is per thread). Copying a megabyte of lines to the console costs about a
+#: millisecond of CPU; under contention that millisecond goes to the workers
+#: first - a training step, a burst of output - and the console catches up
+#: from the log files (lossless, bounded by MAX_PENDING) when a CPU is free.
+#: Idle CPUs run it at once, so latency on an unloaded host is unchanged.
+#: Measured (#26): 16 workers writing 16 MiB each, tee'd on 2 CPUs, the
+#: writers' rate 0.98x -> 1.14x torch's with the console's rate unchanged.
+#: Against a nice-0 hog per CPU it still gets ~10% of one (70 MB/s here).
+CONSOLE_NICENESS = 10
 
 
 class ConsoleWriter:
@@ -193,6 +204,7 @@ class ConsoleWriter:
             pass
 
     def _run(self) -> None:
+        _lower_priority(CONSOLE_NICENESS)
         while True:
             with self._cond:
                 while (
@@ -312,3 +324,15 @@ _CONSOLE: PerProcess[ConsoleWriter] = PerProcess(ConsoleWriter)
 def console() -> ConsoleWriter:
     """The process-wide console writer (one per process, created on first use)."""
     return _CONSOLE.get()
+
+
+def _lower_priority(by: int) -> None:
+    """Make the calling thread ``by`` nicer (Linux; elsewhere, or where it is
+    refused, nothing changes). Relative: a supervisor started under ``nice``
+    keeps its console thread below itself, never above."""
+    getpriority = getattr(os, "getpriority", None)
+    if getpriority is None or not os.path.isdir("/proc/self/task"):
+        return  # not Linux: a thread id is no process id for setpriority()
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):  # refused (a sandbox's seccomp filter): as it was
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, getpriority(os.PRIO_PROCESS, tid) + by))

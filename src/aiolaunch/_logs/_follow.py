@@ -210,7 +210,14 @@ class FileFollower:
                 # files, so not merged - 16 workers filled the kernel's
                 # 16384-event queue that way.
                 self._growth.stream()
-            self._demand()
+                # The first read on the loop's next turn, not here: start()
+                # runs inside the spawn loop, and what this worker wrote while
+                # the next ranks were spawned would be framed there, between
+                # two spawns (measured: 16 tee'd workers of 16 MiB, ~15 ms of
+                # the loop thread's CPU in the spawn loop, every later rank
+                # started that much later; #26).
+                self._scheduled = True
+                asyncio.get_running_loop().call_soon(self._pump)
 
     def _wanted(self) -> bool:
         return any(c.sink.wanted() for c in self._cursors)
