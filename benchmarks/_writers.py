@@ -27,6 +27,9 @@ would read it), which stamps its last read. Metrics:
 
 Every trial checks each log file byte for byte and, for tee, the console's
 line and byte counts (torch losing console lines fails its own trial).
+An aiolaunch trial ends when its supervisor's guardian has exited too (it
+sweeps ``/proc`` for ~0.6 s after the supervisor's exit): otherwise the
+next variant's trial would run beside it.
 A fresh process per trial, not the long-lived driver, as for a user's one
 run: aiolaunch's first ``start_processes()`` imports what ``import
 aiolaunch`` deferred (~45 ms of CPU on this 2-core host, all of it before the
@@ -40,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import subprocess
 import sys
 import tempfile
@@ -78,7 +82,18 @@ def _supervise_aiolaunch(entry: str, args: dict, mode: str, log_dir: str) -> dic
         await ctx.close()
         if res is None or res.is_failed():
             raise Check(f"workers failed: {res}")
-        return {"wait_s": waited, "cpu_s": _cpu_s() - c0, "paths": dict(ctx.stdouts)}
+        from aiolaunch._workers._guardian import current_guardian
+
+        g = current_guardian()
+        return {
+            "wait_s": waited,
+            "cpu_s": _cpu_s() - c0,
+            "paths": dict(ctx.stdouts),
+            # It outlives this process by ~0.6 s (its /proc sweep at EOF):
+            # the trial waits for it, so that the next variant's does not
+            # run beside it.
+            "guardian_pid": g.pid if g is not None else 0,
+        }
 
     return asyncio.run(main())
 
@@ -184,6 +199,24 @@ def verify_bulk(path: str, rank: int, mib: int) -> None:
                 raise Check(f"rank {rank}: block {k} differs from what the worker wrote")
 
 
+def _wait_gone(pid: int, timeout: float = 10.0) -> None:
+    """Wait until process ``pid`` (not our child) exited: its pidfd turns
+    readable then. Nothing to wait for if it is gone already."""
+    if pid <= 0:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # gone already (or no pidfds: not waited for)
+        return
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1e3):
+            raise Check(f"the supervisor's guardian {pid} still runs {timeout} s after it")
+    finally:
+        os.close(fd)
+
+
 def _stamps(path: str) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {"first": {}, "last": {}}
     with open(path) as f:
@@ -234,6 +267,7 @@ def writers_trial(
         return {"ok": False, "error": err[-2000:]}
     with open(result) as f:
         info = json.load(f)
+    _wait_gone(info.get("guardian_pid", 0))
     st = _stamps(stamp)
     try:
         if len(st["last"]) != n:
