@@ -88,9 +88,10 @@ async def _spinning_api(log_dir: Path, stall: float) -> None:
     assert stalls, "no WorkerStalled event"
     # From the moment they spin: stall_after plus a few samples (1 s each),
     # and slack for two loaded cores - six spinners share them here (the CLI
-    # half runs at once), and CI on 3.10 once took 15.9 s. A bound well under
+    # half runs at once), and CI on 3.10 took 15.9 s once, 28.1 s another
+    # time (11-15 s for the whole test when run alone). A bound well under
     # the 60 s wait: a rank flagged late is a bug, its speed is bench_hangs'.
-    assert stalls[0].time - spinning < stall + 25, stalls[0].time - spinning
+    assert stalls[0].time - spinning < stall + 40, stalls[0].time - spinning
     message = str(result.failures[2].message)
     assert "spinning" in message and "spin_in_data_wait" in message and "outlier" in message
     report = json.loads((log_dir / "report.json").read_text())
