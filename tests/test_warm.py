@@ -170,6 +170,35 @@ async def test_who_is_the_parent(mode: str, tmp_path: Path) -> None:
     assert "Zen of Python" in (tmp_path / "logs/1/stdout.log").read_text()
 
 
+JOINER = """
+import ctypes, os, sys, time
+
+libc = ctypes.CDLL(None)  # its calls release the GIL
+held = ctypes.PyDLL(None)  # its calls keep it, as a C++ destructor run by a dealloc does
+r, w = os.pipe()
+ns = {"libc": libc, "ctypes": ctypes, "r": r}  # not __main__'s: the GC can free that one
+exec("def body(_):\\n    libc.read(r, ctypes.create_string_buffer(1), 1)\\n", ns)
+ns["body"] = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(ns["body"])
+tid = ctypes.c_ulong()
+libc.pthread_create(ctypes.byref(tid), None, ns["body"], None)
+time.sleep(0.2)  # the thread waits in read(), without the GIL
+
+
+class Joiner:
+    def __init__(self):  # what __del__ uses: __main__'s names may be gone by then
+        self.held, self.w, self.tid, self.write = held, w, tid, os.write
+
+    def __del__(self):
+        self.held.write(self.w, b"x", 1)  # the thread wakes and needs the GIL to return
+        self.held.pthread_join(self.tid, None)
+        self.write(1, b"joined\\n")
+
+
+joiner = Joiner()
+f = open(sys.argv[1], "w")
+f.write("unflushed")
+"""
+
 EXITS = {
     "sys.exit(3)": ("import sys; sys.exit(3)", 3, ""),
     "sys.exit(msg)": ("import sys; sys.exit('bye now')", 1, "bye now\n"),
@@ -190,6 +219,18 @@ EXITS = {
     "atexit": (
         "import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\n"
         "f = open(sys.argv[1], 'w')\nf.write('unflushed')",
+        0,
+        "",
+    ),
+    # torch's DDP at exit: the Reducer's dealloc destroys a ProcessGroupGloo, whose
+    # destructor joins its threads with the GIL held while one of them needs the GIL
+    # to drop a finished work's tensors (pytorch#56297). python ends such a thread
+    # once its exit has begun (for torch's: an abort, now and then); a forked
+    # worker destroys nothing while a thread Python did not start runs, and
+    # flushes __main__'s files.
+    "a destructor joins a thread that needs the GIL": (JOINER, 0, ""),
+    "__del__ at exit": (
+        "import os\nclass C:\n    def __del__(self, write=os.write):\n        write(1, b'finalized')\nc = C()",
         0,
         "",
     ),
@@ -219,6 +260,12 @@ async def test_exit_status_and_traceback(mode: str, case: str, tmp_path: Path) -
     if case == "atexit":
         assert (tmp_path / "logs/0/stdout.log").read_text() == "atexit ran\n"
         assert out_file.read_text() == "unflushed"  # __main__'s objects are finalized
+    if case == "__del__ at exit":  # no thread Python did not start: __main__ is cleared
+        assert (tmp_path / "logs/0/stdout.log").read_text() == "finalized"
+    if case.startswith("a destructor joins"):
+        joined = (tmp_path / "logs/0/stdout.log").read_text()
+        assert joined == ("joined\n" if mode == "spawned" else "")
+        assert out_file.read_text() == "unflushed"
 
 
 RECORD = """

@@ -38,7 +38,7 @@ import os
 import signal
 import struct
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -189,7 +189,7 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _end(status_fd: int, code: int, inherited: list[Any]) -> None:
+def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
     """End the worker as the interpreter would, minus the teardown of every module.
 
     Non-daemon threads are joined and ``atexit`` callbacks run (not the
@@ -197,13 +197,28 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> None:
     ``_del_library`` took 30 ms in a forked worker); then ``__main__`` is
     cleared, so the program's objects are finalized by reference counting
     (files flushed and closed), and stdio is flushed (a failure there gives
-    status 120, as in CPython). The interpreter would also tear down every
-    other module and collect the garbage cycles left: the teardown copies
-    every page the worker shares with the zygote (0.2-0.5 s for torch), and
-    the final collection walks every object the worker made (60-120 ms after
-    DDP imported torch._dynamo in the worker), both on the path of every
-    restart; CPython does not promise that objects still alive at exit -
-    cycles included - are finalized.
+    status 120, as in CPython).
+
+    Unless a thread that Python did not start is still running (gloo's, an
+    OpenMP pool's): then ``__main__``'s files are flushed and nothing is
+    destroyed. A destructor may join such a thread with the GIL held while
+    the thread waits for the GIL - torch's DDP does, now and then: the
+    Reducer's dealloc destroys a ProcessGroupGloo, which joins its threads
+    while one drops a finished work's tensors (pytorch#56297). The
+    interpreter avoids the hang by ending any thread that asks for the GIL
+    once its exit has begun, but such a thread unwinds through C++
+    destructors and aborts the process ("terminate called without an active
+    exception"): done here, 2 runs in 88 of a two-rank restart test on a
+    loaded machine ended by SIGABRT, as clearing ``__main__`` without it
+    hung 2 in 38.
+
+    The interpreter would also tear down every other module and collect the
+    garbage cycles left: the teardown copies every page the worker shares
+    with the zygote (0.2-0.5 s for torch), and the final collection walks
+    every object the worker made (60-120 ms after DDP imported
+    torch._dynamo in the worker), both on the path of every restart;
+    CPython does not promise that objects still alive at exit - cycles
+    included - are finalized.
     """
     from .._compat import exit_steps
 
@@ -218,10 +233,13 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> None:
     main = sys.modules.get("__main__")
     d = getattr(main, "__dict__", None)
     if isinstance(d, dict):
-        for first in (True, False):  # CPython: _names first, then the rest
-            for key in list(d):
-                if key != "__builtins__" and key.startswith("_") == first:
-                    d[key] = None
+        if _foreign_threads():
+            _flush_files(d)
+        else:
+            for first in (True, False):  # CPython: _names first, then the rest
+                for key in list(d):
+                    if key != "__builtins__" and key.startswith("_") == first:
+                        d[key] = None
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -230,6 +248,33 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> None:
             code = 120
     _report(status_fd, code)
     os._exit(code)
+
+
+def _foreign_threads() -> bool:
+    """Whether a thread that Python did not start runs in this process (Linux)."""
+    import threading
+
+    try:
+        tids = {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # pragma: no cover - no procfs: assume the worst
+        return True
+    # The main thread's native_id is the zygote's (set before the fork).
+    me = threading.current_thread()
+    known = {threading.get_native_id()}
+    known.update(t.native_id for t in threading.enumerate() if t is not me and t.native_id)
+    return bool(tids - known)
+
+
+def _flush_files(namespace: dict[str, Any]) -> None:
+    """Flush the open files ``namespace`` holds, destroying nothing."""
+    for value in list(namespace.values()):
+        if isinstance(value, io.IOBase) and not value.closed:
+            try:
+                value.flush()
+            except Exception:  # as a finalizer's error: reported, not raised
+                import traceback
+
+                traceback.print_exc()
 
 
 def _inherited() -> list[Any]:
