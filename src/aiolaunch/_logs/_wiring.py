@@ -34,7 +34,7 @@ from ._file import open_log_file
 from ._filters import DuplicateFilters
 from ._follow import FileFollower
 from ._inotify import Watches
-from ._plan import Route, StreamPlanner
+from ._plan import Route, StreamPlanner, plan_route
 from ._pump import StreamPump
 from ._specs import prune_empty_dirs
 from ._tap import LineTap
@@ -155,11 +155,20 @@ class LogWiring:
         dest = self._dest
         paths = {"stdout": dest.stdouts[rank], "stderr": dest.stderrs[rank]}
         tees = {"stdout": dest.tee_stdouts, "stderr": dest.tee_stderrs}
+        targets = [
+            self._planner.target(rank, stream, path, rank in tees[stream])
+            for stream, path in paths.items()
+        ]
+        if all(plan_route(t, direct=False) is Route.INHERIT for t in targets):
+            # The worker writes the console itself (torchrun's default): nothing
+            # to make, close or read - and no exit stacks on the spawn path
+            # (~20 us a rank; #26).
+            yield RankStreams(None, None)
+            return
         readers: list[_Reader] = []
         async with AsyncExitStack() as always_cleanup, AsyncExitStack() as cleanup_on_fail:
             fds: list[int | None] = []
-            for stream, path in paths.items():
-                target = self._planner.target(rank, stream, path, rank in tees[stream])
+            for target in targets:
                 direct = self._direct(target)
                 async with AsyncExitStack() as sinks_owned:
                     plan = self._planner.plan(target, direct=direct, stack=sinks_owned)
