@@ -268,13 +268,15 @@ def _foreign_threads() -> bool:
 def _flush_files(namespace: dict[str, Any]) -> None:
     """Flush the open files ``namespace`` holds, destroying nothing."""
     for value in list(namespace.values()):
-        if isinstance(value, io.IOBase) and not value.closed:
-            try:
+        if not isinstance(value, io.IOBase):
+            continue
+        try:
+            if not value.closed:
                 value.flush()
-            except Exception:  # as a finalizer's error: reported, not raised
-                import traceback
+        except Exception:  # as a finalizer's error: reported, not raised
+            import traceback
 
-                traceback.print_exc()
+            traceback.print_exc()
 
 
 def _inherited() -> list[Any]:
