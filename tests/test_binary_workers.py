@@ -599,8 +599,8 @@ async def _wait_for_text(path: str, text: str, timeout: float = 60) -> None:
 async def test_spawn_gives_the_worker_what_popen_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Binaries start through ``os.posix_spawn`` (#26: Popen's Python cost
-    ~80 us more per worker), with Popen's semantics: a session of their own,
+    """Binaries start through ``_spawn.spawn`` (#26: Popen's C core without
+    Popen's Python), with Popen's semantics: a session of their own,
     SIGPIPE at its default (the supervisor ignores it, as CPython does), an
     inheritable fd of the supervisor closed (``close_fds``), and a bare name
     found on the worker's own ``PATH``."""

@@ -7,6 +7,8 @@ import os
 import signal
 import stat
 
+from .._workers._spawn import spawn
+
 __all__ = ["BACKGROUND_MIN", "RankDirs", "mkdir_nofollow"]
 
 
@@ -54,15 +56,13 @@ class RankDirs:
         self._pid = 0
         self._pidfd = -1
         try:
-            self._pid = os.posix_spawn(
-                _MKDIR,
-                [_MKDIR, "--", *paths.values()],
-                {},
-                file_actions=[
-                    (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                    (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
-                ],
-            )
+            devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                self._pid = spawn(
+                    [_MKDIR, "--", *paths.values()], {}, stdout=devnull, stderr=devnull
+                )
+            finally:
+                os.close(devnull)
         except OSError:  # no /bin/mkdir: wait() makes each folder itself
             return
         try:

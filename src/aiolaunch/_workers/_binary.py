@@ -1,6 +1,6 @@
 """Binary workers: subprocesses in their own process group, reaped through a pidfd.
 
-Exit detection: on Linux >= 5.3 each worker is started with ``os.posix_spawn``
+Exit detection: on Linux >= 5.3 each worker is started with ``_spawn.spawn``
 and its pidfd is registered with ``loop.add_reader``; it becomes readable when
 the worker exits, and ``waitpid`` then reaps it on the loop. asyncio's own
 subprocess machinery would instead reap through its child watcher, which on
@@ -13,13 +13,11 @@ pidfd (older kernels, not Linux) the asyncio subprocess path is used.
 No code runs in the child between fork and exec (no ``preexec_fn``, which
 would force CPython's slow ``fork()`` path): process groups come from
 ``setsid`` (a session and group per worker, as with torch) and
-supervisor-death protection from the guardian (``_guardian``). ``posix_spawn``
-(glibc: ``clone(CLONE_VM|CLONE_VFORK)``, the same vfork path as
-``subprocess.Popen``) does what ``Popen(start_new_session=True,
-close_fds=True)`` does - setsid, the stdout/stderr fds, SIGPIPE and SIGXFSZ
-back to their default, inheritable fds closed (the others are close-on-exec),
-the program found on the worker's ``PATH`` - in C: ~80 us less CPU on the
-loop per worker than Popen's Python (~170 us) (#26).
+supervisor-death protection from the guardian (``_guardian``). ``spawn``
+is ``Popen(start_new_session=True, close_fds=True)``'s own C core (vfork,
+setsid, the stdout/stderr fds, SIGPIPE and SIGXFSZ back to their default,
+every other fd closed, the program found on the worker's ``PATH``) without
+Popen's Python (#26).
 """
 
 from __future__ import annotations
@@ -28,11 +26,11 @@ import asyncio
 import contextlib
 import os
 import signal
-import stat
 from typing import TYPE_CHECKING, Any
 
 from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle, close_fd
+from ._spawn import spawn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -155,7 +153,7 @@ async def spawn_binary(
     if _pidfds_work() and _posix_spawn_ok:
         # fork/exec on the loop thread, as asyncio's subprocess_exec does
         try:
-            pid = _spawn(argv, env, stdout, stderr, loop)
+            pid = spawn(argv, env, stdout=stdout, stderr=stderr, new_session=True)
         except NotImplementedError:  # pragma: no cover - glibc < 2.26: no POSIX_SPAWN_SETSID
             _posix_spawn_ok = False
         else:
@@ -177,86 +175,6 @@ async def spawn_binary(
     if g is not None:
         g.watch(handle.pid)
     return handle
-
-
-#: What ``Popen(restore_signals=True)`` sets back to the default in the child
-#: (CPython ignores them).
-_DEFAULT_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)
-)
-
-
-def _spawn(
-    argv: Sequence[str],
-    env: dict[str, str],
-    stdout: int | None,
-    stderr: int | None,
-    loop: asyncio.AbstractEventLoop,
-) -> int:
-    """``Popen(argv, env=env, stdout=, stderr=, start_new_session=True,
-    close_fds=True).pid``, in C (see the module docstring)."""
-    actions: list[tuple[Any, ...]] = []
-    if stdout is not None:
-        actions.append((os.POSIX_SPAWN_DUP2, stdout, 1))
-    if stderr is not None:
-        actions.append((os.POSIX_SPAWN_DUP2, stderr, 2))
-    keep = {0, 1, 2}
-    actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds(loop) if fd not in keep]
-    return os.posix_spawn(
-        _executable(argv[0], env.get("PATH")),
-        list(argv),
-        env,
-        file_actions=actions,
-        setsid=True,
-        setsigdef=_DEFAULT_SIGNALS,
-    )
-
-
-def _executable(name: str, path: str | None) -> str:
-    """``name`` as ``Popen`` finds it: as given when it holds a ``/``, else the
-    first executable file of that name on the worker's ``PATH``.
-
-    :raises FileNotFoundError: none there.
-    """
-    if os.sep in name:
-        return name
-    for folder in os.get_exec_path({"PATH": path} if path is not None else {}):
-        candidate = os.path.join(folder, name)
-        try:
-            st = os.stat(candidate)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode) and os.access(candidate, os.X_OK):
-            return candidate
-    raise FileNotFoundError(2, f"No such file or directory: {name!r}")
-
-
-_inheritable: list[int] | None = None
-
-
-def _inheritable_fds(loop: asyncio.AbstractEventLoop) -> list[int]:
-    """This process's inheritable fds (``close_fds`` closes them in the child;
-    every other fd is close-on-exec). Read once per loop iteration: a start's
-    spawns run in one, and only open close-on-exec fds of their own."""
-    global _inheritable
-    if _inheritable is None:
-        try:
-            fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-        except OSError:  # pragma: no cover - no /proc
-            fds = list(range(3, 256))
-        found = []
-        for fd in fds:
-            with contextlib.suppress(OSError):  # the listing's own fd is closed by now
-                if fd > 2 and os.get_inheritable(fd):
-                    found.append(fd)
-        _inheritable = found
-        loop.call_soon(_forget_inheritable)
-    return _inheritable
-
-
-def _forget_inheritable() -> None:
-    global _inheritable
-    _inheritable = None
 
 
 def _reap(pid: int) -> int | None:
