@@ -296,3 +296,27 @@ def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
     registry = f"aiolaunch-{os.getuid()}"
     assert out.stdout.splitlines() == [f"{[registry]} []"] * 2
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/tmp/aiolaunch_b_0a1b2c3d4e5f",
+        "/tmp/with space/é/new\nline/quote'\"/back\\slash",
+        "rel/x-y.z",
+    ],
+)
+def test_a_path_reaches_the_guardian_byte_for_byte(path: str) -> None:
+    """What ``printf %b`` (the guardian's shell) reads back from a registration
+    line is the path itself - on the plain-name fast path (#26) and for every
+    other byte."""
+    from aiolaunch._workers._guardian import _escape
+
+    line = _escape(path)
+    assert "\n" not in line and " " not in line
+    if all(c.isascii() and (c.isalnum() or c in "/._-") for c in path):
+        assert line == path
+    out = subprocess.run(
+        ["/bin/sh", "-c", 'printf %b "$1"', "sh", line], capture_output=True, check=True
+    ).stdout
+    assert out == os.fsencode(path)
