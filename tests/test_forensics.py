@@ -546,6 +546,33 @@ async def test_group_files_are_made_as_start_processes_returns(tmp_path: Path) -
     assert not deadline.exists() and not stacks.exists()
 
 
+async def test_a_group_stopped_before_it_serves_still_tells_its_workers_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # close() before SERVE_DELAY: the deadline file was not made yet, so the
+    # stop makes it - written before the death signal, which the worker's
+    # handler reads. The serving was only a timer: cancelled, it never makes
+    # a control socket afterwards.
+    from aiolaunch import _forensics
+
+    monkeypatch.setattr(_forensics, "SERVE_DELAY", 0.3)
+    seen, ready, logs = tmp_path / "seen", tmp_path / "ready", tmp_path / "logs"
+    script = (
+        f"trap 'cat \"$AIOLAUNCH_STOP_DEADLINE_FILE\" > {seen}; exit 0' TERM; "
+        f": > {ready}; while :; do sleep 0.01; done"
+    )
+    ctx = await aiolaunch.start_processes(
+        "d", "/bin/sh", {0: ("-c", script)}, _envs(1), log_dir=logs
+    )
+    await _until(ready.exists, "the worker's trap")
+    stopped_at = time.time()
+    await ctx.close(timeout=7)
+    assert abs(float(seen.read_text()) - (stopped_at + 7)) < 3
+    await asyncio.sleep(0.6)  # allowed: past SERVE_DELAY, for a socket that must not come
+    assert not (logs / "control.sock").exists() and not list(logs.glob(".ctl-*"))
+    assert not (logs / ".aiolaunch-stop_deadline").exists()
+
+
 def test_register_makes_the_stacks_folder_a_worker_gets_to_first(tmp_path: Path) -> None:
     # A worker can run its bootstrap before the supervisor made the folder.
     folder = tmp_path / "later" / ".aiolaunch-stacks"
