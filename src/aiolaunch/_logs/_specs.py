@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .._types import Std, StdSpec, to_map
 from .._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
 from ._rank_dirs import BACKGROUND_MIN, RankDirs, mkdir_nofollow
+from ._spares import keep_spare, take_spare
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -64,10 +65,13 @@ def _mkdtemp(prefix: str) -> str:
     """``tempfile.mkdtemp(prefix=prefix)``: a new folder, mode 0700, in
     ``tempfile.gettempdir()``, named ``prefix`` + 12 random hex digits. One
     ``getrandom`` and one ``mkdir``: tempfile's Python name generator cost as
-    much as the ``mkdir`` itself on the launch path (~80 us cold, #26)."""
+    much as the ``mkdir`` itself on the launch path (~80 us cold, #26) - or
+    one rename, of a spare root (:mod:`._spares`)."""
     root = tempfile.gettempdir()
     for _ in range(100):
         path = os.path.join(root, prefix + os.urandom(6).hex())
+        if take_spare(path):  # an emptied root of an earlier group: a rename (_spares)
+            return path
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:  # pragma: no cover - 2**48 names
@@ -293,6 +297,8 @@ def prune_empty_dirs(tops: Iterable[str], name: str = "") -> str | None:
         forget = _TEMP_ROOTS.pop(top, None)
         if forget is not None:
             forget()  # cleaned up here: the guardian must not touch it any more
+            if keep_spare(top):
+                continue  # empty: put aside for the next group, not removed (_spares)
         if _rmdir_quietly(top):
             continue  # the common case, one system call (not a symlink: rmdir fails there)
         if not os.path.isdir(top) or os.path.islink(top):
