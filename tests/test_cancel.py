@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from aiolaunch._cancel import move_on_after, shielded
+from aiolaunch._cancel import DelayedTask, move_on_after, shielded
 
 
 async def test_move_on_after_leaves_the_block_quietly_when_the_time_is_up() -> None:
@@ -178,3 +178,40 @@ async def test_an_escalation_cuts_a_grace_period_short_without_a_task() -> None:
 
     with pytest.raises(OSError, match="from gone"):
         await _grace_period(fails, 30, Escalation())
+
+
+async def test_a_delayed_task_runs_after_its_delay_and_not_when_stopped_before() -> None:
+    loop = asyncio.get_running_loop()
+    ran: list[float] = []
+
+    async def run() -> None:
+        ran.append(loop.time())
+
+    t0 = loop.time()
+    done = DelayedTask(0.05, run)
+    await asyncio.sleep(0.3)  # allowed: past the delay
+    assert len(ran) == 1 and ran[0] - t0 >= 0.045
+    await done.stop()  # finished: nothing to cancel
+    before = asyncio.all_tasks()
+    stopped = DelayedTask(0.05, run)
+    assert asyncio.all_tasks() == before  # only a timer until the delay
+    await stopped.stop()
+    await asyncio.sleep(0.3)  # allowed: past the delay that was cancelled
+    assert len(ran) == 1
+
+
+async def test_a_delayed_task_stopped_while_it_runs_is_cancelled_and_awaited() -> None:
+    started, ended = asyncio.Event(), []
+
+    async def run() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)  # allowed: waits to be cancelled
+        finally:
+            ended.append(True)
+
+    task = DelayedTask(0.0, run)
+    await asyncio.wait_for(started.wait(), 10)
+    await task.stop()
+    assert ended == [True]
+    await task.stop()  # idempotent

@@ -1,5 +1,5 @@
 """Cancellation helpers: run cleanup to completion whatever the caller's fate,
-and bound a wait in time.
+bound a wait in time, and defer a task that may be stopped before it starts.
 
 A leaf module (asyncio only; anyio only where the caller's anyio cancel
 scopes must be held off, or on Python 3.10), so that every layer that must
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from types import TracebackType
 
-__all__ = ["move_on_after", "shielded"]
+__all__ = ["DelayedTask", "move_on_after", "shielded"]
 
 T = TypeVar("T")
 
@@ -132,3 +132,33 @@ class move_on_after:
         suppress = bool(self._cm.__exit__(exc_type, exc, tb))  # pragma: no cover - 3.10
         self.cancelled_caught = bool(self._cm.cancelled_caught)  # pragma: no cover - 3.10
         return suppress  # pragma: no cover - 3.10
+
+
+class DelayedTask:
+    """``run()`` as a task of its own, ``delay`` seconds from now (on the
+    running loop); :meth:`stop` ends it either way. Until then only a timer
+    handle: stopping it sooner cancels the handle - no task was made, none
+    to unwind (``close()`` right after a start, #26)."""
+
+    __slots__ = ("_handle", "_run", "_task")
+
+    def __init__(self, delay: float, run: Callable[[], Awaitable[None]]) -> None:
+        self._run = run
+        self._task: asyncio.Task[None] | None = None
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            delay, self._begin
+        )
+
+    def _begin(self) -> None:
+        self._handle = None
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        """Cancel the timer, or the task and await its end. Idempotent."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

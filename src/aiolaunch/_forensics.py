@@ -27,13 +27,14 @@ the socket, a temporary log dir of its own.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import os
 import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
+from ._cancel import DelayedTask
 from ._commands import dispatch, status_answer
 from ._dumper import StackDumper, check_dump_timeout
 from ._logs._specs import make_temp_dir, prune_empty_dirs
@@ -135,8 +136,7 @@ class Forensics:
         )  # fmt: skip
         self._server: ControlServer | None = None
         self._forget_stacks: Callable[[], None] = lambda: None
-        self._serve_timer: asyncio.TimerHandle | None = None
-        self._server_task: asyncio.Task[None] | None = None
+        self._serving: DelayedTask | None = None
         self._closed = False
         #: the paths of the last report written
         self.reported: tuple[str, str] | None = None
@@ -168,20 +168,12 @@ class Forensics:
         the guardian): not beside the workers just spawned, which on a small
         host share the supervisor's CPU until they run. ``status``/``stacks``
         clients are separate processes, which take far longer to start.
-        A timer, not a sleeping task, until then: a group stopped sooner
-        (a test's ``close()`` right after the start) cancels a handle instead
-        of unwinding a task (~70 us of its ~2 ms; #26).
         """
-        loop = asyncio.get_running_loop()
-        self._serve_timer = loop.call_later(SERVE_DELAY, self._begin_serving, make_files)
+        self._serving = DelayedTask(SERVE_DELAY, functools.partial(self._serve, make_files))
         if self.watcher is not None:
             self.watcher.start()
         if self.stragglers is not None:
             self.stragglers.start()
-
-    def _begin_serving(self, make_files: Callable[[], None]) -> None:
-        self._serve_timer = None
-        self._server_task = asyncio.ensure_future(self._serve(make_files))
 
     async def _serve(self, make_files: Callable[[], None]) -> None:
         from ._control import ControlServer
@@ -200,15 +192,11 @@ class Forensics:
 
     async def stop(self) -> None:
         """Stop the watchdog and the control socket (the group is ending). Idempotent."""
-        timer, self._serve_timer = self._serve_timer, None
-        if timer is not None:  # not serving yet: nothing was made
-            timer.cancel()
-        task, self._server_task = self._server_task, None
-        if task is not None and not task.done():
+        serving, self._serving = self._serving, None
+        if serving is not None:
             # A server still being set up is stopped too (ControlServer.start
             # removes its files when cancelled).
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await serving.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.stragglers is not None:
