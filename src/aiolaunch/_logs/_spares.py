@@ -14,12 +14,11 @@ is that folder renamed to its new name.
 Guarantees: a spare is empty when it is put aside (listed first), private
 (mode 0700, in a folder of this user that others cannot enter), used only by
 the process that made it (never by a forked child), at most
-:data:`MAX_SPARES` per process and temp folder; it is removed when the process exits
-(``atexit``), or by the guardian if the process is killed (it knows the
-per-user folder, so that a spare is not one registration and one removal of
-it per group). Anything unusual
-(the per-user folder unsafe or gone, a rename that fails) falls back to
-``mkdir`` / ``rmdir``.
+:data:`MAX_SPARES` per process and temp folder; it is removed when the
+process exits (``atexit``), or by the guardian if the process is killed (it
+knows the per-user folder, so that a spare is not one registration and one
+removal of it per group). Anything unusual (the per-user folder unsafe or
+gone, a rename that fails) falls back to ``mkdir`` / ``rmdir``.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ class _Spares:
     call that forgets the folder's guardian registration."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self.items: list[tuple[str, str]] = []
         self.folders: dict[str, tuple[str, Callable[[], None]]] = {}
 
@@ -56,18 +54,13 @@ _state = _Spares()
 
 
 def _after_fork_in_child() -> None:
-    global _lock
+    global _lock, _state
     _lock = threading.Lock()  # another thread may have held it at the fork
+    _state = _Spares()  # the parent's spares are not the child's
+    # (an atexit handler inherited from the parent then removes the child's own)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _mine() -> _Spares:
-    global _state
-    if _state.pid != os.getpid():  # a forked child: its parent's spares are not its own
-        _state = _Spares()
-    return _state
 
 
 def take_spare(path: str) -> bool:
@@ -75,7 +68,7 @@ def take_spare(path: str) -> bool:
     folder that holds it; whether it did (else the caller makes ``path``)."""
     tmp = os.path.dirname(path)
     with _lock:
-        spares = _mine()
+        spares = _state
         for i, (where, _) in enumerate(spares.items):
             if where == tmp:
                 spare = spares.items.pop(i)[1]
@@ -97,7 +90,7 @@ def keep_spare(path: str) -> bool:
     anything is never kept."""
     tmp = os.path.dirname(path)
     with _lock:
-        spares = _mine()
+        spares = _state
         if sum(where == tmp for where, _ in spares.items) >= MAX_SPARES:
             return False
         folder = _folder(spares, tmp)
@@ -135,27 +128,25 @@ def _folder(spares: _Spares, tmp: str) -> str | None:
         pass
     except OSError:
         return None
-    with contextlib.suppress(FileNotFoundError):
-        if unsafe_registry(folder) is None and os.path.isdir(folder):
-            if not spares.folders:
-                atexit.register(_remove_spares)
-            # Should this process die - or end without atexit (os._exit, as a
-            # forked child does) - the guardian removes the empty folders in
-            # it: our spares (another process's too, which then makes its
-            # next root with mkdir), and the folder itself if that leaves it
-            # empty; never a registry entry (a symlink). Sent at once, not
-            # batched: such a process may end right after this close().
-            spares.folders[tmp] = (folder, clean_up_after("P", folder))
-            return folder
-    return None
+    # unsafe_registry() passes a folder that is gone (removed meanwhile): isdir.
+    if unsafe_registry(folder) is not None or not os.path.isdir(folder):
+        return None
+    if not spares.folders:
+        atexit.register(_remove_spares)
+    # Should this process die - or end without atexit (os._exit, as a forked
+    # child does) - the guardian removes the empty folders in it: our spares
+    # (another process's too, which then makes its next root with mkdir), and
+    # the folder itself if that leaves it empty; never a registry entry (a
+    # symlink). Sent at once, not batched: such a process may end right after
+    # this close().
+    spares.folders[tmp] = (folder, clean_up_after("P", folder))
+    return folder
 
 
 def _remove_spares() -> None:
     """At exit: remove this process's spares, then their per-user folders if
     nothing else is listed there (as ``_control`` does for its entries)."""
     with _lock:
-        if _state.pid != os.getpid():
-            return
         items, _state.items = _state.items, []
         folders, _state.folders = list(_state.folders.values()), {}
     for _, spare in items:
