@@ -45,8 +45,13 @@ def _wait(pid: int) -> int:
 def _children() -> set[int]:
     found: set[int] = set()
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            found |= {int(p) for p in f.read().split()}
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                found |= {int(p) for p in f.read().split()}
+        except FileNotFoundError:
+            # That thread ended after the listing (an executor's, pytest's):
+            # it has no children to report.
+            continue
     return found
 
 
