@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import pytest
 
-from aiolaunch._logs._follow import FileFollower
+from aiolaunch._logs._follow import FileFollower, reads_behind
 from aiolaunch._logs._inotify import Watches
 from aiolaunch._logs._sink import Sink
 from aiolaunch._logs._tap import LineTap
@@ -26,11 +27,11 @@ class Recorder(Sink):
     """Keeps every byte fed, and how many ``feed`` calls brought them."""
 
     def __init__(self) -> None:
-        self.data = b""
+        self.data = bytearray()
         self.feeds = 0
 
     def feed(self, data: bytes) -> None:
-        self.data += data
+        self.data += data  # a bytearray: amortised, 16 MiB cost no quadratic copy
         self.feeds += 1
 
 
@@ -78,3 +79,59 @@ async def test_a_follower_closed_before_its_first_read_reads_nothing(tmp_path: P
     finally:
         os.close(fd)
         watches.close()
+
+
+@pytest.mark.parametrize(
+    ("grown", "seconds", "since_read", "behind"),
+    [
+        (4 << 20, 0.001, 0.01, True),  # 1 MiB writes at the page cache's speed
+        (600_000, 0.001, 0.0, True),  # just over 512 MB/s
+        (250_000, 0.001, 0.01, False),  # print() lines, ~250 MB/s: the console keeps pace
+        (4 << 20, 0.001, 0.1, False),  # fed 0.1 s ago: read now, bulk or not
+        (4 << 20, 0.02, 0.01, False),  # a late tick: 4 MiB in 20 ms is ~210 MB/s
+    ],
+)
+def test_reads_behind_only_a_writer_faster_than_512_mb_s_and_at_most_0_1_s(
+    grown: int, seconds: float, since_read: float, behind: bool
+) -> None:
+    assert reads_behind(grown, seconds, since_read) is behind
+
+
+async def test_a_bulk_writer_is_read_at_its_pause_not_beside_it(tmp_path: Path) -> None:
+    """#26: a file written in 1 MiB writes (the page cache's speed) is not
+    read while the writer writes - the copy beside it took ~10 % of its rate
+    - and the first quiet tick feeds all of it. The rule holds while the
+    writer keeps its speed: an attempt during which the machine took the CPU
+    from this thread (it ran less than 80 % of the wall time: a loaded host)
+    is tried again. Reading beside the writer runs on this thread, so it
+    does not excuse itself that way."""
+    block = (b"z" * 127 + b"\n") * 8192
+    loop = asyncio.get_running_loop()
+    for attempt in range(20):
+        path = tmp_path / f"stdout{attempt}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC)
+        watches = Watches()
+        sink = Recorder()
+        follower = FileFollower(fd, [sink], 0, watches, LineTap())
+        try:
+            follower.start()
+            await asyncio.sleep(0)  # its first read, of nothing (the worker execs after it)
+            wall, cpu = loop.time(), time.thread_time()
+            for _ in range(16):
+                os.write(fd, block)
+                await asyncio.sleep(0)  # ticks and events run between writes
+            fed_while_writing = len(sink.data)
+            wall, cpu = loop.time() - wall, time.thread_time() - cpu
+            if cpu >= 0.8 * wall and wall < 0.08:
+                assert fed_while_writing == 0, "the follower read beside the bulk writer"
+                for _ in range(500):  # the writer paused: the next quiet tick reads it
+                    if len(sink.data) == 16 * len(block):
+                        break
+                    await asyncio.sleep(0.002)
+                assert sink.data == block * 16
+                return
+        finally:
+            os.close(fd)
+            await follower.drain()
+            watches.close()
+    pytest.skip("the machine never let 16 writes of 1 MiB run at the page cache's speed")
