@@ -44,6 +44,16 @@ def test_step_rate_before_the_window_is_full_uses_the_time_since_start() -> None
     assert r.rate(52.6) == pytest.approx(1.0)  # 2 events in 2 s
 
 
+def test_step_rate_right_at_the_start_is_finite() -> None:
+    # Found by the property test below: an event 2e-311 s after ``since``,
+    # asked at once, gave n / 2e-311 = inf (``status --json`` cannot carry it).
+    r = StepRate(since=0.0, window=1.0)
+    r.add(2.225073858507e-311)
+    got = r.rate(2.225073858507e-311)
+    assert got == pytest.approx(1000.0)  # one event over the 1 ms floor
+    json.dumps(got, allow_nan=False)
+
+
 def test_step_rate_rejects_a_bad_window() -> None:
     with pytest.raises(ValueError, match="window"):
         StepRate(0.0, window=0)

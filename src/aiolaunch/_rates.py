@@ -16,6 +16,11 @@ from collections import deque
 
 __all__ = ["StepRate"]
 
+# A span shorter than this counts as this long: a rate asked right at the
+# start (an event microseconds after ``since``) stays finite - n / 1e-311 is
+# inf, which JSON (``status --json``) cannot carry.
+_MIN_SPAN_S = 1e-3
+
 
 class StepRate:
     """Counts events; :meth:`rate` is the count over the last ``window`` seconds
@@ -46,13 +51,14 @@ class StepRate:
             self._buckets.popleft()
 
     def rate(self, now: float) -> float:
-        """Events per second over ``(now - window, now]``; 0.0 before any time passed."""
+        """Events per second over ``(now - window, now]``; 0.0 before any time
+        passed; over at least :data:`_MIN_SPAN_S` (always finite)."""
         self._trim(now)
         span = min(self.window, now - self.since)
         if span <= 0:
             return 0.0
         if span < self.window:  # nothing was counted before ``since``
-            return sum(n for _, n in self._buckets) / span
+            return sum(n for _, n in self._buckets) / max(span, _MIN_SPAN_S)
         # Buckets are whole seconds: the oldest one kept may reach up to one
         # second before the window; count only the part inside it.
         start = now - span
@@ -61,4 +67,4 @@ class StepRate:
             if second + 1 <= start:
                 continue
             count += n if second >= start else n * (second + 1 - start)
-        return count / span
+        return count / max(span, _MIN_SPAN_S)
