@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from _netns import EXPECTED, hosts, scenario, view
+from _netns import EXPECTED, hosts, restarts_ok, scenario, view
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -31,6 +31,7 @@ def test_two_hosts_all_reduce_then_re_rendezvous(
     assert outcome.codes == [0, 0], outcome.logs
     finals = outcome.finals
     assert sorted(map(view, finals)) == EXPECTED, outcome.logs
+    assert restarts_ok(finals, hosts), outcome.logs
     assert {r["NODE_ADDR"] for r in finals} == set(hosts.addrs)
     # the workers met through a namespace address, not loopback
     assert all(r["MASTER_ADDR"] in hosts.addrs for r in finals)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from _netns import EXPECTED, PORT, hosts, scenario, view
+from _netns import EXPECTED, PORT, hosts, restarts_ok, scenario, view
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -37,6 +37,7 @@ def test_c10d_across_hosts_without_is_host(hosts: Hosts, tmp_path: Path) -> None
     outcome = scenario("aiolaunch", hosts, tmp_path, 0, rdzv=no_is_host)
     assert outcome.codes == [0, 0], outcome.logs
     assert sorted(map(view, outcome.finals)) == EXPECTED, outcome.logs
+    assert restarts_ok(outcome.finals, hosts), outcome.logs
     assert all(r["MASTER_ADDR"] in hosts.addrs for r in outcome.finals)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _etcd import etcd_server, require_etcd
 
-from _netns import EXPECTED, PORT, hosts, scenario, view
+from _netns import EXPECTED, PORT, hosts, restarts_ok, scenario, view
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -313,6 +313,7 @@ def test_two_hosts_elastic_job_over_etcd(hosts: Hosts, tmp_path: Path) -> None:
         took = time.monotonic() - t0
     assert outcome.codes == [0, 0], outcome.logs
     assert sorted(map(view, outcome.finals)) == EXPECTED, outcome.logs
+    assert restarts_ok(outcome.finals, hosts), outcome.logs
     assert {r["NODE_ADDR"] for r in outcome.finals} == set(hosts.addrs)
     assert all(r["MASTER_ADDR"] in hosts.addrs for r in outcome.finals)
     assert took < 600
