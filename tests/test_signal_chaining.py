@@ -360,16 +360,20 @@ _NO_WAIT = """
 import asyncio, sys, aiolaunch
 
 async def main():
-    marks = sys.argv[1]
-    # `ready` once the trap is set: a SIGTERM before it would kill the shell.
+    marks, n = sys.argv[1], int(sys.argv[2])
+    # `ready<rank>` once the trap is set: a SIGTERM before it would kill the
+    # shell. With several workers, rank 0 (signalled first) sends the second
+    # Ctrl-C itself, while the supervisor is still signalling the others.
+    second = '[ "$0" = 0 ] && kill -INT $PPID; ' if n > 1 else ""
     script = (
-        f"trap 'echo x >> {marks}/sig' INT TERM; : > {marks}/ready; while :; do sleep 0.05; done"
+        f"trap '{second}echo x >> {marks}/sig' INT TERM; : > {marks}/ready$0;"
+        " while :; do sleep 0.05; done"
     )
     async with aiolaunch.start_processes(
-        name="s", entrypoint="/bin/sh", args={0: ("-c", script)}, envs={0: {}},
-        log_dir=marks + "/logs", shutdown_timeout=300,
+        name="s", entrypoint="/bin/sh", args={i: ("-c", script, str(i)) for i in range(n)},
+        envs={i: {} for i in range(n)}, log_dir=marks + "/logs", shutdown_timeout=300,
     ) as ctx:
-        print(ctx.pids()[0], flush=True)
+        print(*ctx.pids().values(), flush=True)
         await asyncio.Event().wait()
 
 asyncio.run(main())
@@ -377,30 +381,46 @@ asyncio.run(main())
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.run handles SIGINT from 3.11")
-def test_second_ctrl_c_outside_wait_kills_workers_before_exit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 64])
+def test_second_ctrl_c_outside_wait_kills_workers_before_exit(tmp_path: Path, workers: int) -> None:
+    """asyncio.run's second Ctrl-C raises KeyboardInterrupt wherever the
+    main thread is. Finding the loop waiting, it stops the loop, whose
+    teardown cancels the group's ending task (SIGKILL now). Sent while that
+    task signals 64 workers' trees (by rank 0, the first signalled), it
+    lands inside the task: before the fix no SIGKILL followed, the workers
+    were left to the guardian after the exit (7 of 10 trials when the test
+    sent it; every round when rank 0 does) - now SIGKILL at once as well."""
     script = tmp_path / "no_wait.py"
     script.write_text(_NO_WAIT)
-    with driver([sys.executable, str(script), str(tmp_path)]) as proc:
+    err = _second_ctrl_c(script, tmp_path, workers)
+    assert "sending SIGKILL to the workers now" in err
+    assert "KeyboardInterrupt" in err
+
+
+def _second_ctrl_c(script: Path, marks: Path, workers: int) -> str:
+    """Run the script, Ctrl-C it, and again once the grace period began;
+    return its stderr after checking that no worker outlived it."""
+    with driver([sys.executable, str(script), str(marks), str(workers)]) as proc:
         assert proc.stdout is not None
-        pid = int(proc.stdout.readline())
-        # Handshake: the worker's trap is set (a fast spawn returns before the
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        # Handshake: the workers' traps are set (a fast spawn returns before the
         # shell ran its first line; close()'s SIGTERM would then kill it).
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "ready").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "worker never ready"
+        deadline = time.monotonic() + 60
+        while len(list(marks.glob("ready*"))) < workers:
+            assert proc.poll() is None and time.monotonic() < deadline, "workers never ready"
             time.sleep(0.01)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        while not (tmp_path / "sig").exists():  # close() sent SIGTERM: grace running
+        while not (marks / "sig").exists():  # close() sent SIGTERM: grace running
             assert proc.poll() is None and time.monotonic() - t0 < 30, "first SIGINT lost"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
+            time.sleep(0.001)
+        if workers == 1:  # else rank 0 sent it
+            proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert time.monotonic() - t0 < 30, err
     # Killed and reaped by the supervisor itself, before it exited.
-    assert not alive(pid), err
-    assert "sending SIGKILL to the workers now" in err
-    assert "KeyboardInterrupt" in err
+    assert not [pid for pid in pids if alive(pid)], err
+    return str(err)
 
 
 CLEANUP = textwrap.dedent(

@@ -32,7 +32,7 @@ from ._cancel import move_on_after, shielded
 from ._compat import task_cancelling, task_uncancel
 from ._events import group_stopped
 from ._results import build_result
-from ._terminate import Escalation, sweep_tagged, terminate_group
+from ._terminate import Escalation, sweep_tagged, terminate, terminate_group
 from ._workers._proc import CONTEXT_ENV
 
 if TYPE_CHECKING:
@@ -228,15 +228,28 @@ class GroupEnding:
 
     # -- the outcome ----------------------------------------------------------
     async def _end(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
-        if decided:  # a rank failed: where the others are, before they are stopped
-            await self._forensics.before_stop()
-        await self._forensics.stop()
-        for observer in self._observers:  # in turn: no task each (most have nothing to stop)
-            await observer.aclose()
-        workers = self._state.workers()
-        # Before the stop: workers it signals are stopped on purpose, not failed.
-        failed = self._state.failed_ranks()
-        await self._stop(workers, death_sig, grace, decided)
+        try:
+            if decided:  # a rank failed: where the others are, before they are stopped
+                await self._forensics.before_stop()
+            await self._forensics.stop()
+            for observer in self._observers:  # in turn: no task each (most have nothing to stop)
+                await observer.aclose()
+            workers = self._state.workers()
+            # Before the stop: workers it signals are stopped on purpose, not failed.
+            failed = self._state.failed_ranks()
+            await self._stop(workers, death_sig, grace, decided)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # A Python signal handler raised into this task while it ran, not
+            # while the loop waited: asyncio.run's second Ctrl-C (or a default
+            # SIGINT handler's first). With 64 workers most second Ctrl-Cs
+            # land here (signalling their trees). The loop stops with it, and
+            # nothing but the guardian, after the exit, would stop the
+            # workers: SIGKILL them now, as a second Ctrl-C that finds the
+            # loop waiting does (its teardown cancels this task), then let it
+            # go on up.
+            self.escalate(type(exc).__name__)
+            await terminate(self._state.workers(), signal.SIGKILL, 0.0, token=self.token)
+            raise
         await self._logs.aclose()
         for w in workers:
             w.release()
