@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiolaunch
-from _helpers import default_signals, together, wait_lines
+from _helpers import alive, default_signals, together, wait_lines
 from aiolaunch import Std, Watchdog, WorkerStalled
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def _envs(n: int) -> dict[int, dict[str, str]]:
@@ -220,6 +225,68 @@ async def test_one_rank_raises_the_others_stacks_are_in_the_report(tmp_path: Pat
     assert "Where every rank was when rank 1 failed" in text
     summary = str(aiolaunch.ChildFailedError("raise", result.failures))
     assert "waiting_for_peers" in summary, summary
+
+
+def deaf_then_one_fails(rank: int, marks: str) -> None:
+    # Rank 0 stops itself (SIGSTOP): it cannot answer the dump of its stacks
+    # at rank 1's failure, which waits the whole AT_FAILURE_TIMEOUT (2 s).
+    if rank == 0:
+        Path(marks, "deaf").touch()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        waiting_for_peers()
+    while not Path(marks, "deaf").exists():
+        time.sleep(0.01)
+    raise ValueError("bad batch")
+
+
+def _dump_pending(pid: int) -> bool:
+    from aiolaunch._workers._dump_handler import DUMP_SIGNAL
+
+    bit = 1 << (DUMP_SIGNAL - 1)
+    with open(f"/proc/{pid}/status") as f:
+        masks = dict(line.split(":", 1) for line in f if line.startswith(("ShdPnd", "SigPnd")))
+    return any(int(v, 16) & bit for v in masks.values())
+
+
+def test_loop_ending_during_the_stacks_dump_at_a_failure_kills_the_workers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """asyncio.run ending (main() returning without close(), a second
+    Ctrl-C) cancels every task, the group's ending task too. Cancelled
+    during the stop it always SIGKILLed the workers; cancelled before, in
+    the stacks dump at a failure (up to 2 s), the task died: the workers
+    were left to the guardian after the exit, and no report was written.
+    Now the same handler covers both: SIGKILL, then the end in the task."""
+    logs = tmp_path / "logs"
+    pids: dict[int, int] = {}
+
+    async def main() -> None:
+        ctx = await aiolaunch.start_processes(
+            "torn", deaf_then_one_fails, {r: (r, str(tmp_path)) for r in range(2)}, _envs(2),
+            log_dir=logs, watchdog=Watchdog(stall_after=600),
+        )  # fmt: skip
+        pids.update(ctx.pids())
+        waiter = asyncio.ensure_future(ctx.wait())
+        deadline = time.monotonic() + 60
+        # Rank 1 failed and the dump signal waits at rank 0, stopped: the
+        # ending task is in the dump. Return without close().
+        while not (alive(pids[0]) and not alive(pids[1]) and _dump_pending(pids[0])):
+            assert not waiter.done() and time.monotonic() < deadline, "no dump under way"
+            await asyncio.sleep(0.01)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="aiolaunch"):
+            asyncio.run(main())
+        # SIGKILLed and reaped before asyncio.run returned, not by the guardian.
+        assert not alive(pids[0])
+        said = [r.getMessage() for r in caplog.records]
+        assert any("cancellation of the event loop's tasks" in m for m in said), said
+        report = json.loads((logs / "report.json").read_text())  # the end finished
+        assert report["root_cause"]["rank"] == 1
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # -- healthy jobs are never flagged ----------------------------------------------------

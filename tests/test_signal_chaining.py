@@ -351,6 +351,36 @@ def test_no_forwarding_outside_the_main_thread_is_a_warning(
     assert "outside the main thread" in notes[0].getMessage()
 
 
+def test_main_returning_while_wait_runs_gives_sigint_back_to_python(tmp_path: Path) -> None:
+    """main() returns while another task still awaits wait(): asyncio.run's
+    runner puts default_int_handler back only if its own handler is still
+    there when its run ends, and wait() held SIGINT then. The loop's
+    teardown cancels that task afterwards (``async with`` closes the group),
+    and wait() restored the ended run's handler, which outlived asyncio.run.
+    Now it restores what the runner would have."""
+    pids: list[int] = []
+
+    async def service() -> None:
+        async with start(tmp_path, "/bin/sh", ("-c", "exec sleep 300")) as ctx:
+            pids.extend(ctx.pids().values())
+            await ctx.wait()
+
+    async def main() -> None:
+        runners = signal.getsignal(signal.SIGINT)
+        task = asyncio.ensure_future(service())
+        deadline = time.monotonic() + 60
+        while signal.getsignal(signal.SIGINT) is runners:  # until wait() took SIGINT over
+            assert not task.done() and time.monotonic() < deadline
+            await asyncio.sleep(0.001)
+
+    try:
+        asyncio.run(main())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert pids and not [pid for pid in pids if alive(pid)]
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 # No wait(): asyncio.run's own SIGINT handler is in place. The first Ctrl-C
 # cancels main() and ``async with`` closes the group with a 300 s grace; the
 # second makes asyncio.run raise KeyboardInterrupt and cancel every task -

@@ -166,6 +166,22 @@ def is_asyncio_run_sigint_handler(handler: object) -> bool:
     return on_sigint is not None and getattr(handler.func, "__func__", None) is on_sigint
 
 
+def ended_asyncio_run_sigint_handler(handler: object) -> bool:
+    """Whether ``handler`` is ``asyncio.run()``'s SIGINT handler of a run that
+    has ended (its main task is done).
+
+    The runner puts :func:`signal.default_int_handler` back when its run ends
+    only if its own handler is still installed then; a ``wait()`` still
+    holding SIGINT at that moment (main() returned, the loop's teardown is
+    cancelling the waiting task) would otherwise restore the dead run's.
+    """
+    if not is_asyncio_run_sigint_handler(handler):
+        return False
+    assert isinstance(handler, functools.partial)
+    main_task = handler.keywords.get("main_task")
+    return isinstance(main_task, asyncio.Future) and main_task.done()
+
+
 def task_cancelling(task: asyncio.Task[Any] | None) -> int:
     """Pending cancellation requests of ``task`` (``Task.cancelling()``; 0 before 3.11)."""
     cancelling = getattr(task, "cancelling", None)

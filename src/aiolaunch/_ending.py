@@ -32,7 +32,7 @@ from ._cancel import move_on_after, shielded
 from ._compat import task_cancelling, task_uncancel
 from ._events import group_stopped
 from ._results import build_result
-from ._terminate import Escalation, sweep_tagged, terminate, terminate_group
+from ._terminate import Escalation, sweep_tagged, terminate
 from ._workers._proc import CONTEXT_ENV
 
 if TYPE_CHECKING:
@@ -113,8 +113,7 @@ class GroupEnding:
         self._outcome: asyncio.Task[RunProcsResult] | None = None
         self._aftermath: asyncio.Task[None] | None = None
         self._handed = asyncio.Event()
-        # close() was called: it awaits the aftermath too, so an end that
-        # needs no sweep does it in the outcome task (see _end).
+        # close() was called: it awaits the aftermath too (see _end)
         self._closing = False
 
     def env(self) -> dict[str, str]:
@@ -128,7 +127,7 @@ class GroupEnding:
         return self._outcome is not None
 
     def describe(self) -> str:
-        """``"running"``, ``"closing"``, then ``"done"`` or ``"failed"`` (for reprs)."""
+        """``"running"``, ``"closing"``, then ``"done"`` or ``"failed"`` (reprs)."""
         if self.result is not None:
             return "failed" if self.result.is_failed() else "done"
         return "closing" if self.begun else "running"
@@ -170,12 +169,10 @@ class GroupEnding:
         """The task that ends the group, started by the first call (later
         calls' arguments are ignored).
 
-        ``decided``: ``wait()`` saw the outcome and awaits this. Then only
-        what the outcome needs happens before the result: the workers, their
-        groups and process trees; the token scan for escaped daemons (~60 us
-        per process, on the loop) is left to the aftermath, and so
-        is removing the deadline file - not even written when no worker is
-        left alive to read it.
+        ``decided``: ``wait()`` saw the outcome and awaits this: before the
+        result only the workers, groups and trees; the token scan for escaped
+        daemons (~60 us a process) and the deadline file (not even written
+        when no worker is left to read it) are left to the aftermath.
         """
         if self._outcome is None:
             self.phase = Phase.STOPPING
@@ -184,10 +181,8 @@ class GroupEnding:
         return self._outcome
 
     def escalate(self, why: str) -> None:
-        """End the grace period (now, or once the end begins): SIGKILL.
-
-        Once only, and not once the group is closed; logs a warning with ``why``.
-        """
+        """End the grace period (now, or once the end begins): SIGKILL. Once
+        only, not once the group is closed; logs a warning with ``why``."""
         if self._kill_now.is_set() or self.phase is Phase.CLOSED:
             return
         if self.phase is Phase.ENDED and (self._aftermath is None or self._aftermath.done()):
@@ -203,9 +198,8 @@ class GroupEnding:
         ``cancelled``: the caller leaves ``async with`` because of a
         cancellation, which counts as the first.
         """
-        # Cancellations the task already had when close() began (leaving
-        # ``async with`` because of one - seen by __aexit__ on every Python,
-        # by Task.cancelling() on 3.11+): the next one is the second.
+        # Cancellations the task had when close() began (leaving ``async with``
+        # for one: __aexit__ sees it, Task.cancelling() too): the next is the second.
         before = max(int(cancelled), task_cancelling(asyncio.current_task()))
 
         def on_cancel(count: int) -> None:
@@ -228,28 +222,35 @@ class GroupEnding:
 
     # -- the outcome ----------------------------------------------------------
     async def _end(self, death_sig: int, grace: float, decided: bool) -> RunProcsResult:
+        workers = self._state.workers()
+        failed: list[int] | None = None
+        torn_down = False
         try:
             if decided:  # a rank failed: where the others are, before they are stopped
                 await self._forensics.before_stop()
-            await self._forensics.stop()
-            for observer in self._observers:  # in turn: no task each (most have nothing to stop)
-                await observer.aclose()
+            await self._stop_observers()
             workers = self._state.workers()
             # Before the stop: workers it signals are stopped on purpose, not failed.
             failed = self._state.failed_ranks()
             await self._stop(workers, death_sig, grace, decided)
-        except (KeyboardInterrupt, SystemExit) as exc:
-            # A Python signal handler raised into this task while it ran, not
-            # while the loop waited: asyncio.run's second Ctrl-C (or a default
-            # SIGINT handler's first). With 64 workers most second Ctrl-Cs
-            # land here (signalling their trees). The loop stops with it, and
-            # nothing but the guardian, after the exit, would stop the
-            # workers: SIGKILL them now, as a second Ctrl-C that finds the
-            # loop waiting does (its teardown cancels this task), then let it
-            # go on up.
-            self.escalate(type(exc).__name__)
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit) as exc:
+            # Cut short: by the loop's teardown (its cancellation; callers
+            # await this task shielded) or a KeyboardInterrupt raised into it
+            # (docs/ARCHITECTURE.md, "Signals"). SIGKILL now, not the guardian
+            # after the exit; a cancellation is taken back, the end goes on.
+            torn_down = isinstance(exc, asyncio.CancelledError)
+            if torn_down:
+                task_uncancel(asyncio.current_task())
+            self.escalate(
+                "cancellation of the event loop's tasks" if torn_down else type(exc).__name__
+            )
+            if failed is None:  # taken before the SIGKILL (stopped on purpose)
+                failed = self._state.failed_ranks()
             await terminate(self._state.workers(), signal.SIGKILL, 0.0, token=self.token)
-            raise
+            if not torn_down:
+                raise
+            await self._stop_observers()  # again: the cancellation may have cut it short
+        assert failed is not None
         await self._logs.aclose()
         for w in workers:
             w.release()
@@ -259,19 +260,21 @@ class GroupEnding:
         self.result = result
         self.phase = Phase.ENDED
         self._bus.emit(group_stopped(result.is_failed()))
-        if self._closing and not decided:
-            # close() returns after the aftermath anyway, and without a sweep
-            # (nothing but plain file I/O) it needs no task of its own: here it
-            # saves close() the loop turns of one (~0.15 ms of its ~2; #26).
-            try:
-                self._drop_files(result)
-                await self._logs.prune_temp_dirs()
-            finally:
-                self.phase = Phase.CLOSED
+        if torn_down or (self._closing and not decided):
+            # No sweep due (torn down: the SIGKILL scanned for escaped daemons),
+            # only file I/O: no task of its own - close() saves its loop turns
+            # (~0.15 ms of ~2; #26), a teardown might never run it.
+            await self._release_files(result)
             return result
         sweep = [w.pid for w in workers] if decided else None
         self._aftermath = asyncio.ensure_future(self._after(result, sweep, death_sig, grace))
         return result
+
+    async def _stop_observers(self) -> None:
+        """Stop the forensics (watchdog, control socket) and observers. Idempotent."""
+        await self._forensics.stop()
+        for observer in self._observers:  # in turn: no task each (most have nothing to stop)
+            await observer.aclose()
 
     async def _stop(
         self, workers: Sequence[WorkerHandle], death_sig: int, grace: float, decided: bool
@@ -280,14 +283,13 @@ class GroupEnding:
         if not decided or any(w.alive for w in workers):
             self.deadline.set(0.0 if now else grace)
         try:
-            await terminate_group(
+            await terminate(
                 workers,
                 death_sig,
                 grace,
                 on_sent=self.sent.set,
                 escalate=self._kill_now,
                 token=None if decided else self.token,
-                on_torn_down=lambda: self.escalate("cancellation of the event loop's tasks"),
             )
         except BaseException:
             self.deadline.remove()
@@ -296,18 +298,20 @@ class GroupEnding:
             self.deadline.remove()
 
     # -- the aftermath --------------------------------------------------------
-    def _drop_files(self, result: RunProcsResult) -> None:
-        self.deadline.remove()
-        self._forensics.conclude(result)
+    async def _release_files(self, result: RunProcsResult) -> None:
+        try:  # the deadline and forensic files (the report written), empty temp folders
+            self.deadline.remove()
+            self._forensics.conclude(result)
+            await self._logs.prune_temp_dirs()
+        finally:
+            self.phase = Phase.CLOSED
 
     async def _after(
         self, result: RunProcsResult, sweep: Sequence[int] | None, death_sig: int, grace: float
     ) -> None:
-        # Escaped descendants first: if the loop cancels this (``asyncio.run``
-        # ending without close()), they get SIGKILL at once instead of a grace
-        # period. Then the files. All of it on the loop (the sweep a slice at
-        # a time): worker threads would wait for the GIL before each of their
-        # many small syscalls whenever the loop is busy (issue #27 item 5).
+        # Escaped descendants first (SIGKILL at once if the loop cancels this:
+        # asyncio.run ending without close()), then the files. On the loop: a
+        # thread waits for the GIL before each small syscall (#27 item 5).
         try:
             await self._handed.wait()
             if sweep:
@@ -319,6 +323,4 @@ class GroupEnding:
             if sweep:
                 await sweep_tagged(self.token, min(sweep), sweep, signal.SIGKILL, 0.0)
         finally:
-            self._drop_files(result)
-            await self._logs.prune_temp_dirs()
-            self.phase = Phase.CLOSED
+            await self._release_files(result)

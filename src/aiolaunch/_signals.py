@@ -42,6 +42,7 @@ from ._cancel import shielded
 from ._compat import (
     add_loop_signal_handler,
     call_handle_soon,
+    ended_asyncio_run_sigint_handler,
     is_default_handler,
     loop_signal_handler,
     reinstall_loop_signal_handler,
@@ -225,8 +226,11 @@ class _Hub:
                 continue
             with contextlib.suppress(Exception):
                 remove_loop_signal_handler(self.loop, sig)
+            previous = slot.previous
+            if sig == signal.SIGINT and ended_asyncio_run_sigint_handler(previous):
+                previous = signal.default_int_handler  # what the runner would have put back
             with contextlib.suppress(Exception):
-                signal.signal(sig, slot.previous)
+                signal.signal(sig, previous)
 
     def acknowledge(self, watch: SignalWatch) -> None:
         for pending in list(self.pending):

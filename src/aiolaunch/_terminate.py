@@ -18,7 +18,6 @@ import signal
 from typing import TYPE_CHECKING
 
 from ._cancel import move_on_after
-from ._compat import task_uncancel
 from ._workers._proc import ProcTable, find_tagged, open_exit_fd, proc_pids, read_stat
 
 if TYPE_CHECKING:
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 
     from ._workers._handle import WorkerHandle
 
-__all__ = ["Escalation", "sweep_tagged", "terminate", "terminate_group"]
+__all__ = ["Escalation", "sweep_tagged", "terminate"]
 
 logger = logging.getLogger("aiolaunch")
 
@@ -126,32 +125,6 @@ async def _wait_pids_gone(pids: set[int], timeout: float) -> set[int]:
                 loop.remove_reader(fd)
             os.close(fd)
     return survivors | remaining
-
-
-async def terminate_group(
-    workers: Sequence[WorkerHandle],
-    death_sig: int,
-    grace: float,
-    *,
-    on_sent: Callable[[], None],
-    escalate: Escalation,
-    token: str | None,
-    on_torn_down: Callable[[], None],
-) -> None:
-    """:func:`terminate` for a group's own shutdown task, which must not be cancelled.
-
-    If that task itself is cancelled meanwhile, the loop is being torn down
-    (``asyncio.run`` cancels every task after a second Ctrl-C): the workers
-    must still go - now, not after the grace period. The cancellation is
-    taken back (``Task.uncancel``), ``on_torn_down()`` is called and the
-    survivors get SIGKILL at once.
-    """
-    try:
-        await terminate(workers, death_sig, grace, on_sent=on_sent, escalate=escalate, token=token)
-    except asyncio.CancelledError:
-        task_uncancel(asyncio.current_task())
-        on_torn_down()
-        await terminate(workers, signal.SIGKILL, 0.0, token=token)
 
 
 async def terminate(
