@@ -373,12 +373,15 @@ def test_main_returning_while_wait_runs_gives_sigint_back_to_python(tmp_path: Pa
             assert not task.done() and time.monotonic() < deadline
             await asyncio.sleep(0.001)
 
+    # As in an interactive session, also when the suite runs as a background
+    # job (SIGINT ignored: neither asyncio.run nor wait() would take it).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         asyncio.run(main())
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert pids and not [pid for pid in pids if alive(pid)]
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, before)
 
 
 # No wait(): asyncio.run's own SIGINT handler is in place. The first Ctrl-C
