@@ -17,8 +17,10 @@ def fn_stamp(stamp, rank):
 
 def fn_gate(stamp, rank, fifo, code, hang):
     """Ready stamp; block until the FIFO reaches EOF; then hang, fail or return."""
-    _stamp(stamp, rank, "ready")
+    # Open before the ready stamp: the driver closes its end once every worker
+    # is ready, and an open for reading with no writer left blocks forever.
     fd = os.open(fifo, os.O_RDONLY)
+    _stamp(stamp, rank, "ready")
     while os.read(fd, 1):
         pass
     os.close(fd)

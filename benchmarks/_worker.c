@@ -2,7 +2,7 @@
  * into benchmarks/results/tmp/; _worker.py is the identical Python fallback.
  *
  *   stamp  STAMP RANK                 append "RANK start T"; exit 0
- *   gate   STAMP RANK FIFO CODE HANG  append "RANK ready T"; block until FIFO EOF;
+ *   gate   STAMP RANK FIFO CODE HANG  open FIFO, append "RANK ready T"; block until EOF;
  *                                     HANG=1: pause forever, else append
  *                                     "RANK exit T" and _exit(CODE)
  *   sleep  STAMP RANK                 append "RANK ready T"; pause forever
@@ -58,8 +58,11 @@ int main(int argc, char **argv) {
     const char *mode = argv[1];
     if (!strcmp(mode, "stamp")) { stamp(argv[2], argv[3], "start"); return 0; }
     if (!strcmp(mode, "gate")) {
-        stamp(argv[2], argv[3], "ready");
+        /* Open before the ready stamp: the driver closes its end once every
+         * worker is ready, and an open for reading with no writer left would
+         * block forever (the driver's "no answer within 300 s"). */
         int fd = open(argv[4], O_RDONLY | O_CLOEXEC);
+        stamp(argv[2], argv[3], "ready");
         char c;
         while (read(fd, &c, 1) > 0) {}
         if (atoi(argv[6])) for (;;) pause();

@@ -18,8 +18,8 @@ def main(argv):
         stamp(argv[2], argv[3], "start")
         os._exit(0)
     if mode == "gate":
+        fd = os.open(argv[4], os.O_RDONLY)  # before "ready" (see _worker.c)
         stamp(argv[2], argv[3], "ready")
-        fd = os.open(argv[4], os.O_RDONLY)
         while os.read(fd, 1):
             pass
         if int(argv[6]):
