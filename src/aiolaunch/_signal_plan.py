@@ -107,7 +107,18 @@ def resolve_signals(
     """
     if keyword is not None:
         return parse_signals(keyword, what=what, strict=True)
-    return parse_signals(os.environ.get(env, default), what=f"${env}", strict=strict_env)
+    value = os.environ.get(env)
+    if value is None:
+        # The usual case, on every start: parsed once (~10 us; #26).
+        found = _DEFAULTS.get(default)
+        if found is None:
+            found = _DEFAULTS[default] = parse_signals(default, what=what, strict=True)
+        return found
+    return parse_signals(value, what=f"${env}", strict=strict_env)
+
+
+#: the parsed default of :func:`resolve_signals` (immutable sets, by default string)
+_DEFAULTS: dict[str, frozenset[signal.Signals]] = {}
 
 
 class SignalPlan:
