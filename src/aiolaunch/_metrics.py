@@ -209,13 +209,18 @@ def metrics_binder(port: int | None, host: str) -> Callable[[], socket.socket | 
     :raises TypeError: a port that is not an int, a host that is not a str.
     :raises ValueError: a port outside 0..65535.
     """
-    from ._validate import check_port
-
-    if port is not None:
-        check_port("metrics_port", port, zero=True)
     if not isinstance(host, str) or not host:
         raise TypeError(f"metrics_host={host!r} must be a host name or address (a str)")
-    return lambda: None if port is None else bind_metrics(host, port)
+    if port is None:
+        return _no_metrics  # the usual case, on every start: nothing to import or make
+    from ._validate import check_port
+
+    check_port("metrics_port", port, zero=True)
+    return lambda: bind_metrics(host, port)
+
+
+def _no_metrics() -> None:
+    return None
 
 
 @contextlib.contextmanager

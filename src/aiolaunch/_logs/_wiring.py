@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from ._file import open_log_file
 from ._filters import DuplicateFilters
 from ._follow import FileFollower
 from ._inotify import Watches
-from ._plan import Route, StreamPlanner, plan_route
+from ._plan import Route, StreamPlanner, console_is_fd
 from ._pump import StreamPump
 from ._specs import prune_empty_dirs
 from ._tap import LineTap
@@ -67,6 +67,10 @@ class RankStreams:
 
     stdout: int | None
     stderr: int | None
+
+
+#: :meth:`LogWiring.open` of a rank that inherits both streams (reusable: it holds nothing)
+_INHERITED: AbstractAsyncContextManager[RankStreams] = nullcontext(RankStreams(None, None))
 
 
 class LogWiring:
@@ -140,18 +144,37 @@ class LogWiring:
             prune_empty_dirs(temp_dirs, self._name)
 
     # -- start ----------------------------------------------------------------
-    @asynccontextmanager
-    async def open(self, rank: int) -> AsyncIterator[RankStreams]:
+    def inherits(self, rank: int) -> bool:
+        """Whether ``rank``'s worker writes the console itself, both streams
+        (torchrun's default): no log file, pipe, sink or reader to make, close
+        or start (:meth:`open` then skips the async generator and the two
+        stream plans: ~20 us a rank on the spawn path; #26). Its rank folder
+        exists once this returns."""
+        rank_dirs = getattr(self._dest, "rank_dirs", None)
+        if rank_dirs is not None:
+            rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
+        dest = self._dest
+        return (
+            dest.stdouts[rank] == dest.stderrs[rank] == ""
+            and not self.lines.reads(rank, "stdout")
+            and not self.lines.reads(rank, "stderr")
+            and console_is_fd("stdout")
+            and console_is_fd("stderr")
+        )
+
+    def open(self, rank: int) -> AbstractAsyncContextManager[RankStreams]:
         """Wire ``rank``'s streams around its spawn (see the module docstring).
 
         Before the block: its rank folder exists, its log files, pipes and
         sinks are made. After the block: the child's ends are closed (it has
         its copies) and the readers start; if the block raised, everything
-        made here is closed instead.
+        made here is closed instead. A rank that :meth:`inherits` gets a
+        block that does nothing.
         """
-        rank_dirs = getattr(self._dest, "rank_dirs", None)
-        if rank_dirs is not None:
-            rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
+        return _INHERITED if self.inherits(rank) else self._wire_rank(rank)
+
+    @asynccontextmanager
+    async def _wire_rank(self, rank: int) -> AsyncIterator[RankStreams]:
         dest = self._dest
         paths = {"stdout": dest.stdouts[rank], "stderr": dest.stderrs[rank]}
         tees = {"stdout": dest.tee_stdouts, "stderr": dest.tee_stderrs}
@@ -159,12 +182,6 @@ class LogWiring:
             self._planner.target(rank, stream, path, rank in tees[stream])
             for stream, path in paths.items()
         ]
-        if all(plan_route(t, direct=False) is Route.INHERIT for t in targets):
-            # The worker writes the console itself (torchrun's default): nothing
-            # to make, close or read - and no exit stacks on the spawn path
-            # (~20 us a rank; #26).
-            yield RankStreams(None, None)
-            return
         readers: list[_Reader] = []
         async with AsyncExitStack() as always_cleanup, AsyncExitStack() as cleanup_on_fail:
             fds: list[int | None] = []
