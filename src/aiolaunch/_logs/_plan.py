@@ -37,7 +37,15 @@ if TYPE_CHECKING:
     from ._sink import Sink
     from ._tap import LineTap
 
-__all__ = ["Route", "StreamPlan", "StreamPlanner", "StreamTarget", "console_is_fd", "plan_route"]
+__all__ = [
+    "Route",
+    "StreamPlan",
+    "StreamPlanner",
+    "StreamTarget",
+    "console_is_fd",
+    "inherits_console",
+    "plan_route",
+]
 
 
 class Route(enum.Enum):
@@ -93,10 +101,16 @@ def console_is_fd(stream: str) -> bool:
         return False
 
 
+def inherits_console(path: str, stream: str, lines: bool) -> bool:
+    """Whether a stream goes by :attr:`Route.INHERIT`: to the console (``path``
+    ``""``), which is our own fd, with no line listener (``lines``) to feed."""
+    return path == "" and not lines and console_is_fd(stream)
+
+
 def plan_route(target: StreamTarget, *, direct: bool) -> Route:
     """The route of ``target``; ``direct``: the FILE route is available (inotify)."""
     if target.path == "":
-        return Route.INHERIT if console_is_fd(target.stream) and not target.lines else Route.PIPE
+        return Route.INHERIT if inherits_console("", target.stream, target.lines) else Route.PIPE
     if target.path == os.devnull:
         return Route.PIPE if target.lines else Route.DEVNULL
     return Route.FILE if direct else Route.PIPE

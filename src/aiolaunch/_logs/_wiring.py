@@ -34,7 +34,7 @@ from ._file import open_log_file
 from ._filters import DuplicateFilters
 from ._follow import FileFollower
 from ._inotify import Watches
-from ._plan import Route, StreamPlanner, console_is_fd
+from ._plan import Route, StreamPlanner, inherits_console
 from ._pump import StreamPump
 from ._specs import prune_empty_dirs
 from ._tap import LineTap
@@ -154,13 +154,9 @@ class LogWiring:
         if rank_dirs is not None:
             rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
         dest = self._dest
-        return (
-            dest.stdouts[rank] == dest.stderrs[rank] == ""
-            and not self.lines.reads(rank, "stdout")
-            and not self.lines.reads(rank, "stderr")
-            and console_is_fd("stdout")
-            and console_is_fd("stderr")
-        )
+        return inherits_console(
+            dest.stdouts[rank], "stdout", self.lines.reads(rank, "stdout")
+        ) and inherits_console(dest.stderrs[rank], "stderr", self.lines.reads(rank, "stderr"))
 
     def open(self, rank: int) -> AbstractAsyncContextManager[RankStreams]:
         """Wire ``rank``'s streams around its spawn (see the module docstring).
