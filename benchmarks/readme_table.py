@@ -113,14 +113,19 @@ def render_why(out: dict) -> str:
         f"{fx(R.ratio('throughput', f'tee {n} x', 'console_MB_per_s', 'torch-p0.1'))} at N={n}"
         for n in (1, 4, 16)
     )
-    lines = "a write() per line"
+    lines, vs_torch = "a write() per line", "torch-p0.1"
+    # the per-line rows write 64 MiB in all: 64 / N MiB per writer (run.py)
     tee_lines = ", ".join(
-        f"{fx(R.ratio('throughput', f'tee {n} x 4 MiB, {lines}', 'MB_per_s', 'torch-p0.1'))}"
+        f"{fx(R.ratio('throughput', f'tee {n} x {64 // n} MiB, {lines}', 'MB_per_s', vs_torch))}"
         f" at N={n}"
         for n in (1, 4, 16)
     )
     tee_lines_console = ", ".join(
-        fx(R.ratio("throughput", f"tee {n} x 4 MiB, {lines}", "console_MB_per_s", "torch-p0.1"))
+        fx(
+            R.ratio(
+                "throughput", f"tee {n} x {64 // n} MiB, {lines}", "console_MB_per_s", "torch-p0.1"
+            )
+        )
         for n in (1, 4, 16)
     )
     torch_tee_fail = any(

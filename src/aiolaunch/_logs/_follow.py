@@ -24,7 +24,7 @@ project's 2-core host, 128-byte writes (``print(..., flush=True)``) ran at
 :data:`_STREAMING_EVENTS` events in a row, each less than :data:`_STREAMING_S`
 after the one before (or :data:`_STREAMING_BYTES` after it: a loop that is
 late to read them sees them farther apart), take the watch off, and the
-group's tick (:meth:`Watches.repeat`, every ``HOLD_S``) reads the file while
+group's tick (:meth:`Watches.repeat`, every ``STREAM_TICK_S``) reads the file while
 it grew since the last tick; the first tick that finds it unchanged puts the
 watch back and reads once more (the bytes of the gap). A file begins so (at
 :meth:`FileFollower.start`). A quiet file is watched; no timer runs for it.
