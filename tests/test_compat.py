@@ -343,3 +343,46 @@ async def test_add_and_remove_loop_signal_handler_skip_valid_signals(
     with pytest.raises(ValueError, match="invalid signal number"):
         loop.add_signal_handler(0, lambda: None)
     assert calls, "the loop's own add_signal_handler still uses signal.valid_signals()"
+
+
+class _CostlyRepr:
+    """A Python-level signal handler whose repr is counted (as asyncio.run()'s
+    SIGINT handler, a partial holding the main task, is costly to format)."""
+
+    def __init__(self) -> None:
+        self.reprs = 0
+        self.calls: list[int] = []
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.calls.append(signum)
+
+    def __repr__(self) -> str:
+        self.reprs += 1
+        return "<costly>"
+
+
+async def test_taking_a_signal_over_does_not_format_the_handler_it_replaces() -> None:
+    """``signal.signal()`` builds ``repr(old handler)`` into a ValueError it
+    catches itself (``signal.Handlers(handler)``); the wrapper swaps a Python
+    handler for a relay first, so a wait() never formats it; the handler is
+    back afterwards, and the relay passes a signal on to it."""
+    loop = asyncio.get_running_loop()
+    handler = _CostlyRepr()
+    before = signal.signal(signal.SIGUSR2, handler)
+    try:
+        assert _compat.raw_getsignal(signal.SIGUSR2) is handler
+        _compat.add_loop_signal_handler(loop, signal.SIGUSR2, lambda: None)
+        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR2)
+        signal.signal(signal.SIGUSR2, handler)  # what _Hub.release puts back
+        assert handler.reprs == 0
+        # A signal between the swap and the loop's own handler goes to the handler.
+        _compat._Relay(handler)(int(signal.SIGUSR2), None)
+        assert handler.calls == [signal.SIGUSR2]
+        # A failing add (not the main thread, a closed loop) leaves the handler as it was.
+        closed = asyncio.new_event_loop()
+        closed.close()
+        with pytest.raises(RuntimeError):
+            _compat.add_loop_signal_handler(closed, signal.SIGUSR2, lambda: None)
+        assert signal.getsignal(signal.SIGUSR2) is handler
+    finally:
+        signal.signal(signal.SIGUSR2, before)

@@ -43,6 +43,7 @@ __all__ = [
     "loop_signal_handler",
     "multiprocessing_helpers",
     "process_popen",
+    "raw_getsignal",
     "reinstall_loop_signal_handler",
     "remove_loop_signal_handler",
     "spawn_without_main",
@@ -121,12 +122,76 @@ def _cheap_signal_check(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
             del loop._check_signal  # type: ignore[attr-defined]
 
 
+try:  # CPython's C module under ``signal``: its functions without the enum wrappers
+    import _signal  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # pragma: no cover - not CPython
+    _signal = signal
+
+
+def raw_getsignal(sig: int) -> Any:
+    """``signal.getsignal(sig)`` as the C module gives it: ``SIG_DFL``/``SIG_IGN``
+    as plain ints (equal to the ``signal.Handlers`` members), a Python handler
+    as itself. ``signal.getsignal`` tries ``signal.Handlers(handler)`` first,
+    which fails for a Python handler with a message holding ``repr(handler)``
+    (see :class:`_Relay`)."""
+    return _signal.getsignal(sig)
+
+
+class _Relay:
+    """Stands in for a Python-level signal handler while the loop replaces it.
+
+    ``loop.add_signal_handler`` replaces the handler with ``signal.signal()``,
+    which turns the handler it returns into a ``signal.Handlers`` member where
+    it can: for a Python callable that fails with a ``ValueError`` whose
+    message is built from ``repr(handler)``. ``asyncio.run()``'s SIGINT handler
+    is a ``functools.partial`` holding the main task, whose repr formats the
+    coroutine and its frame: ~80 us of every ``wait()`` (which takes SIGINT
+    over and gives it back). The relay's repr is a constant; a signal that
+    arrives while it is installed goes to the handler it stands for.
+    """
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: Callable[[int, Any], Any]) -> None:
+        self.handler = handler
+
+    def __call__(self, signum: int, frame: Any) -> Any:
+        return self.handler(signum, frame)
+
+    def __repr__(self) -> str:
+        return "<aiolaunch signal relay>"
+
+
+@contextlib.contextmanager
+def _cheap_replaced_repr(sig: int) -> Iterator[None]:
+    # See _Relay. Where the handler is no Python callable (SIG_DFL, SIG_IGN,
+    # None), or we cannot set one (not the main thread, a bad number: the
+    # loop's own call then fails with its own error), nothing is swapped.
+    try:
+        previous = _signal.getsignal(sig)
+    except (ValueError, OSError, TypeError):
+        previous = None
+    relay: _Relay | None = None
+    if callable(previous) and not isinstance(previous, int):
+        relay = _Relay(previous)
+        try:
+            _signal.signal(sig, relay)
+        except (ValueError, OSError, TypeError):
+            relay = None
+    try:
+        yield
+    finally:
+        if relay is not None and _signal.getsignal(sig) is relay:
+            _signal.signal(sig, previous)  # the loop's call failed: as it was
+
+
 def add_loop_signal_handler(
     loop: asyncio.AbstractEventLoop, sig: int, callback: Callable[..., Any], *args: Any
 ) -> None:
     """``loop.add_signal_handler(sig, callback, *args)``, without its per-call
-    ``signal.valid_signals()`` (see :func:`_cheap_signal_check`)."""
-    with _cheap_signal_check(loop):
+    ``signal.valid_signals()`` (see :func:`_cheap_signal_check`) and without
+    the repr of the Python handler it replaces (see :class:`_Relay`)."""
+    with _cheap_signal_check(loop), _cheap_replaced_repr(sig):
         loop.add_signal_handler(sig, callback, *args)
 
 

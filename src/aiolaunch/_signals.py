@@ -45,6 +45,7 @@ from ._compat import (
     ended_asyncio_run_sigint_handler,
     is_default_handler,
     loop_signal_handler,
+    raw_getsignal,
     reinstall_loop_signal_handler,
     remove_loop_signal_handler,
 )
@@ -200,7 +201,7 @@ class _Hub:
                     slot.users += 1
                     taken.append(sig)
                     continue
-                prev = signal.getsignal(sig)
+                prev = raw_getsignal(sig)  # no repr of a Python handler (_compat)
                 if prev == signal.SIG_IGN:
                     continue
                 prev_loop = loop_signal_handler(self.loop, sig)
