@@ -145,7 +145,7 @@ class _Relay:
     it can: for a Python callable that fails with a ``ValueError`` whose
     message is built from ``repr(handler)``. ``asyncio.run()``'s SIGINT handler
     is a ``functools.partial`` holding the main task, whose repr formats the
-    coroutine and its frame: ~80 us of every ``wait()`` (which takes SIGINT
+    coroutine and its frame: ~50 us of every ``wait()`` (which takes SIGINT
     over and gives it back). The relay's repr is a constant; a signal that
     arrives while it is installed goes to the handler it stands for.
     """
