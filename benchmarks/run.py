@@ -852,8 +852,12 @@ def main() -> int:
 
             samples: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
             errors: dict[str, list[str]] = {v: [] for v in variants}
-            # warm-up, then interleave: round-robin over the variants (A B C A B C ...),
-            # a variant with fewer trials drops out of the rotation when done.
+            # warm-up, then interleave: a round runs each variant once, and each
+            # round starts one variant later (A B C, B C A, C A B, ...), so that no
+            # variant always runs right after the same other one (what a trial
+            # leaves behind - dirty pages, a guardian's sweep, a warm cache - falls
+            # on every variant alike). A variant with fewer trials drops out when
+            # done.
             for v in variants:  # once per (benchmark, driver): imports, forkserver start
                 if a.quick and v.startswith("torch") and case.bench.endswith("_fn"):
                     continue  # torch's function workers import torch: too slow for --quick
@@ -872,13 +876,16 @@ def main() -> int:
                 checks = all(e.startswith("check failed") for e in errors[v])
                 return 3 * k if v in TORCH_VARIANTS and checks else k
 
+            rounds = 0
             while True:
                 active = [
                     v for v, k in variants.items() if passed[v] < k and tries[v] < limit(v, k)
                 ]
                 if not active:
                     break
-                for v in active:
+                first = rounds % len(active)
+                rounds += 1
+                for v in active[first:] + active[:first]:
                     tries[v] += 1
                     r = one(v)
                     if not r.get("ok"):

@@ -17,6 +17,7 @@ import textwrap
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -386,3 +387,80 @@ async def test_taking_a_signal_over_does_not_format_the_handler_it_replaces() ->
         assert signal.getsignal(signal.SIGUSR2) is handler
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+def _wakeup_fd() -> int:
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    return fd
+
+
+async def test_the_direct_signal_path_leaves_what_the_loops_own_methods_leave() -> None:
+    """On asyncio's own unix loop, the wrappers take the loop's steps through
+    the C signal module: the same handler table, OS handler, wakeup fd and
+    errors as ``loop.add_signal_handler``/``remove_signal_handler``."""
+    loop = asyncio.get_running_loop()
+    assert _compat._direct(loop)
+    noop = asyncio.unix_events._sighandler_noop  # type: ignore[attr-defined]
+    assert not loop._signal_handlers  # type: ignore[attr-defined]
+    calls: list[str] = []
+    _compat.add_loop_signal_handler(loop, signal.SIGUSR1, calls.append, "direct")
+    loop.add_signal_handler(signal.SIGUSR2, calls.append, "loop")
+    try:
+        ours = _compat.loop_signal_handler(loop, signal.SIGUSR1)
+        theirs = _compat.loop_signal_handler(loop, signal.SIGUSR2)
+        assert type(ours) is type(theirs) is asyncio.Handle
+        assert signal.getsignal(signal.SIGUSR1) is signal.getsignal(signal.SIGUSR2) is noop
+        assert _wakeup_fd() == loop._csock.fileno()  # type: ignore[attr-defined]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(1000):
+            if calls:
+                break
+            await asyncio.sleep(0.01)
+        assert calls == ["direct"]
+        # Refused as the loop refuses, leaving the table as it was.
+        with pytest.raises(RuntimeError, match="cannot be caught"):
+            _compat.add_loop_signal_handler(loop, signal.SIGKILL, calls.append)
+        assert _compat.loop_signal_handler(loop, signal.SIGKILL) is None
+        with pytest.raises(ValueError, match="invalid signal number"):
+            _compat.remove_loop_signal_handler(loop, 0)
+    finally:
+        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR1)
+        assert not _compat.remove_loop_signal_handler(loop, signal.SIGUSR1)
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        assert _wakeup_fd() == loop._csock.fileno()  # type: ignore[attr-defined]  # USR2's
+        loop.remove_signal_handler(signal.SIGUSR2)
+    assert _wakeup_fd() == -1  # the last handler gone: as the loop leaves it
+    # SIGINT goes back to Python's default, as with the loop's own method.
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        _compat.add_loop_signal_handler(loop, signal.SIGINT, calls.append)
+        assert _compat.remove_loop_signal_handler(loop, signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert _wakeup_fd() == -1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_loop_with_its_own_signal_methods_is_called_as_it_is() -> None:
+    calls: list[tuple[str, int]] = []
+
+    class Own(asyncio.SelectorEventLoop):
+        def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:  # type: ignore[override]
+            calls.append(("add", sig))
+            super().add_signal_handler(sig, callback, *args)
+
+        def remove_signal_handler(self, sig: int) -> bool:
+            calls.append(("remove", sig))
+            return super().remove_signal_handler(sig)
+
+    loop = Own()
+    try:
+        assert not _compat._direct(loop)
+        _compat.add_loop_signal_handler(loop, signal.SIGUSR1, lambda: None)
+        assert signal.getsignal(signal.SIGUSR1) is asyncio.unix_events._sighandler_noop  # type: ignore[attr-defined]
+        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR1)
+        assert calls == [("add", signal.SIGUSR1), ("remove", signal.SIGUSR1)]
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        loop.close()

@@ -46,6 +46,7 @@ from ._compat import (
     is_default_handler,
     loop_signal_handler,
     raw_getsignal,
+    raw_setsignal,
     reinstall_loop_signal_handler,
     remove_loop_signal_handler,
 )
@@ -231,7 +232,7 @@ class _Hub:
             if sig == signal.SIGINT and ended_asyncio_run_sigint_handler(previous):
                 previous = signal.default_int_handler  # what the runner would have put back
             with contextlib.suppress(Exception):
-                signal.signal(sig, previous)
+                raw_setsignal(sig, previous)  # no enum conversion of what it replaces
 
     def acknowledge(self, watch: SignalWatch) -> None:
         for pending in list(self.pending):
