@@ -1,4 +1,5 @@
-"""Each CPython-private access of ``aiolaunch._compat`` still works on this Python.
+"""Each CPython-private access of ``aiolaunch._compat`` and
+``aiolaunch._compat_signals`` still works on this Python.
 
 Real processes, pipes and loops: a failure here means a CPython change broke
 one accessor, and says which.
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 
 from _helpers import driver
-from aiolaunch import _compat
+from aiolaunch import _compat, _compat_signals
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -222,12 +223,12 @@ async def test_loop_signal_handler_round_trip() -> None:
     got: list[str] = []
     loop.add_signal_handler(signal.SIGUSR1, got.append, "handled")
     try:
-        handle = _compat.loop_signal_handler(loop, signal.SIGUSR1)
+        handle = _compat_signals.loop_signal_handler(loop, signal.SIGUSR1)
         assert handle is not None
         loop.remove_signal_handler(signal.SIGUSR1)
-        assert _compat.loop_signal_handler(loop, signal.SIGUSR1) is None
-        assert _compat.reinstall_loop_signal_handler(loop, signal.SIGUSR1, handle)
-        assert _compat.call_handle_soon(loop, handle)
+        assert _compat_signals.loop_signal_handler(loop, signal.SIGUSR1) is None
+        assert _compat_signals.reinstall_loop_signal_handler(loop, signal.SIGUSR1, handle)
+        assert _compat_signals.call_handle_soon(loop, handle)
         await asyncio.sleep(0)
         assert got == ["handled"]
         os.kill(os.getpid(), signal.SIGUSR1)  # the reinstalled handler runs on a real signal
@@ -242,7 +243,7 @@ async def test_loop_signal_handler_round_trip() -> None:
 
 _RUNNER = """
 import asyncio, signal
-from aiolaunch._compat import is_asyncio_run_sigint_handler, is_default_handler
+from aiolaunch._compat_signals import is_asyncio_run_sigint_handler, is_default_handler
 
 async def main():
     h = signal.getsignal(signal.SIGINT)
@@ -262,12 +263,12 @@ def test_asyncio_run_sigint_handler_is_recognised() -> None:
 
 
 def test_default_handlers() -> None:
-    assert _compat.is_default_handler(signal.SIG_DFL)
-    assert _compat.is_default_handler(None)
-    assert _compat.is_default_handler(signal.default_int_handler)
-    assert not _compat.is_default_handler(signal.SIG_IGN)
-    assert not _compat.is_default_handler(lambda s, f: None)
-    assert not _compat.is_asyncio_run_sigint_handler(signal.default_int_handler)
+    assert _compat_signals.is_default_handler(signal.SIG_DFL)
+    assert _compat_signals.is_default_handler(None)
+    assert _compat_signals.is_default_handler(signal.default_int_handler)
+    assert not _compat_signals.is_default_handler(signal.SIG_IGN)
+    assert not _compat_signals.is_default_handler(lambda s, f: None)
+    assert not _compat_signals.is_asyncio_run_sigint_handler(signal.default_int_handler)
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is 3.11+")
@@ -312,7 +313,7 @@ async def test_add_and_remove_loop_signal_handler_skip_valid_signals(
     loop = asyncio.get_running_loop()
     calls: list[int] = []
     real = signal.valid_signals
-    _compat._valid_signals()  # computed once, before the count starts
+    _compat_signals._valid_signals()  # computed once, before the count starts
 
     def counted() -> set[signal.Signals]:
         calls.append(1)
@@ -320,9 +321,9 @@ async def test_add_and_remove_loop_signal_handler_skip_valid_signals(
 
     monkeypatch.setattr(signal, "valid_signals", counted)
     got: list[str] = []
-    _compat.add_loop_signal_handler(loop, signal.SIGUSR2, got.append, "handled")
+    _compat_signals.add_loop_signal_handler(loop, signal.SIGUSR2, got.append, "handled")
     try:
-        assert _compat.loop_signal_handler(loop, signal.SIGUSR2) is not None
+        assert _compat_signals.loop_signal_handler(loop, signal.SIGUSR2) is not None
         os.kill(os.getpid(), signal.SIGUSR2)
         for _ in range(1000):
             if got:
@@ -330,15 +331,15 @@ async def test_add_and_remove_loop_signal_handler_skip_valid_signals(
             await asyncio.sleep(0.01)
         assert got == ["handled"]
     finally:
-        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR2)
-    assert _compat.loop_signal_handler(loop, signal.SIGUSR2) is None
+        assert _compat_signals.remove_loop_signal_handler(loop, signal.SIGUSR2)
+    assert _compat_signals.loop_signal_handler(loop, signal.SIGUSR2) is None
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
     assert calls == [], "asyncio's check ran signal.valid_signals()"
     assert "_check_signal" not in vars(loop), "the loop keeps its own check afterwards"
     with pytest.raises(ValueError, match="invalid signal number"):
-        _compat.add_loop_signal_handler(loop, 0, got.append)
+        _compat_signals.add_loop_signal_handler(loop, 0, got.append)
     with pytest.raises(TypeError):
-        _compat.add_loop_signal_handler(loop, "SIGUSR2", got.append)  # type: ignore[arg-type]
+        _compat_signals.add_loop_signal_handler(loop, "SIGUSR2", got.append)  # type: ignore[arg-type]
     assert "_check_signal" not in vars(loop)
     # the loop's own methods check as before
     with pytest.raises(ValueError, match="invalid signal number"):
@@ -371,19 +372,19 @@ async def test_taking_a_signal_over_does_not_format_the_handler_it_replaces() ->
     handler = _CostlyRepr()
     before = signal.signal(signal.SIGUSR2, handler)
     try:
-        assert _compat.raw_getsignal(signal.SIGUSR2) is handler
-        _compat.add_loop_signal_handler(loop, signal.SIGUSR2, lambda: None)
-        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR2)
+        assert _compat_signals.raw_getsignal(signal.SIGUSR2) is handler
+        _compat_signals.add_loop_signal_handler(loop, signal.SIGUSR2, lambda: None)
+        assert _compat_signals.remove_loop_signal_handler(loop, signal.SIGUSR2)
         signal.signal(signal.SIGUSR2, handler)  # what _Hub.release puts back
         assert handler.reprs == 0
         # A signal between the swap and the loop's own handler goes to the handler.
-        _compat._Relay(handler)(int(signal.SIGUSR2), None)
+        _compat_signals._Relay(handler)(int(signal.SIGUSR2), None)
         assert handler.calls == [signal.SIGUSR2]
         # A failing add (not the main thread, a closed loop) leaves the handler as it was.
         closed = asyncio.new_event_loop()
         closed.close()
         with pytest.raises(RuntimeError):
-            _compat.add_loop_signal_handler(closed, signal.SIGUSR2, lambda: None)
+            _compat_signals.add_loop_signal_handler(closed, signal.SIGUSR2, lambda: None)
         assert signal.getsignal(signal.SIGUSR2) is handler
     finally:
         signal.signal(signal.SIGUSR2, before)
@@ -400,15 +401,15 @@ async def test_the_direct_signal_path_leaves_what_the_loops_own_methods_leave() 
     the C signal module: the same handler table, OS handler, wakeup fd and
     errors as ``loop.add_signal_handler``/``remove_signal_handler``."""
     loop = asyncio.get_running_loop()
-    assert _compat._direct(loop)
+    assert _compat_signals._direct(loop)
     noop = asyncio.unix_events._sighandler_noop  # type: ignore[attr-defined]
     assert not loop._signal_handlers  # type: ignore[attr-defined]
     calls: list[str] = []
-    _compat.add_loop_signal_handler(loop, signal.SIGUSR1, calls.append, "direct")
+    _compat_signals.add_loop_signal_handler(loop, signal.SIGUSR1, calls.append, "direct")
     loop.add_signal_handler(signal.SIGUSR2, calls.append, "loop")
     try:
-        ours = _compat.loop_signal_handler(loop, signal.SIGUSR1)
-        theirs = _compat.loop_signal_handler(loop, signal.SIGUSR2)
+        ours = _compat_signals.loop_signal_handler(loop, signal.SIGUSR1)
+        theirs = _compat_signals.loop_signal_handler(loop, signal.SIGUSR2)
         assert type(ours) is type(theirs) is asyncio.Handle
         assert signal.getsignal(signal.SIGUSR1) is signal.getsignal(signal.SIGUSR2) is noop
         assert _wakeup_fd() == loop._csock.fileno()  # type: ignore[attr-defined]
@@ -420,13 +421,13 @@ async def test_the_direct_signal_path_leaves_what_the_loops_own_methods_leave() 
         assert calls == ["direct"]
         # Refused as the loop refuses, leaving the table as it was.
         with pytest.raises(RuntimeError, match="cannot be caught"):
-            _compat.add_loop_signal_handler(loop, signal.SIGKILL, calls.append)
-        assert _compat.loop_signal_handler(loop, signal.SIGKILL) is None
+            _compat_signals.add_loop_signal_handler(loop, signal.SIGKILL, calls.append)
+        assert _compat_signals.loop_signal_handler(loop, signal.SIGKILL) is None
         with pytest.raises(ValueError, match="invalid signal number"):
-            _compat.remove_loop_signal_handler(loop, 0)
+            _compat_signals.remove_loop_signal_handler(loop, 0)
     finally:
-        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR1)
-        assert not _compat.remove_loop_signal_handler(loop, signal.SIGUSR1)
+        assert _compat_signals.remove_loop_signal_handler(loop, signal.SIGUSR1)
+        assert not _compat_signals.remove_loop_signal_handler(loop, signal.SIGUSR1)
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
         assert _wakeup_fd() == loop._csock.fileno()  # type: ignore[attr-defined]  # USR2's
         loop.remove_signal_handler(signal.SIGUSR2)
@@ -434,8 +435,8 @@ async def test_the_direct_signal_path_leaves_what_the_loops_own_methods_leave() 
     # SIGINT goes back to Python's default, as with the loop's own method.
     previous = signal.getsignal(signal.SIGINT)
     try:
-        _compat.add_loop_signal_handler(loop, signal.SIGINT, calls.append)
-        assert _compat.remove_loop_signal_handler(loop, signal.SIGINT)
+        _compat_signals.add_loop_signal_handler(loop, signal.SIGINT, calls.append)
+        assert _compat_signals.remove_loop_signal_handler(loop, signal.SIGINT)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert _wakeup_fd() == -1
     finally:
@@ -456,10 +457,10 @@ def test_a_loop_with_its_own_signal_methods_is_called_as_it_is() -> None:
 
     loop = Own()
     try:
-        assert not _compat._direct(loop)
-        _compat.add_loop_signal_handler(loop, signal.SIGUSR1, lambda: None)
+        assert not _compat_signals._direct(loop)
+        _compat_signals.add_loop_signal_handler(loop, signal.SIGUSR1, lambda: None)
         assert signal.getsignal(signal.SIGUSR1) is asyncio.unix_events._sighandler_noop  # type: ignore[attr-defined]
-        assert _compat.remove_loop_signal_handler(loop, signal.SIGUSR1)
+        assert _compat_signals.remove_loop_signal_handler(loop, signal.SIGUSR1)
         assert calls == [("add", signal.SIGUSR1), ("remove", signal.SIGUSR1)]
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     finally:

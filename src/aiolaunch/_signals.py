@@ -39,7 +39,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._cancel import shielded
-from ._compat import (
+from ._compat_signals import (
     add_loop_signal_handler,
     call_handle_soon,
     ended_asyncio_run_sigint_handler,
@@ -202,7 +202,7 @@ class _Hub:
                     slot.users += 1
                     taken.append(sig)
                     continue
-                prev = raw_getsignal(sig)  # no repr of a Python handler (_compat)
+                prev = raw_getsignal(sig)  # no repr of a Python handler (_compat_signals)
                 if prev == signal.SIG_IGN:
                     continue
                 prev_loop = loop_signal_handler(self.loop, sig)
