@@ -221,6 +221,12 @@ class Watches:
         #: called every STREAM_TICK_S while they return True (:meth:`repeat`)
         self._ticking: list[Callable[[], bool]] = []
         self._tick: asyncio.TimerHandle | None = None
+        #: bytes the ticked files grew by (:meth:`grew`) in the round that
+        #: runs, and in the one before with its length: the group's rate
+        self._round_bytes = 0
+        self._round_at = 0.0
+        self._last_bytes = 0
+        self._last_s = 0.0
 
     def available(self) -> bool:
         """Whether watches can be expected to work (Linux, inotify loadable)."""
@@ -263,12 +269,29 @@ class Watches:
         """
         self._ticking.append(callback)
         if self._tick is None:
-            self._tick = asyncio.get_running_loop().call_later(HOLD_S, self._on_tick)
+            loop = asyncio.get_running_loop()
+            self._round_at, self._last_bytes = loop.time(), 0
+            self._tick = loop.call_later(HOLD_S, self._on_tick)
+
+    def grew(self, nbytes: int) -> None:
+        """A ticked file found ``nbytes`` more than at its tick before."""
+        self._round_bytes += nbytes
+
+    def rate_without(self, nbytes: int) -> float:
+        """Bytes per second the ticked files grew by in the round before
+        this one, less ``nbytes`` (the caller's own part of that round)."""
+        if self._last_s <= 0.0:
+            return 0.0
+        return (self._last_bytes - nbytes) / self._last_s
 
     def _on_tick(self) -> None:
         ticking, self._ticking = self._ticking, []
+        now = asyncio.get_running_loop().time()
+        self._round_bytes = 0
         # A callback may call repeat() again (the list is new by then).
         self._ticking[:0] = [cb for cb in ticking if cb()]
+        self._last_bytes, self._last_s = self._round_bytes, now - self._round_at
+        self._round_at = now
         self._tick = None
         if self._ticking:
             self._tick = asyncio.get_running_loop().call_later(STREAM_TICK_S, self._on_tick)
