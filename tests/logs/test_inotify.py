@@ -16,6 +16,25 @@ EVENT = struct.Struct("iIII")
 IN_MODIFY, IN_Q_OVERFLOW, IN_IGNORED = 0x2, 0x4000, 0x8000
 
 
+class Each:
+    """A ticked file that grew by ``grown`` bytes at every tick; its second
+    pass calls ``tick()`` (and records what the others grew by)."""
+
+    def __init__(self, tick, grown: int = 0) -> None:  # type: ignore[no-untyped-def]
+        self._tick, self.grown = tick, grown
+        self.calls: list[str] = []
+        self.others: list[float] = []
+
+    def measure(self) -> int:
+        self.calls.append("measure")
+        return self.grown
+
+    def tick(self, others: float) -> bool:
+        self.calls.append("tick")
+        self.others.append(others)
+        return bool(self._tick())
+
+
 def _events(*evs: tuple[int, int, bytes]) -> bytes:
     return b"".join(EVENT.pack(wd, mask, 0, len(name)) + name for wd, mask, name in evs)
 
@@ -65,12 +84,12 @@ async def test_repeat_calls_every_callback_on_one_tick_until_false() -> None:
 
     watches = Watches()
     t0 = loop.time()
-    watches.repeat(first)
+    watches.repeat(Each(first))
     # A tick that was not running starts HOLD_S from now (a worker's first
     # lines are read that soon), not a whole period later.
     assert watches._tick is not None and watches._tick.when() <= loop.time() + HOLD_S
-    watches.repeat(make("a", 4))
-    watches.repeat(make("b", 2))
+    watches.repeat(Each(make("a", 4)))
+    watches.repeat(Each(make("b", 2)))
     while len(calls["a"]) < 4:
         await asyncio.sleep(HOLD_S)
     await asyncio.sleep(3 * STREAM_TICK_S)
@@ -80,7 +99,7 @@ async def test_repeat_calls_every_callback_on_one_tick_until_false() -> None:
     # then every STREAM_TICK_S: one wakeup per period beside the writers
     assert all(b - a >= STREAM_TICK_S * 0.9 for a, b in itertools.pairwise(ticks))
     # Stopped, then started again by a new callback.
-    watches.repeat(make("b", 3))
+    watches.repeat(Each(make("b", 3)))
     while len(calls["b"]) < 3:
         await asyncio.sleep(HOLD_S)
     watches.close()
@@ -92,20 +111,47 @@ async def test_a_callback_may_repeat_itself_again_and_close_stops_all() -> None:
 
     def once() -> bool:
         seen.append("once")
-        watches.repeat(again)  # registered from inside a tick
+        watches.repeat(Each(again))  # registered from inside a tick
         return False
 
     def again() -> bool:
         seen.append("again")
         return True
 
-    watches.repeat(once)
+    watches.repeat(Each(once))
     while "again" not in seen:
         await asyncio.sleep(HOLD_S)
     watches.close()
     n = len(seen)
     await asyncio.sleep(5 * STREAM_TICK_S)
     assert len(seen) == n  # closed: nothing ticks
+
+
+async def test_a_tick_measures_every_file_before_it_tells_each_what_the_others_grew_by() -> None:
+    """#26: the group's rate decides whether a file is read behind its
+    writer (``_growth``), so every file is measured before any is ticked -
+    the order of the files does not matter - and each learns the others'
+    growth in the tick's period, bytes per second, not its own."""
+    ticks = 0
+
+    def go_on() -> bool:
+        nonlocal ticks
+        ticks += 1
+        return ticks < 6  # three ticks of two files
+
+    quiet, bulk = Each(go_on, 1000), Each(go_on, 3 << 20)
+    bulk.calls = quiet.calls  # one record of both, in call order
+    watches = Watches()
+    watches.repeat(quiet)  # first in the round: measured before bulk's growth is known
+    watches.repeat(bulk)
+    while ticks < 6:
+        await asyncio.sleep(HOLD_S)
+    assert quiet.calls == ["measure", "measure", "tick", "tick"] * 3
+    # the same period for both: each sees the other's bytes over it
+    for q, b in zip(quiet.others, bulk.others, strict=True):
+        assert q > 0 and q / b == pytest.approx((3 << 20) / 1000)
+    assert max(bulk.others) <= 1000 / (HOLD_S * 0.9)  # a period is HOLD_S or more
+    watches.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")

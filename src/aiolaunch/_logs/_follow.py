@@ -115,7 +115,13 @@ class FileFollower:
                 # the loop thread's CPU in the spawn loop, every later rank
                 # started that much later; #26).
                 self._scheduled = True
-                asyncio.get_running_loop().call_soon(self._pump)
+                asyncio.get_running_loop().call_soon(self._first_pump)
+
+    def _first_pump(self) -> None:
+        if not self._closed and self._growth.leave_to_tick():
+            self._scheduled = False  # a bulk writer: the tick reads behind it
+            return
+        self._pump()
 
     def _wanted(self) -> bool:
         return any(c.sink.wanted() for c in self._cursors)

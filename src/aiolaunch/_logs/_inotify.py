@@ -28,12 +28,12 @@ import logging
 import os
 import struct
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["IN_MODIFY", "Inotify", "Watches"]
+__all__ = ["IN_MODIFY", "Inotify", "Ticked", "Watches"]
 
 IN_MODIFY = 0x00000002
 _IN_Q_OVERFLOW = 0x00004000
@@ -208,6 +208,20 @@ class Inotify:
         self._watches.clear()
 
 
+class Ticked(Protocol):
+    """A file the group's tick reads while it streams (``_growth.Growth``)."""
+
+    def measure(self) -> int:
+        """A tick's first pass: the bytes the file grew since the tick before."""
+        ...
+
+    def tick(self, others: float) -> bool:
+        """The second pass: ``others`` is what the group's other files grew
+        by in this tick's period, in bytes per second. ``False``: no more
+        ticks."""
+        ...
+
+
 class Watches:
     """The inotify watches of one group: the instance is made at the first
     watch, so a group whose files nobody follows has none (no fd, no kernel
@@ -218,15 +232,11 @@ class Watches:
         #: the instance could not be made (the per-user limit): never retried
         self._failed = False
         self._warned = False
-        #: called every STREAM_TICK_S while they return True (:meth:`repeat`)
-        self._ticking: list[Callable[[], bool]] = []
+        #: ticked every STREAM_TICK_S while they return True (:meth:`repeat`)
+        self._ticking: list[Ticked] = []
         self._tick: asyncio.TimerHandle | None = None
-        #: bytes the ticked files grew by (:meth:`grew`) in the round that
-        #: runs, and in the one before with its length: the group's rate
-        self._round_bytes = 0
-        self._round_at = 0.0
-        self._last_bytes = 0
-        self._last_s = 0.0
+        #: the loop time of the tick before (or of the tick's start)
+        self._ticked_at = 0.0
 
     def available(self) -> bool:
         """Whether watches can be expected to work (Linux, inotify loadable)."""
@@ -257,8 +267,8 @@ class Watches:
         if self._inotify is not None:
             self._inotify.unwatch(wd, callback)
 
-    def repeat(self, callback: Callable[[], bool]) -> None:
-        """Call ``callback()`` every :data:`STREAM_TICK_S` until it returns ``False``.
+    def repeat(self, ticked: Ticked) -> None:
+        """Tick ``ticked`` every :data:`STREAM_TICK_S` until its ``tick()`` returns ``False``.
 
         For a file that keeps growing, with its watch off (``_follow``): one
         timer for the whole group, so N streaming files cost one wakeup per
@@ -266,32 +276,28 @@ class Watches:
         A tick that is not running starts :data:`HOLD_S` from now: a worker's
         first lines (its file begins streaming) and a burst that just turned
         a watched file into a streaming one are read as soon as before.
+        Each tick measures every file first, then ticks each with what the
+        others grew by (:class:`Ticked`).
         """
-        self._ticking.append(callback)
+        self._ticking.append(ticked)
         if self._tick is None:
             loop = asyncio.get_running_loop()
-            self._round_at, self._last_bytes = loop.time(), 0
+            self._ticked_at = loop.time()
             self._tick = loop.call_later(HOLD_S, self._on_tick)
-
-    def grew(self, nbytes: int) -> None:
-        """A ticked file found ``nbytes`` more than at its tick before."""
-        self._round_bytes += nbytes
-
-    def rate_without(self, nbytes: int) -> float:
-        """Bytes per second the ticked files grew by in the round before
-        this one, less ``nbytes`` (the caller's own part of that round)."""
-        if self._last_s <= 0.0:
-            return 0.0
-        return (self._last_bytes - nbytes) / self._last_s
 
     def _on_tick(self) -> None:
         ticking, self._ticking = self._ticking, []
         now = asyncio.get_running_loop().time()
-        self._round_bytes = 0
+        seconds, self._ticked_at = now - self._ticked_at, now
+        grown = [t.measure() for t in ticking]
+        total = sum(grown)
+        keep = [
+            t
+            for t, g in zip(ticking, grown, strict=True)
+            if t.tick((total - g) / seconds if seconds > 0.0 else 0.0)
+        ]
         # A callback may call repeat() again (the list is new by then).
-        self._ticking[:0] = [cb for cb in ticking if cb()]
-        self._last_bytes, self._last_s = self._round_bytes, now - self._round_at
-        self._round_at = now
+        self._ticking[:0] = keep
         self._tick = None
         if self._ticking:
             self._tick = asyncio.get_running_loop().call_later(STREAM_TICK_S, self._on_tick)
