@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from _interval import goodness, ratio_interval
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
 mono = time.monotonic
@@ -119,8 +121,9 @@ def launch_rows(q: bool) -> list[Case]:
     cases = []
     for n in (1, 4, 16, 64):
         # Many trials: they are cheap (ms), and a launch varies by +-30%
-        # between trials on a 2-CPU host (where the child is placed).
-        k = 3 if q else 30
+        # between trials on a 2-CPU host (where the child is placed). 60: a
+        # 95% interval of the ratio ~+-2% at N=16 (30: ~+-4%).
+        k = 3 if q else 60
         cases.append(
             Case(
                 "launch_bin",
@@ -273,7 +276,7 @@ def throughput_rows(q: bool) -> list[Case]:
             # all for 16 MiB in 1 MiB writes, written in 5-20 ms: trials of
             # one run spread over 0.6-1.4x their median, and 8 trials a side
             # gave 0.94x torch where 30 a side gave 1.09x (2026-11-27).
-            k = 2 if q else (11 if not tee else 8 if lines else 24)
+            k = 2 if q else (24 if not tee else 8 if lines else 24)
             targets = [Target("MB_per_s", "median", ">=", vs="torch-p0.1")]
             if tee and lines:
                 targets += [
@@ -604,6 +607,27 @@ def percentile(xs: list[float], q: float) -> float:
     pos = (len(s) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def target_interval(t: Target, samples: dict[str, dict[str, list[float]]]) -> dict:
+    """A ``vs`` target's 95% bootstrap interval and whether the run could tell.
+
+    ``ratio``: the ratio that is > 1 when aiolaunch is better (as the table's
+    ratio column), ``interval``: its 95% interval over the trials, ``need``:
+    the ratio the target asks for. The caller adds ``within_noise``: the
+    target was not met but ``need`` lies inside the interval - this run cannot
+    tell aiolaunch from the other variant at that bound (see _interval.py).
+    """
+    ours = samples.get("aiolaunch", {}).get(t.metric, [])
+    theirs = samples.get(t.vs or "", {}).get(t.metric, [])
+    over, inverse = goodness(t.op, t.metric)
+    need = 1.0 / t.factor if inverse else t.factor
+    iv = ratio_interval(ours, theirs, ours_over_theirs=over)
+    if iv is None:
+        return {}
+    a, b = percentile(ours, 50), percentile(theirs, 50)
+    ratio = (a / b if over else b / a) if a > 0 and b > 0 else math.nan
+    return {"ratio": ratio, "interval": list(iv), "need": need}
 
 
 def summarize(xs: list[float]) -> dict:
@@ -942,16 +966,27 @@ def main() -> int:
                 met = None
                 if val is not None and bound is not None and not errors.get("aiolaunch"):
                     met = val <= bound if t.op == "<=" else val >= bound
-                tres.append(
-                    {
-                        "target": t.describe(),
-                        "metric": t.metric,
-                        "value": val,
-                        "bound": bound,
-                        "met": met,
-                    }
-                )
+                res = {
+                    "target": t.describe(),
+                    "metric": t.metric,
+                    "value": val,
+                    "bound": bound,
+                    "met": met,
+                }
+                if t.vs is not None and t.stat in ("median", "p50") and met is not None:
+                    res.update(target_interval(t, samples))
+                    if "interval" in res:
+                        res["within_noise"] = not met and res["need"] <= res["interval"][1]
+                tres.append(res)
             row["targets"] = tres
+            # The trials behind each interval, so that a reader can recompute it.
+            kept: dict[str, dict[str, list[float]]] = {}
+            for t in case.targets:
+                for v in ("aiolaunch", t.vs) if t.vs is not None else ():
+                    xs = samples.get(v, {}).get(t.metric)
+                    if xs:
+                        kept.setdefault(v, {})[t.metric] = [float(f"{x:.6g}") for x in xs]
+            row["samples"] = kept
             # A row fails when aiolaunch (or the raw floor, i.e. the benchmark
             # itself) fails a correctness check; torch failing its own check
             # (e.g. its tee losing console lines) is reported, not ours to fail.
@@ -1184,13 +1219,9 @@ def render_md(out: dict) -> str:
             )
             ts = [t for t in r["targets"] if t["metric"] == m]
             cells.append("; ".join(t["target"] for t in ts))
-            cells.append(
-                "; ".join(
-                    {True: "met", False: "NOT met", None: "n/a"}[t["met"]] + f" ({fmt(t['value'])})"
-                    for t in ts
-                )
-            )
+            cells.append("; ".join(verdict(t) for t in ts))
             lines.append("| " + " | ".join(cells) + " |")
+    lines += tally(out["results"])
     slower = [r for r in out["results"] if r.get("slower")]
     if slower:
         lines.append(f"\n## More than {SLOWER_BY:.0%} slower than the committed results\n")
@@ -1204,6 +1235,46 @@ def render_md(out: dict) -> str:
                 f"- {r['group']} / {r['label']} / {v}{ref}: `{e.strip().splitlines()[-1][:300]}`"
             )
     return "\n".join(lines) + "\n"
+
+
+def verdict(t: dict) -> str:
+    """A target's cell: met / NOT met / within noise, its value, and for a
+    target against another variant the ratio with its 95% interval."""
+    word = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
+    if t.get("within_noise"):
+        word = "within noise"
+    shown = [fmt(t["value"])]
+    if "interval" in t:
+        lo, hi = t["interval"]
+        ratio = f"{fmt(t['ratio'])}x"
+        # A "k x faster" target's value is the ratio itself: shown once.
+        shown = [ratio] if shown[0] == fmt(t["ratio"]) else [*shown, ratio]
+        shown.append(f"95%: {fmt(lo)}-{fmt(hi)}x")
+    return f"{word} ({'; '.join(shown)})"
+
+
+def tally(results: list[dict]) -> list[str]:
+    """The lines under the table that count the targets by verdict and name
+    every target that was not met."""
+    met, noise, missed = [], [], []
+    for r in results:
+        for t in r.get("targets", []):
+            name = f"{r['group']} / {r['label']} ({t['target']}: {verdict(t)})"
+            if t["met"]:
+                met.append(name)
+            elif t.get("within_noise"):
+                noise.append(name)
+            elif t["met"] is False:
+                missed.append(name)
+    lines = [
+        f"\nTargets: {len(met)} met, {len(noise)} within noise, {len(missed)} NOT met. "
+        "Within noise: not met by the medians, but the bound lies inside the 95% "
+        "bootstrap interval of the ratio over this run's trials - the run cannot tell "
+        "aiolaunch from the other at that bound (benchmarks/_interval.py).\n"
+    ]
+    lines += [f"- within noise: {x}" for x in noise]
+    lines += [f"- NOT met: {x}" for x in missed]
+    return lines
 
 
 def render_png(out: dict, path: str) -> None:
