@@ -9,6 +9,7 @@ through the ``pytest11`` entry point of the installed package.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,40 @@ pytest_plugins = ["pytester"]
 # from each test), so CI turns red only on a change, never on a new draw.
 settings.register_profile("ci", derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+_SUITE_TMP = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's temporary folders in one folder of its own, removed at the end.
+
+    A group started without ``log_dir`` keeps its temporary log folder, as a
+    user's run does (torch's too): hundreds of them per suite run would pile
+    up in /tmp. ``TMPDIR`` reaches the supervisors that tests start as
+    programs; pytest's own ``tmp_path`` stays where it was (its temproot is
+    fixed first), and tests that need an exact folder still use
+    ``private_tmp``. The prefix is short: a control socket's path must fit
+    AF_UNIX's 108 bytes (aiolaunch falls back to a shorter one, but the
+    suite should not always take that path).
+    """
+    root = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", root)
+    suite = tempfile.mkdtemp(prefix="al-", dir=root)
+    config.stash[_SUITE_TMP] = suite
+    os.environ["TMPDIR"] = suite
+    tempfile.tempdir = suite
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    suite = config.stash.get(_SUITE_TMP, None)
+    if suite is not None:
+        # After multiprocessing's own exit finalizer (priority -100), which
+        # removes its pymp-* folder in there: one more, ordered after it.
+        from multiprocessing import util
+
+        util.Finalize(None, shutil.rmtree, args=(suite,), kwargs={"ignore_errors": True},
+                      exitpriority=-101)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
