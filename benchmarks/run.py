@@ -609,14 +609,15 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def target_interval(t: Target, samples: dict[str, dict[str, list[float]]]) -> dict:
-    """A ``vs`` target's 95% bootstrap interval and whether the run could tell.
+def target_interval(t: Target, samples: dict[str, dict[str, list[float]]], met: bool) -> dict:
+    """A ``vs`` target's 95% bootstrap interval and whether the run could tell
+    (``met``: whether the medians met it); ``{}`` without enough trials.
 
     ``ratio``: the ratio that is > 1 when aiolaunch is better (as the table's
     ratio column), ``interval``: its 95% interval over the trials, ``need``:
-    the ratio the target asks for. The caller adds ``within_noise``: the
-    target was not met but ``need`` lies inside the interval - this run cannot
-    tell aiolaunch from the other variant at that bound (see _interval.py).
+    the ratio the target asks for; ``within_noise``: not met, but ``need``
+    lies inside the interval - this run cannot tell aiolaunch from the other
+    variant at that bound (see _interval.py).
     """
     ours = samples.get("aiolaunch", {}).get(t.metric, [])
     theirs = samples.get(t.vs or "", {}).get(t.metric, [])
@@ -627,7 +628,12 @@ def target_interval(t: Target, samples: dict[str, dict[str, list[float]]]) -> di
         return {}
     a, b = percentile(ours, 50), percentile(theirs, 50)
     ratio = (a / b if over else b / a) if a > 0 and b > 0 else math.nan
-    return {"ratio": ratio, "interval": list(iv), "need": need}
+    return {
+        "ratio": ratio,
+        "interval": list(iv),
+        "need": need,
+        "within_noise": not met and need <= iv[1],
+    }
 
 
 def summarize(xs: list[float]) -> dict:
@@ -974,9 +980,7 @@ def main() -> int:
                     "met": met,
                 }
                 if t.vs is not None and t.stat in ("median", "p50") and met is not None:
-                    res.update(target_interval(t, samples))
-                    if "interval" in res:
-                        res["within_noise"] = not met and res["need"] <= res["interval"][1]
+                    res.update(target_interval(t, samples, met))
                 tres.append(res)
             row["targets"] = tres
             # The trials behind each interval, so that a reader can recompute it.

@@ -108,15 +108,21 @@ def test_target_interval_marks_an_unresolved_miss_within_noise() -> None:
         "torch-p0.1": {"MB_per_s": [rng.gauss(6420, 200) for _ in range(30)]},
     }
     t = run.Target("MB_per_s", "median", ">=", vs="torch-p0.1")
-    res = run.target_interval(t, same)
+    res = run.target_interval(t, same, met=False)
     assert res["need"] == 1.0
     lo, hi = res["interval"]
     assert lo < res["ratio"] < hi and lo < 1.0 < hi
+    assert res["within_noise"] is True
+    assert run.target_interval(t, same, met=True)["within_noise"] is False
+    # Clearly below the bound: NOT met, not within noise.
+    slow = {**same, "aiolaunch": {"MB_per_s": [x * 0.8 for x in same["aiolaunch"]["MB_per_s"]]}}
+    res = run.target_interval(t, slow, met=False)
+    assert res["interval"][1] < 1.0 and res["within_noise"] is False
     # A "<= k x" target asks for theirs / ours >= 1 / k.
     cpu = run.Target("cpu_ms_per_s", "median", "<=", vs="torch", factor=2.0)
-    assert run.target_interval(cpu, {"aiolaunch": {}, "torch": {}}) == {}
+    assert run.target_interval(cpu, {"aiolaunch": {}, "torch": {}}, met=True) == {}
     both = {"aiolaunch": {"cpu_ms_per_s": [1.0] * 5}, "torch": {"cpu_ms_per_s": [2.0] * 5}}
-    res = run.target_interval(cpu, both)
+    res = run.target_interval(cpu, both, met=True)
     assert res["need"] == 0.5 and res["ratio"] == 2.0 and res["interval"] == [2.0, 2.0]
 
 
