@@ -50,6 +50,8 @@ def pytest_configure(config: pytest.Config) -> None:
     root = tempfile.gettempdir()
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", root)
     suite = tempfile.mkdtemp(prefix="al-", dir=root)
+    # As /tmp itself: tests that run a client as another user must reach their folders.
+    os.chmod(suite, 0o1777)
     config.stash[_SUITE_TMP] = suite
     os.environ["TMPDIR"] = suite
     tempfile.tempdir = suite
