@@ -820,6 +820,13 @@ def main() -> int:
     env["BENCH_WORKER"] = json.dumps(worker)
     if a.profile:
         return profile_one(cases, a.profile, env, tmp)
+    # A group started without log_dir (aiolaunch's or torch's) keeps its
+    # temporary log folder where it has content - a failed group's report:
+    # the trials' go to a folder of this run's own, removed with `tmp`. Short
+    # and in the system's temp folder, as TMPDIR usually is (a control socket's
+    # path must fit AF_UNIX's 108 bytes).
+    scratch = tempfile.mkdtemp(prefix="al-bench-")
+    env["TMPDIR"] = scratch
     base_env = dict(env)
     if a.baseline:
         # Same harness, the other aiolaunch first on the path (not for the
@@ -1031,8 +1038,9 @@ def main() -> int:
         print(f"warning: plot failed: {e}", file=sys.stderr)
     if not any_fail:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     else:
-        print(f"worker logs and driver logs kept in {tmp}", file=sys.stderr)
+        print(f"worker logs and driver logs kept in {tmp}, groups' in {scratch}", file=sys.stderr)
     print(f"\n{md}\nwrote {a.out}/results.{{json,md,png}} in {meta['total_seconds']} s")
     if a.readme:
         update_readme(out, md, a.out)
