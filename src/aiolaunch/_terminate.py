@@ -264,7 +264,22 @@ async def sweep_tagged(
         with contextlib.suppress(OSError):
             os.kill(pid, death_sig)
     if death_sig != signal.SIGKILL:
-        await _grace_period(lambda: _wait_pids_gone(_alive_pids(tagged), math.inf), grace, escalate)
+        try:
+            await _grace_period(
+                lambda: _wait_pids_gone(_alive_pids(tagged), math.inf), grace, escalate
+            )
+        except asyncio.CancelledError:
+            # Cancelled in the grace period (asyncio.run ending without close()):
+            # SIGKILL what still carries the token (a fresh read: a pid seen
+            # earlier may be recycled) and wait, bounded, for all that was
+            # signalled. A process already exiting shows no environment, so the
+            # caller's re-scan would not see it, and it could outlive the run.
+            alive = _alive_pids(tagged)
+            for pid in find_tagged(token, exclude=exclude, pids=alive):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            await _wait_pids_gone(alive, _KILL_WAIT)
+            raise
     # As in terminate(): a process may fork between a scan and its SIGKILL.
     # Only fresh scans are signalled: a pid seen earlier may be recycled.
     killed: set[int] = set()

@@ -484,6 +484,45 @@ def test_daemon_is_killed_when_the_loop_ends_after_wait_without_close(tmp_path: 
         wait_dead(daemon, 5)
 
 
+TERM_NOTED = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: print("term", flush=True))  # noted, not obeyed
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+async def test_a_sweep_cancelled_in_its_grace_period_kills_and_waits() -> None:
+    """``sweep_tagged()`` cancelled while its death signal's grace runs (the loop
+    ending without ``close()``) SIGKILLs what it signalled and raises only once
+    that is gone: a process already exiting no longer shows the token, so a
+    re-scan after the cancellation could miss it and leave it beside the run's end."""
+    from aiolaunch._terminate import sweep_tagged
+    from aiolaunch._workers._proc import CONTEXT_ENV
+
+    token = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, CONTEXT_ENV: token}
+    proc = subprocess.Popen([sys.executable, "-c", TERM_NOTED], env=env, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert await asyncio.to_thread(proc.stdout.readline) == b"ready\n"
+        sweep = asyncio.ensure_future(sweep_tagged(token, proc.pid, (), signal.SIGTERM, 30.0))
+        # In its grace period once the process saw the SIGTERM.
+        assert await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 10) == b"term\n"
+        assert not sweep.done()
+        sweep.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sweep
+        # Gone when the sweep gave up, not some time later.
+        assert proc.poll() == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 FORK_TREE = """
 import os, signal, sys, time
 depth, fanout, setsid = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
