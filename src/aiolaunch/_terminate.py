@@ -253,8 +253,9 @@ async def sweep_tagged(
     up to ``grace`` seconds to exit (cut short once ``escalate`` is set),
     then SIGKILL, re-scanned until a scan finds nothing new. ``exclude``:
     pids never signalled (the workers). When nothing carries the token this
-    is one ``/proc`` scan, in a thread. Never raises for processes that are
-    already gone.
+    is one ``/proc`` scan, on the loop. Never raises for processes that are
+    already gone. Cancelled during the grace period, it SIGKILLs them and
+    waits (up to 10 s) until they are gone before it raises.
     """
     tagged = await _scan_tagged(token, since, exclude)
     if not tagged:
