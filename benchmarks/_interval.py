@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import math
 import random
+from statistics import median
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = ["goodness", "ratio_interval"]
-
-
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
 
 
 def goodness(op: str, metric: str) -> tuple[bool, bool]:
@@ -72,8 +67,8 @@ def ratio_interval(
     rng = random.Random(seed)
     ratios = []
     for _ in range(resamples):
-        a = _median(rng.choices(ours, k=len(ours)))
-        b = _median(rng.choices(theirs, k=len(theirs)))
+        a = median(rng.choices(ours, k=len(ours)))
+        b = median(rng.choices(theirs, k=len(theirs)))
         if a <= 0 or b <= 0:
             return None
         ratios.append(a / b if ours_over_theirs else b / a)
