@@ -102,7 +102,7 @@ def _script(tmp: str, name: str, text: str) -> str:
 
 
 def _boot(script: str, *args: str) -> tuple[str, ...]:
-    return ("-m", "aiolaunch._bootstrap", script, *args)
+    return ("-m", "aiolaunch._child._bootstrap", script, *args)
 
 
 async def spin(tmp: str, trials: int) -> list[float]:

@@ -137,7 +137,7 @@ def test_config_builds_the_spec_like_torchrun() -> None:
     spec = cfg.spec
     assert spec.entrypoint == sys.executable
     # Through the bootstrap (stack dumps with no code change); python -m semantics kept.
-    assert spec.args == ("-u", "-m", "aiolaunch._bootstrap", "-m", "pkg.mod", "--a", "1")
+    assert spec.args == ("-u", "-m", "aiolaunch._child._bootstrap", "-m", "pkg.mod", "--a", "1")
     assert (spec.local_world_size, spec.max_restarts, spec.role) == (2, 1, "default")
     assert cfg.entrypoint_name == "pkg.mod"
     assert cfg.torch_handler is None  # one node: no torch rendezvous

@@ -1,5 +1,5 @@
 """Each CPython-private access of ``aiolaunch._compat`` and
-``aiolaunch._compat_signals`` still works on this Python.
+``aiolaunch._signals._compat`` still works on this Python.
 
 Real processes, pipes and loops: a failure here means a CPython change broke
 one accessor, and says which.
@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from _helpers import driver
-from aiolaunch import _compat, _compat_signals
+from aiolaunch import _compat
+from aiolaunch._signals import _compat as _compat_signals
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -251,7 +252,7 @@ async def test_loop_signal_handler_round_trip() -> None:
 
 _RUNNER = """
 import asyncio, signal
-from aiolaunch._compat_signals import is_asyncio_run_sigint_handler, is_default_handler
+from aiolaunch._signals._compat import is_asyncio_run_sigint_handler, is_default_handler
 
 async def main():
     h = signal.getsignal(signal.SIGINT)

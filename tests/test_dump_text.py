@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from aiolaunch import StackReport
-from aiolaunch._dump_text import (
+from aiolaunch._child._dump_handler import TASKS_END, TASKS_HEADER, tasks_text
+from aiolaunch._hangs._dump_text import (
     idle_loop_text,
     main_frames,
     rank_where,
     signature,
     split_tasks,
 )
-from aiolaunch._workers._dump_handler import TASKS_END, TASKS_HEADER, tasks_text
 
 _PY = "/usr/lib/python3.11"
 _LOOP = f"""Thread 0x00007f0000000002 (most recent call first):
@@ -129,7 +129,7 @@ def test_the_task_dump_without_a_loop() -> None:
 
 
 def test_a_thread_dump_is_complete_at_its_outermost_frame() -> None:
-    from aiolaunch._stacks import thread_dump_done
+    from aiolaunch._hangs._stacks import thread_dump_done
 
     boot = '  File "<frozen runpy>", line 198 in _run_module_as_main\n'
     script = '  File "/x/train.py", line 30 in <module>\n'

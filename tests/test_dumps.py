@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import aiolaunch
-import aiolaunch._dumper
+import aiolaunch._hangs._dumper
 from aiolaunch import Std
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ async def test_dump_stacks_refuses_unbounded_timeouts(tmp_path: Path, timeout: f
 async def test_a_silent_rank_holds_a_dump_no_longer_than_the_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(aiolaunch._dumper, "MAX_DUMP_TIMEOUT", 1.0)
+    monkeypatch.setattr(aiolaunch._hangs._dumper, "MAX_DUMP_TIMEOUT", 1.0)
     async with aiolaunch.start_processes(
         "d", parked, {r: (r,) for r in range(2)}, {0: {}, 1: {}}, log_dir=tmp_path,
         redirects=Std.ALL,

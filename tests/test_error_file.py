@@ -16,7 +16,7 @@ import pytest
 
 from _programs import write_script
 from aiolaunch import ChildFailedError, ProcessFailure, record
-from aiolaunch._error_file import (
+from aiolaunch._child._error_file import (
     ERROR_FILE_ENV,
     error_data_from_exception,
     read_error_file,

@@ -164,7 +164,7 @@ async def test_bootstrap_worker_dumps_and_keeps_python_semantics(tmp_path: Path)
     )
     logs = tmp_path / "logs"
     async with aiolaunch.start_processes(
-        "b", sys.executable, {0: ("-m", "aiolaunch._bootstrap", str(script), "x", "--y")},
+        "b", sys.executable, {0: ("-m", "aiolaunch._child._bootstrap", str(script), "x", "--y")},
         _envs(1), log_dir=logs, redirects=Std.ALL,
     ) as ctx:  # fmt: skip
         await _wait_lines(logs, 1, "argv")
@@ -176,7 +176,7 @@ async def test_bootstrap_worker_dumps_and_keeps_python_semantics(tmp_path: Path)
 
 def test_bootstrap_exit_codes_and_module_mode(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    boot = [sys.executable, "-m", "aiolaunch._bootstrap"]
+    boot = [sys.executable, "-m", "aiolaunch._child._bootstrap"]
     (tmp_path / "exit3.py").write_text("import sys; sys.exit(3)")
     (tmp_path / "boom.py").write_text("raise KeyError('boom')")
     (tmp_path / "modx.py").write_text("import sys; print(sys.argv, __name__)")
@@ -219,7 +219,7 @@ def test_bootstrap_start_is_light_and_spawn_still_finds_main(tmp_path: Path) -> 
         )
     )
     r = subprocess.run(
-        [sys.executable, "-m", "aiolaunch._bootstrap", str(tmp_path / "prog.py")],
+        [sys.executable, "-m", "aiolaunch._child._bootstrap", str(tmp_path / "prog.py")],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -465,7 +465,7 @@ async def test_control_socket_of_a_group_closed_at_once_leaves_nothing(tmp_path:
     # The socket is bound by a task started as start_processes returns: a
     # group closed before (or while) it runs leaves no socket, no private
     # folder and no entry in the per-user list of running groups.
-    from aiolaunch._control import registry_dir
+    from aiolaunch._live._control import registry_dir
 
     for _ in range(3):
         log_dir = tmp_path / str(_)
@@ -494,7 +494,7 @@ async def test_control_server_cancelled_while_starting_leaves_no_stale_reader(
     # that number (a pidfd terminate() waits on) never woke its reader, and
     # close() hung for its 10 s SIGKILL wait. Put a pipe on the same number:
     # its reader must fire.
-    from aiolaunch._control import ControlServer
+    from aiolaunch._live._control import ControlServer
 
     async def handler(req: object) -> AsyncIterator[dict[str, object]]:
         yield {}
@@ -553,7 +553,7 @@ async def test_a_group_stopped_before_it_serves_still_tells_its_workers_the_dead
     # stop makes it - written before the death signal, which the worker's
     # handler reads. The serving was only a timer: cancelled, it never makes
     # a control socket afterwards.
-    from aiolaunch import _forensics
+    from aiolaunch._hangs import _forensics
 
     monkeypatch.setattr(_forensics, "SERVE_DELAY", 0.3)
     seen, ready, logs = tmp_path / "seen", tmp_path / "ready", tmp_path / "logs"
@@ -576,7 +576,7 @@ async def test_a_group_stopped_before_it_serves_still_tells_its_workers_the_dead
 def test_register_makes_the_stacks_folder_a_worker_gets_to_first(tmp_path: Path) -> None:
     # A worker can run its bootstrap before the supervisor made the folder.
     folder = tmp_path / "later" / ".aiolaunch-stacks"
-    code = "import os; from aiolaunch._workers._dump_handler import register; print(register(), os.getpid())"
+    code = "import os; from aiolaunch._child._dump_handler import register; print(register(), os.getpid())"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(sys.path),

@@ -56,7 +56,7 @@ def test_flags_build_the_watchdog() -> None:
     wd = cfg.spec.watchdog
     assert wd is not None
     assert (wd.stall_after, wd.action, wd.progress) == (30.0, "observe", "^step")
-    assert cfg.spec.args[:4] == ("-u", "-m", "aiolaunch._bootstrap", "x.py")
+    assert cfg.spec.args[:4] == ("-u", "-m", "aiolaunch._child._bootstrap", "x.py")
     assert cfg.entrypoint_name == "x.py"
     assert config_from_args(parse_args(["x.py"])).spec.watchdog is None
     with pytest.raises(ValueError, match="--on-stall needs --stall-timeout"):
@@ -65,7 +65,15 @@ def test_flags_build_the_watchdog() -> None:
 
 def test_module_mode_goes_through_the_bootstrap() -> None:
     cfg = config_from_args(parse_args(["-m", "pkg.train", "--lr", "1"]))
-    assert cfg.spec.args == ("-u", "-m", "aiolaunch._bootstrap", "-m", "pkg.train", "--lr", "1")
+    assert cfg.spec.args == (
+        "-u",
+        "-m",
+        "aiolaunch._child._bootstrap",
+        "-m",
+        "pkg.train",
+        "--lr",
+        "1",
+    )
     assert cfg.entrypoint_name == "pkg.train"
 
 
@@ -134,7 +142,7 @@ def test_client_verbs_are_one_table_outside_the_server() -> None:
     # Each client verb is one function of _cli/_client.VERBS, dispatched by
     # main(); _control keeps the server, the registry writer and the wire
     # format only (issue #21 item 5).
-    import aiolaunch._control as control
+    import aiolaunch._live._control as control
     from aiolaunch._cli._client import VERBS
 
     assert set(VERBS) == {"status", "stacks", "top", "events", "attach"}

@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from aiolaunch._commands import COMMANDS, PROTOCOL_VERSION, dispatch
-from aiolaunch._dumper import Dump
 from aiolaunch._events import GroupStopped, WorkerStarted
 from aiolaunch._group import GroupState, Wakeup
-from aiolaunch._status import WorkerStatus
+from aiolaunch._hangs._dumper import Dump
+from aiolaunch._live._commands import COMMANDS, PROTOCOL_VERSION, dispatch
+from aiolaunch._live._status import WorkerStatus
 from aiolaunch._workers._handle import WorkerHandle
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
     from contextlib import AbstractAsyncContextManager
 
-    from aiolaunch._attach import Session
     from aiolaunch._events import Event
+    from aiolaunch._live._attach import Session
 
 
 def _handle(rank: int, pid: int) -> WorkerHandle:

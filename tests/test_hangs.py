@@ -240,7 +240,7 @@ def deaf_then_one_fails(rank: int, marks: str) -> None:
 
 
 def _dump_pending(pid: int) -> bool:
-    from aiolaunch._workers._dump_handler import DUMP_SIGNAL
+    from aiolaunch._child._dump_handler import DUMP_SIGNAL
 
     bit = 1 << (DUMP_SIGNAL - 1)
     with open(f"/proc/{pid}/status") as f:

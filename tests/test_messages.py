@@ -168,7 +168,7 @@ async def test_a_missing_script_exits_2_as_python_does(tmp_path: Path) -> None:
     # The bootstrap (every Python worker of the CLI) behaves as python: one
     # line and exit status 2 - it raised FileNotFoundError, status 1.
     async with aiolaunch.start_processes(
-        "m", sys.executable, {0: ("-m", "aiolaunch._bootstrap", "missing.py")}, {0: {}},
+        "m", sys.executable, {0: ("-m", "aiolaunch._child._bootstrap", "missing.py")}, {0: {}},
         log_dir=tmp_path, redirects=aiolaunch.Std.ALL,
     ) as ctx:  # fmt: skip
         result = await asyncio.wait_for(ctx.wait(), 60)
@@ -212,7 +212,7 @@ def test_the_report_says_where_stderr_went(tmp_path: Path, redirect: bool) -> No
 
 
 def takes_the_dump_signal(how: str) -> None:
-    from aiolaunch._workers._dump_handler import DUMP_SIGNAL
+    from aiolaunch._child._dump_handler import DUMP_SIGNAL
 
     if how == "handler":
         signal.signal(DUMP_SIGNAL, lambda *_: None)

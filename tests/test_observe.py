@@ -518,7 +518,7 @@ def test_another_user_is_refused(tmp_path: Path) -> None:
                 # what the client imports on its way, while the stdlib is
                 # still readable (it lives under /root here)
                 import argparse, gettext, json, locale, shutil, socket
-                import aiolaunch._control, aiolaunch._workers._proc
+                import aiolaunch._live._control, aiolaunch._workers._proc
                 argparse.ArgumentParser(prog="warm-up").parse_args([])
                 from aiolaunch._cli._attach import attach_main
                 os.setgroups([]); os.setgid({gid}); os.setuid({uid})

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from aiolaunch import _events as ev
 from aiolaunch._cli import _top_view as tv
-from aiolaunch._event_json import event_kind, event_to_json
-from aiolaunch._metrics import STATES, MetricsServer, bind_metrics, render_metrics
-from aiolaunch._rates import StepRate
+from aiolaunch._hangs._rates import StepRate
+from aiolaunch._live._event_json import event_kind, event_to_json
+from aiolaunch._live._metrics import STATES, MetricsServer, bind_metrics, render_metrics
 
 # -- step rate ----------------------------------------------------------------------
 

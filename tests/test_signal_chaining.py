@@ -333,9 +333,9 @@ def test_no_forwarding_outside_the_main_thread_is_a_warning(
 ) -> None:
     import threading
 
-    import aiolaunch._signals
+    import aiolaunch._signals._watch
 
-    monkeypatch.setattr(aiolaunch._signals, "_said_degraded", False)
+    monkeypatch.setattr(aiolaunch._signals._watch, "_said_degraded", False)
 
     async def run() -> None:
         async with start(tmp_path, "/bin/true") as ctx:

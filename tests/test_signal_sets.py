@@ -20,7 +20,7 @@ import pytest
 
 import aiolaunch
 from _helpers import driver, wait_dead
-from aiolaunch._signal_plan import parse_signals
+from aiolaunch._signals._plan import parse_signals
 
 if TYPE_CHECKING:
     import subprocess

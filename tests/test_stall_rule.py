@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiolaunch._stall import CPU_BUSY_FRACTION, Sample, StallDetector
+from aiolaunch._hangs._stall import CPU_BUSY_FRACTION, Sample, StallDetector
 
 # (seconds since the previous sample, busy: a full core since then, wrote: output at the sample)
 Step = tuple[float, bool, bool]

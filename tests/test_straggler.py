@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiolaunch._straggler import (
+from aiolaunch._hangs._straggler import (
     StragglerStat,
     Straggling,
     fisher_less,

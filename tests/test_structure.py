@@ -27,7 +27,7 @@ CLASS_LINES = 250
 ALLOWED_REACHES = {
     # CPython's and torch's internals, kept behind one module each
     "_compat.py",
-    "_compat_signals.py",
+    "_signals/_compat.py",
     "agent/_numa.py",  # torch's numa binding helpers (torch.numa is private API)
     "_cli/_config.py",  # torch.distributed.run's _get_default_... (torchrun's defaults)
 }

@@ -25,8 +25,8 @@ import aiolaunch
 from _helpers import alive, driver, wait_dead
 from _programs import write_script
 from aiolaunch import Std
-from aiolaunch._workers._preload import Preload
-from aiolaunch._workers._warm import close_zygotes, zygote_for
+from aiolaunch._warm._preload import Preload
+from aiolaunch._warm._zygote import close_zygotes, zygote_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 
 MODES = ["spawned", "forked"]
 JSON = Preload(("json",))
-BOOT = ["-u", "-m", "aiolaunch._bootstrap"]
+BOOT = ["-u", "-m", "aiolaunch._child._bootstrap"]
 
 PROBE = r"""
 import ctypes, gc, json, os, signal, sys, threading
@@ -538,14 +538,14 @@ import aiolaunch
 async def main():
     ctx = await aiolaunch.start_processes(
         name="w", entrypoint=sys.executable,
-        args={r: ("-u", "-m", "aiolaunch._bootstrap", sys.argv[1]) for r in range(2)},
+        args={r: ("-u", "-m", "aiolaunch._child._bootstrap", sys.argv[1]) for r in range(2)},
         envs={0: {}, 1: {}}, preload=["json"], ready=aiolaunch.ReadyLine("up"),
     )
     fn = await aiolaunch.start_processes(
         name="f", entrypoint=sorted, args={0: ((2, 1),)}, envs={0: {}}, preload=["json"],
     )
     await ctx.wait_ready(timeout=60)
-    z = next(iter(aiolaunch._workers._warm._ZYGOTES.get().values()))
+    z = next(iter(aiolaunch._warm._zygote._ZYGOTES.get().values()))
     for _ in range(500):  # the zygote forks spares once idle
         if z.spares:
             break

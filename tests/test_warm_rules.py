@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aiolaunch._child._forked import _exit_code
+from aiolaunch._child._zygote import load_time_items, recv_frame, send_frame
 from aiolaunch._cli._config import _IMPORTS_TORCH, _imports_torch
-from aiolaunch._workers._forked import _exit_code
-from aiolaunch._workers._forks import script_form
-from aiolaunch._workers._preload import Preload, resolve_preload, shared_load_env
-from aiolaunch._workers._zygote import load_time_items, recv_frame, send_frame
+from aiolaunch._warm._forks import script_form
+from aiolaunch._warm._preload import Preload, resolve_preload, shared_load_env
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -106,11 +106,11 @@ def test_resolve_preload_with_torch_imports_dynamo_later() -> None:
     ("argv", "form"),
     [
         (
-            [PY, "-u", "-m", "aiolaunch._bootstrap", "t.py", "a"],
+            [PY, "-u", "-m", "aiolaunch._child._bootstrap", "t.py", "a"],
             {"argv": ["t.py", "a"], "unbuffered": True, "bootstrap": True},
         ),
         (
-            [PY, "-u", "-m", "aiolaunch._bootstrap", "-m", "pkg.m"],
+            [PY, "-u", "-m", "aiolaunch._child._bootstrap", "-m", "pkg.m"],
             {"argv": ["-m", "pkg.m"], "unbuffered": True, "bootstrap": True},
         ),
         ([PY, "t.py"], {"argv": ["t.py"], "unbuffered": False, "bootstrap": False}),
@@ -122,7 +122,7 @@ def test_resolve_preload_with_torch_imports_dynamo_later() -> None:
         ([PY, "-O", "t.py"], None),  # another interpreter option: spawned
         ([PY, "-u"], None),
         ([PY, "-m"], None),
-        ([PY, "-u", "-m", "aiolaunch._bootstrap"], None),
+        ([PY, "-u", "-m", "aiolaunch._child._bootstrap"], None),
         (["/bin/echo", "t.py"], None),  # another program
         (["python9.9", "t.py"], None),
     ],

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from ._api import free_port as free_port
     from ._api import launch as launch
     from ._api import start_processes as start_processes
+    from ._child._error_file import record as record
     from ._context import PContext as PContext
-    from ._error_file import record as record
     from ._errors import ChildFailedError as ChildFailedError
     from ._errors import MainProcessError as MainProcessError
     from ._errors import SignalException as SignalException
@@ -41,8 +41,11 @@ if TYPE_CHECKING:
     from ._events import WorkerStalled as WorkerStalled
     from ._events import WorkerStarted as WorkerStarted
     from ._events import WorkerStraggling as WorkerStraggling
+    from ._hangs._stacks import StackReport as StackReport
+    from ._hangs._watchdog import Watchdog as Watchdog
     from ._kinds import MultiprocessContext as MultiprocessContext
     from ._kinds import SubprocessContext as SubprocessContext
+    from ._live._status import WorkerStatus as WorkerStatus
     from ._logs import set_console_hook as set_console_hook
     from ._logs._specs import DefaultLogsSpecs as DefaultLogsSpecs
     from ._logs._specs import LogsDest as LogsDest
@@ -54,11 +57,8 @@ if TYPE_CHECKING:
     from ._restart import RestartPolicy as RestartPolicy
     from ._results import ProcessFailure as ProcessFailure
     from ._results import RunProcsResult as RunProcsResult
-    from ._stacks import StackReport as StackReport
-    from ._status import WorkerStatus as WorkerStatus
     from ._types import Std as Std
     from ._types import to_map as to_map
-    from ._watchdog import Watchdog as Watchdog
 
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
@@ -81,21 +81,21 @@ _EXPORTS: dict[str, str] = {
     "RestartPolicy": "._restart",
     "RunProcsResult": "._results",
     "SignalException": "._errors",
-    "StackReport": "._stacks",
+    "StackReport": "._hangs._stacks",
     "Std": "._types",
     "SubprocessContext": "._kinds",
-    "Watchdog": "._watchdog",
+    "Watchdog": "._hangs._watchdog",
     "WorkerError": "._errors",
     "WorkerExited": "._events",
     "WorkerReady": "._events",
     "WorkerRestarting": "._events",
     "WorkerStalled": "._events",
     "WorkerStarted": "._events",
-    "WorkerStatus": "._status",
+    "WorkerStatus": "._live._status",
     "WorkerStraggling": "._events",
     "free_port": "._api",
     "launch": "._api",
-    "record": "._error_file",
+    "record": "._child._error_file",
     "set_console_hook": "._logs",
     "start_processes": "._api",
     "to_map": "._types",

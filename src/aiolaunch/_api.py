@@ -11,15 +11,16 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._errors import MainProcessError, SignalException, WorkerError
+from ._hangs._watchdog import Watchdog
 from ._kinds import MultiprocessContext, SubprocessContext
+from ._live._metrics import closed_on_error, metrics_binder
 from ._logs import LogWiring
 from ._logs._filters import check_filters
 from ._logs._specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
-from ._metrics import closed_on_error, metrics_binder
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
-from ._signal_plan import (
+from ._signals._plan import (
     DEFAULT_SIGNALS_TO_HANDLE,
     FORWARD_SIGNALS_ENV,
     SIGNALS_TO_HANDLE_ENV,
@@ -28,7 +29,6 @@ from ._signal_plan import (
 )
 from ._types import Std
 from ._validate import check_port, check_start_inputs, log_dir_error, pickle_payloads
-from ._watchdog import Watchdog
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -289,7 +289,7 @@ def start_processes(
     )  # fmt: skip
     warm = None
     if preload is not None and preload is not False:
-        from ._workers._preload import resolve_preload
+        from ._warm._preload import resolve_preload
 
         warm = resolve_preload(preload)
     nprocs = len(args)
@@ -352,8 +352,8 @@ def start_processes(
             "zygote": None,
         }
         if warm is not None:
-            from ._workers._preload import shared_load_env
-            from ._workers._warm import zygote_for
+            from ._warm._preload import shared_load_env
+            from ._warm._zygote import zygote_for
 
             common["zygote"] = zygote_for(warm, shared_load_env(envs_), spares=nprocs)
         try:

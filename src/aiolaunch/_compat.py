@@ -2,7 +2,7 @@
 
 aiolaunch relies on a few private details of :mod:`asyncio` (a task's
 pending cancellations before 3.11, resetting the running loop in a forked
-child; its signal internals are ``_compat_signals.py``'s) and of
+child; its signal internals are ``_signals/_compat.py``'s) and of
 :mod:`multiprocessing` (a process's ``_popen``, the
 ``_children`` registry, ``DupFd`` while spawning, the spawn preparation data,
 the resource tracker's and forkserver's pid and fd), and ``os.environ``'s

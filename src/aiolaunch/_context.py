@@ -29,9 +29,9 @@ from ._deadline import StopDeadline
 from ._ending import GroupEnding
 from ._errors import fd_limit_error
 from ._events import Event, EventBus, LogLines, worker_exited, worker_started
-from ._forensics import Forensics
 from ._group import GroupState
-from ._metrics import url_of
+from ._hangs._forensics import Forensics
+from ._live._metrics import url_of
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._validate import check_seconds, check_signal
@@ -41,11 +41,11 @@ if TYPE_CHECKING:
     import socket
     from collections.abc import AsyncIterator, Callable
 
+    from ._hangs._watchdog import Watchdog
+    from ._live._status import WorkerStatus
     from ._logs import LogWiring
     from ._results import RunProcsResult
-    from ._signal_plan import SignalPlan
-    from ._status import WorkerStatus
-    from ._watchdog import Watchdog
+    from ._signals._plan import SignalPlan
     from ._workers._handle import WorkerHandle
 
 __all__ = ["PContext"]
@@ -197,7 +197,7 @@ class PContext:
 
         Also written to ``{log_dir}/{rank}/stacks-<n>.txt`` (``n``: the dump's
         number). Only registered workers are signalled (function workers,
-        Python programs run by the CLI or ``python -m aiolaunch._bootstrap``);
+        Python programs run by the CLI or ``python -m aiolaunch._child._bootstrap``);
         any other rank, or one silent for ``timeout`` seconds (at most 30),
         gets a line saying why (or a ``py-spy dump`` where installed).
         :meth:`StackReport.from_dumps` gives the verdict. One round runs at a

@@ -41,11 +41,11 @@ if TYPE_CHECKING:
 
     from ._deadline import StopDeadline
     from ._events import EventBus
-    from ._forensics import Forensics
     from ._group import GroupState
+    from ._hangs._forensics import Forensics
     from ._logs import LogWiring
     from ._results import RunProcsResult
-    from ._signal_plan import SignalPlan
+    from ._signals._plan import SignalPlan
     from ._workers._handle import WorkerHandle
 
     class Observer(Protocol):

@@ -18,7 +18,7 @@ Input errors are builtin exceptions (``ValueError``, ``TypeError``,
 Each exception builds its message in ``__init__`` from its fields, and those
 with constructor arguments beyond a message define ``__reduce__``, so they
 survive pickling (e.g. a ``ChildFailedError`` raised in a function worker).
-Nearly a leaf module: at run time it imports only the leaf ``_signames``.
+Nearly a leaf module: at run time it imports only the leaf ``_signals._names``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
-from ._signames import describe_signal, exit_signal_name
+from ._signals._names import describe_signal, exit_signal_name
 
 if TYPE_CHECKING:
     from ._results import ProcessFailure

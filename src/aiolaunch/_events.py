@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._signames import exit_signal_name
+from ._signals._names import exit_signal_name
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable

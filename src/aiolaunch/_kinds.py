@@ -13,8 +13,8 @@ from ._compat import environ_data
 from ._context import PContext
 
 if TYPE_CHECKING:
+    from ._warm._zygote import Zygote
     from ._workers._handle import WorkerHandle
-    from ._workers._warm import Zygote
 
 __all__ = ["MultiprocessContext", "SubprocessContext"]
 
@@ -31,7 +31,7 @@ class SubprocessContext(PContext):
     worker alone, and setting it needs code between fork and exec.
 
     With a ``zygote`` (``preload``), a Python command line is forked from it
-    instead of exec'd (``_workers/_forks.py``).
+    instead of exec'd (``_warm/_forks.py``).
     """
 
     def __init__(self, *, zygote: Zygote | None = None, **kwargs: Any) -> None:
@@ -45,7 +45,7 @@ class SubprocessContext(PContext):
         env = {**_environ_snapshot(), **self._env(rank)}
         argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
         if self._zygote is not None:
-            from ._workers._forks import spawn_script
+            from ._warm._forks import spawn_script
 
             forked = await spawn_script(self._zygote, rank, argv, env, stdout, stderr)
             if forked is not None:
@@ -103,7 +103,7 @@ class MultiprocessContext(PContext):
         from ._workers._function import spawn_function
 
         if self._zygote is not None:
-            from ._workers._forks import fork_function
+            from ._warm._forks import fork_function
 
             forked = await fork_function(
                 self._zygote,

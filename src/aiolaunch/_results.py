@@ -3,7 +3,7 @@
 Both classes are plain dataclasses that pickle by value (no file is read on
 unpickling), so results can cross process boundaries. :func:`build_result`
 makes a group's result from its state (``_group.GroupState``). Nearly a leaf module: it imports
-the leaf ``_signames``, and ``build_result`` (lazily) the error-file writer.
+the leaf ``_signals._names``, and ``build_result`` (lazily) the error-file writer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ._signames import exit_signal_name
+from ._signals._names import exit_signal_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -364,7 +364,7 @@ def _died_without_exception(failure: ProcessFailure, stderr: str) -> str:
 def _record_reason(path: str, reason: str) -> None:
     if os.path.exists(path):
         return
-    from ._error_file import write_error_file
+    from ._child._error_file import write_error_file
 
     try:
         write_error_file(path, RuntimeError(reason))

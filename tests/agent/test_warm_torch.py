@@ -17,7 +17,7 @@ import pytest
 import aiolaunch
 from _helpers import driver
 from _programs import write_script
-from aiolaunch._workers._warm import close_zygotes
+from aiolaunch._warm._zygote import close_zygotes
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -120,7 +120,7 @@ async def test_a_dataloader_with_worker_processes(tmp_path: Path) -> None:
     script = write_script(tmp_path, "dl.py", DATALOADER)
     async with aiolaunch.start_processes(
         name="dl", entrypoint=sys.executable,
-        args={0: ("-u", "-m", "aiolaunch._bootstrap", str(script))}, envs={0: {}},
+        args={0: ("-u", "-m", "aiolaunch._child._bootstrap", str(script))}, envs={0: {}},
         log_dir=str(tmp_path / "logs"), redirects=aiolaunch.Std.ALL, preload=["torch"],
     ) as ctx:  # fmt: skip
         result = await ctx.wait()
@@ -148,7 +148,7 @@ async def test_a_preload_that_runs_an_op_is_refused(
     )
     async with aiolaunch.start_processes(
         name="w", entrypoint=sys.executable,
-        args={0: ("-u", "-m", "aiolaunch._bootstrap", str(script))}, envs={0: {}},
+        args={0: ("-u", "-m", "aiolaunch._child._bootstrap", str(script))}, envs={0: {}},
         log_dir=str(tmp_path / "logs"), redirects=aiolaunch.Std.ALL, preload=["warm_op_mod"],
     ) as ctx:  # fmt: skip
         result = await ctx.wait()

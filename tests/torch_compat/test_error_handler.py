@@ -21,7 +21,7 @@ import textwrap
 from typing import TYPE_CHECKING
 
 from aiolaunch import ChildFailedError, ProcessFailure
-from aiolaunch._error_file import _record_exception, write_error_file
+from aiolaunch._child._error_file import _record_exception, write_error_file
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from aiolaunch import ChildFailedError, ProcessFailure, record
-from aiolaunch._error_file import write_error_file
+from aiolaunch._child._error_file import write_error_file
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -2,7 +2,7 @@
 
 The control socket's ``attach`` command answers one JSON line; from then on
 the connection carries the rank's pdb session (``_attach.py`` has the
-supervisor's side, ``_workers/_attach.py`` the rank's). The rank's side
+supervisor's side, ``_child/_attach.py`` the rank's). The rank's side
 sends a NUL byte each time pdb waits for a line, right after its prompt: the
 text between the last newline and the NUL is the prompt, which this side
 reads with :func:`input` (so readline edits and remembers the lines here, in

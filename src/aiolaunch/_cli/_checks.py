@@ -49,7 +49,7 @@ def watchdog_from_args(args: argparse.Namespace) -> Any:
             if value is not None:
                 raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
         return None
-    from .._watchdog import Watchdog, matches_every_line
+    from .._hangs._watchdog import Watchdog, matches_every_line
 
     if not (math.isfinite(args.stall_timeout) and args.stall_timeout > 0):
         raise ValueError(
@@ -123,7 +123,7 @@ def signal_environ(args: argparse.Namespace) -> dict[str, str]:
     torchrun, a name that is no signal stops the launch here: a typo in
     the preemption signal would otherwise let it kill the supervisor.
     """
-    from .._signal_plan import FORWARD_SIGNALS_ENV, parse_signals
+    from .._signals._plan import FORWARD_SIGNALS_ENV, parse_signals
 
     environ: dict[str, str] = {}
     inherited = os.environ.get(FORWARD_SIGNALS_ENV)

@@ -40,7 +40,7 @@ def request(path: str, req: dict[str, Any], timeout: float = 30.0) -> dict[str, 
     """Send one request to the control socket at ``path``; return the answer (blocking)."""
     import socket
 
-    from .._control import decode, encode
+    from .._live._control import decode, encode
 
     if os.path.islink(path):
         path = os.readlink(path)

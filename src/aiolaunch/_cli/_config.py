@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._workers._runpath import run_script_path
+from .._child._runpath import run_script_path
 from ._checks import (
     check_event_log_handler,
     check_log_dir,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable
 
-    from .._workers._preload import Preload
+    from .._warm._preload import Preload
     from ..agent import WorkerSpec
 
 __all__ = [
@@ -353,7 +353,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
-BOOTSTRAP = "aiolaunch._bootstrap"
+BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 def early_preload(args: argparse.Namespace) -> tuple[Preload, int] | None:
@@ -373,7 +373,7 @@ def early_preload(args: argparse.Namespace) -> tuple[Preload, int] | None:
 
 def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
     """``--preload``/``--no-preload``; by default torch, for a Python script that imports it."""
-    from .._workers._preload import resolve_preload, supported
+    from .._warm._preload import resolve_preload, supported
 
     if args.preload is not None and not [m for m in args.preload.split(",") if m.strip()]:
         raise ValueError(

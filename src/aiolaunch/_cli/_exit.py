@@ -94,7 +94,7 @@ def failure_message(name: str, failures: Mapping[int, ProcessFailure]) -> str:
     ``name`` is the entrypoint's name; ``failures`` is keyed by global rank.
     """
     from .._results import root_cause
-    from .._signames import exit_signal_name
+    from .._signals._names import exit_signal_name
 
     rank, failure = root_cause(failures)
     sig = exit_signal_name(failure.exitcode)

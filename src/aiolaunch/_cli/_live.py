@@ -43,7 +43,7 @@ def _scan_registries() -> tuple[list[str], list[str], list[str]]:
     A folder that is not a private one of this user is not read (another user
     could have planted it); it becomes a problem to report instead.
     """
-    from .._control import registry_dirs, unsafe_registry
+    from .._live._control import registry_dirs, unsafe_registry
 
     out: list[str] = []
     problems: list[str] = []
@@ -122,7 +122,7 @@ def find_socket(log_dir: str | None) -> str:
     :raises FileNotFoundError: there is none: the job is not running.
     :raises ValueError: no ``log_dir`` and several groups are running.
     """
-    from .._control import SOCKET_NAME
+    from .._live._control import SOCKET_NAME
 
     if log_dir is None:
         jobs, problems, looked = _scan_registries()

@@ -65,7 +65,7 @@ def _prestart(args: argparse.Namespace) -> bool:
         return False
     if got is None:
         return False
-    from .._workers._warm import zygote_for
+    from .._warm._zygote import zygote_for
     from ..agent._env import shared_env
 
     preload, nproc = got
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(cfg)
     finally:
         if warm:  # the run is over: its zygote too
-            from .._workers._warm import close_zygotes
+            from .._warm._zygote import close_zygotes
 
             close_zygotes()
 
@@ -198,7 +198,7 @@ def _run(cfg: LaunchConfig) -> int:
         write_termination_message(f"aiolaunch: error: {exc}")
         return EXIT_DO_NOT_RETRY
     except SignalException as exc:
-        from .._signames import describe_signal
+        from .._signals._names import describe_signal
 
         name = describe_signal(exc.sigval)
         print(f"aiolaunch: received {name}; all workers were stopped", file=sys.stderr)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._signames import describe_signal
+from .._signals._names import describe_signal
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence

@@ -118,7 +118,7 @@ def _folder(spares: _Spares, tmp: str) -> str | None:
     known = spares.folders.get(tmp)
     if known is not None:
         return known[0]
-    from .._control import unsafe_registry
+    from .._live._control import unsafe_registry
     from .._workers._guardian import clean_up_after
 
     folder = os.path.join(tmp, f"aiolaunch-{os.getuid()}")

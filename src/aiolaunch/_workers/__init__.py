@@ -21,9 +21,9 @@ def long_lived_helpers() -> tuple[set[int], set[int]]:
     start) and their sockets. Only those already made in this process (a
     forked child has none of its parent's); makes nothing.
     """
+    from .._warm._zygote import zygote_helpers
     from ._guardian import current_guardian
     from ._lifeline import current_lifeline_fds
-    from ._warm import zygote_helpers
 
     pids, fds = zygote_helpers()
     fds |= set(current_lifeline_fds() or ())

@@ -21,8 +21,8 @@ import signal
 import warnings
 from typing import Any
 
+from .._child._function import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from .._compat import forget_child, process_popen, spawn_without_main
-from ._child import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle, close_fd
 from ._lifeline import lifeline_fds
@@ -207,8 +207,8 @@ class FunctionWorker(WorkerHandle):
 
 
 def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
+    from .._warm._zygote import zygote_helpers
     from ._guardian import current_guardian
-    from ._warm import zygote_helpers
 
     fds = [lifeline_w, *zygote_helpers()[1]]
     g = current_guardian()

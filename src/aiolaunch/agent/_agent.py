@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import SignalException
 from .._results import root_cause
-from .._signames import describe_signal
+from .._signals._names import describe_signal
 from .._validate import START_METHODS, check_log_dir_not_file
 from ._attempt import AttemptLogs, run_attempt
 from ._elastic_events import EventRecorder

@@ -12,8 +12,8 @@ from .._types import Std
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from .._hangs._watchdog import Watchdog
     from .._results import ProcessFailure
-    from .._watchdog import Watchdog
 
 __all__ = ["RunResult", "WorkerSpec", "WorkerState"]
 
@@ -152,7 +152,7 @@ class WorkerSpec:
                 "or None to let the rendezvous choose"
             )
         if self.watchdog is not None:
-            from .._watchdog import Watchdog
+            from .._hangs._watchdog import Watchdog
 
             if not isinstance(self.watchdog, Watchdog):
                 raise TypeError(f"watchdog={self.watchdog!r} must be an aiolaunch.Watchdog or None")
@@ -188,7 +188,8 @@ def entrypoint_name(entrypoint: Callable[..., Any] | str, args: tuple[Any, ...])
     if isinstance(entrypoint, str):
         if entrypoint == sys.executable:
             names = [str(a) for a in args if not str(a).startswith("-")]
-            if names[:1] == ["aiolaunch._bootstrap"]:  # the CLI's `-m aiolaunch._bootstrap`
+            # the CLI's `-m aiolaunch._child._bootstrap`
+            if names[:1] == ["aiolaunch._child._bootstrap"]:
                 names = names[1:]
             return names[0] if names else ""
         return entrypoint

@@ -1,7 +1,7 @@
 """The agent's warm start: its zygote, and a fresh store for every attempt.
 
 With ``preload`` the agent's Python workers are forked from one zygote
-(``_workers/_warm.py``), kept across attempts: a restart forks workers that
+(``_warm/_zygote.py``), kept across attempts: a restart forks workers that
 already imported torch. On one node (the static rendezvous), the agent also
 hosts each attempt's TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``, as
 torchrun's agent does), but unlike torchrun's it is a new store for every
@@ -27,15 +27,15 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
-from .._workers._preload import resolve_preload
+from .._warm._preload import resolve_preload
 from ._env import shared_env
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .._workers._forks import ZygoteWorker
-    from .._workers._preload import Preload
-    from .._workers._warm import Zygote
+    from .._warm._forks import ZygoteWorker
+    from .._warm._preload import Preload
+    from .._warm._zygote import Zygote
     from ._env import GroupAssignment
     from ._rendezvous import Rendezvous
     from ._spec import WorkerSpec
@@ -106,7 +106,7 @@ class WarmStart:
         """The zygote the agent's workers fork from (the one ``start_processes`` finds)."""
         if self.preload is None:
             return None
-        from .._workers._warm import zygote_for
+        from .._warm._zygote import zygote_for
 
         return zygote_for(self.preload, shared_env(self._nproc, os.environ))
 
@@ -114,7 +114,7 @@ class WarmStart:
         z = self.zygote()
         if z is None or not self._stores or not await z.ready() or not z.torch_distributed:
             return None
-        from .._workers._forks import start_store
+        from .._warm._forks import start_store
 
         try:
             sock = _listen(port)

@@ -1,0 +1,1 @@
+"""The live view of a running group: the control socket, its commands, status, metrics, attach."""
