@@ -21,7 +21,8 @@ class WorkerHandle:
     """
 
     #: the worker writes its own Python exception to its error file (function
-    #: workers): a failure without one died without a Python exception
+    #: workers, scripts run by the bootstrap): a failure without one died
+    #: without a Python exception
     records_exceptions = False
 
     def __init__(self, local_rank: int) -> None:
