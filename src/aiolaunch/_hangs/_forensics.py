@@ -17,7 +17,8 @@ behind a narrow interface (see docs/ARCHITECTURE.md, "Hangs"):
 - the control socket (:class:`~aiolaunch._live._control.ControlServer`) serving the
   command table of ``_commands.py`` with this object as its target;
 - :class:`~aiolaunch._live._view.LiveView`: the metrics server, ``attach``
-  sessions and the marks of a status row;
+  sessions, the marks of a status row, and the output age of ranks whose
+  streams the log pipeline does not read (its ``OutputClock``);
 - the report (:class:`~aiolaunch._hangs._report.RunReport`).
 
 It gives every worker ``$AIOLAUNCH_STACKS_DIR`` (the bootstraps register the
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from .._cancel import DelayedTask
 from .._live._commands import dispatch, status_answer
+from .._live._output_clock import OutputClock
 from .._live._status import worker_statuses
 from .._live._view import LiveView
 from .._logs._specs import make_temp_dir, prune_empty_dirs
@@ -133,6 +135,7 @@ class Forensics:
         self.live = LiveView(
             state, self.stacks_dir, self.watcher, metrics,
             straggling=self.stragglers.straggling if self.stragglers is not None else None,
+            clock=OutputClock(state, self.sampler, logs.unread, self.dumper.lock),
         )  # fmt: skip
         self._server: ControlServer | None = None
         self._forget_stacks: Callable[[], None] = lambda: None

@@ -34,6 +34,7 @@ from .._child._dump_handler import (
     STACKS_DIR_ENV,
     TASKS_END,
     TASKS_SIGNAL,
+    read_marker,
     register,
 )
 from .._workers._proc import read_stat
@@ -123,8 +124,7 @@ def start_time(pid: int) -> str | None:
 def registered(directory: str, pid: int) -> str | None:
     """``None`` if ``pid`` may be signalled, else why not (one line)."""
     try:
-        with open(os.path.join(directory, f"{pid}.ok")) as f:
-            started = f.read().strip()
+        started = read_marker(os.path.join(directory, f"{pid}.ok"))
     except OSError:
         return (
             "not registered for stack dumps (not a Python worker started by aiolaunch: "

@@ -61,11 +61,11 @@ def _handles(pid: int, sig: int) -> bool:
 
 def check_attachable(stacks_dir: str, pid: int) -> None:
     """:raises AttachError: ``pid`` is not a live aiolaunch Python worker with the handler."""
+    from .._child._dump_handler import read_marker
     from .._hangs._stacks import start_time
 
     try:
-        with open(os.path.join(stacks_dir, f"{pid}.ok")) as f:
-            started = f.read().strip()
+        started = read_marker(os.path.join(stacks_dir, f"{pid}.ok"))
     except OSError:
         raise AttachError(
             f"pid {pid} is not a Python worker started by aiolaunch (function workers, or "

@@ -11,7 +11,10 @@ and started and stopped with the control socket:
   rank is marked ``attached`` and the watchdog leaves it alone (a rank at a
   pdb prompt has no output and no CPU, and is no hang);
 - the marks of a status row (:class:`~aiolaunch._live._status.RankMarks`): the
-  watchdog's stalls and step rate, stragglers, attach sessions.
+  watchdog's stalls and step rate, stragglers, attach sessions;
+- the output age of ranks whose streams nobody reads (an
+  :class:`~aiolaunch._live._output_clock.OutputClock`, run from :meth:`LiveView.start`
+  to :meth:`LiveView.stop`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from .._hangs._watcher import StallWatcher
     from ._attach import Session
     from ._metrics import MetricsServer
+    from ._output_clock import OutputClock
 
 __all__ = ["LiveView"]
 
@@ -42,6 +46,8 @@ class LiveView:
         from here on, closed by :meth:`stop` or :meth:`close`.
     :param straggling: whether a rank is named a straggler now (the
         straggler detection's own flag; none: never).
+    :param clock: keeps the output age of unread ranks current while the
+        view is live.
     """
 
     def __init__(
@@ -51,6 +57,7 @@ class LiveView:
         watcher: StallWatcher | None,
         metrics: socket.socket | None = None,
         straggling: Callable[[int], bool] | None = None,
+        clock: OutputClock | None = None,
     ) -> None:
         self._state = state
         self._stacks_dir = stacks_dir
@@ -59,6 +66,7 @@ class LiveView:
         self._metrics: MetricsServer | None = None
         self._attached: set[int] = set()
         self._straggling = straggling
+        self._clock = clock
         #: when the group started (Unix time; set by :meth:`start`)
         self.started = time.time()
 
@@ -66,6 +74,8 @@ class LiveView:
     async def start(self, collect: Callable[[], str]) -> None:
         """Serve the metrics (if asked for): ``collect()`` gives the exposition text."""
         self.started = time.time()
+        if self._clock is not None:
+            self._clock.start()
         sock, self._metrics_sock = self._metrics_sock, None
         if sock is None:
             return
@@ -78,6 +88,8 @@ class LiveView:
 
     async def stop(self) -> None:
         """Stop serving metrics; end open scrapes. Idempotent."""
+        if self._clock is not None:
+            await self._clock.stop()
         self.close()
         if self._metrics is not None:
             server, self._metrics = self._metrics, None
