@@ -3,7 +3,7 @@
 The context owns one :class:`Forensics`, which assembles small parts, each
 behind a narrow interface (see docs/ARCHITECTURE.md, "Hangs"):
 
-- :class:`~aiolaunch._hangs._watchdog.Sampler`: ``/proc`` readings of live ranks;
+- :class:`~aiolaunch._hangs._sampler.Sampler`: ``/proc`` readings of live ranks;
 - :class:`~aiolaunch._hangs._dumper.StackDumper`: numbered, bounded stack dumps;
 - :class:`~aiolaunch._hangs._stack_sampler.StackSampler`: periodic stack samples (no
   files), sharing the dumper's lock;
@@ -44,10 +44,10 @@ from .._logs._specs import make_temp_dir, prune_empty_dirs
 from .._workers._guardian import clean_up_after
 from ._dumper import StackDumper, check_dump_timeout
 from ._report import AtFailure, RunReport, Straggler, write_report
+from ._sampler import Sampler
 from ._stack_sampler import StackSampler
 from ._stacks import STACKS_DIR_ENV, StackReport
 from ._straggler_watch import StragglerWatch
-from ._watchdog import Sampler
 from ._watcher import StallWatcher
 
 if TYPE_CHECKING:

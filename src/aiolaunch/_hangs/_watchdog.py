@@ -26,17 +26,13 @@ import errno
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .._workers._proc import parse_stat
 from ._descendants import Descendants, Threads
 from ._stall import CPU_BUSY_FRACTION, Sample
 from ._writes import WriteCount
 
-if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
-
-__all__ = ["RankActivity", "Sampler", "Watchdog", "matches_every_line"]
+__all__ = ["RankActivity", "Watchdog", "matches_every_line", "wchan"]
 
 _ACTIONS = ("observe", "fail", "restart")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -366,77 +362,6 @@ class RankActivity:
     def rebase(self) -> None:
         """Forget writes made since the last reading (our own stack dump, say)."""
         self._writes.rebase(self._pread("io", 1024))
-
-
-class Sampler:
-    """The ``/proc`` readings of a group: one :class:`RankActivity` per live rank.
-
-    Shared by ``status()`` and the watchdog. ``output_age(rank)``: seconds
-    since the log pipeline last saw output of ``rank`` (``None``: unknown),
-    merged into :attr:`RankActivity.last_output`.
-    """
-
-    def __init__(
-        self, output_age: Callable[[int], float | None], *, suspect_after: float = 2.0
-    ) -> None:
-        self._output_age = output_age
-        self._ranks: dict[int, RankActivity] = {}
-        #: see :class:`RankActivity` (the watchdog sets a third of ``stall_after``)
-        self.suspect_after = suspect_after
-
-    def _activity(self, rank: int, pid: int, now: float) -> RankActivity:
-        act = self._ranks.get(rank)
-        if act is None or act.pid != pid:  # first sight, or a restarted rank
-            if act is not None:
-                act.close()
-            act = self._ranks[rank] = RankActivity(pid, now, suspect_after=self.suspect_after)
-        age = self._output_age(rank)
-        if age is not None:
-            act.seen(now - age)
-        return act
-
-    def sample(self, rank: int, pid: int, now: float, *, writes: bool = True) -> Sample | None:
-        """Read ``rank``'s process ``pid`` now; ``None`` when it is gone."""
-        return self._activity(rank, pid, now).read(now, writes=writes)
-
-    def writes(self, rank: int, pid: int, now: float) -> float | None:
-        """Read only whether ``rank``'s process ``pid`` wrote since the last
-        reading (``wchar``); its :attr:`RankActivity.last_output` (monotonic),
-        ``None`` while unknown."""
-        act = self._ranks.get(rank)
-        if act is None or act.pid != pid:
-            act = self._activity(rank, pid, now)
-        return act.read_writes(now)
-
-    def reading(self, rank: int, pid: int, now: float) -> RankActivity | None:
-        """Read ``rank``'s process now; its activity (CPU %, RSS, state,
-        last output), or ``None`` when it is gone."""
-        act = self._activity(rank, pid, now)
-        return act if act.read(now) is not None else None
-
-    def rebase(self, pids: Mapping[int, int]) -> None:
-        """Forget the writes of these ``{rank: pid}`` since their last reading."""
-        for rank, pid in pids.items():
-            act = self._ranks.get(rank)
-            if act is not None and act.pid == pid:
-                act.rebase()
-
-    def discount(self, pid: int, rank: int, nbytes: int) -> None:
-        """``rank``'s process ``pid`` wrote ``nbytes`` of a stack sample: not output."""
-        act = self._ranks.get(rank)
-        if act is not None and act.pid == pid:
-            act.discount(nbytes)
-
-    def forget(self, rank: int) -> None:
-        """``rank``'s process is gone: close what is held for it."""
-        act = self._ranks.pop(rank, None)
-        if act is not None:
-            act.close()
-
-    def close(self) -> None:
-        """Close every held ``/proc`` fd. Idempotent."""
-        for rank in list(self._ranks):
-            self.forget(rank)
 
 
 def wchan(pid: int) -> str:

@@ -2,7 +2,7 @@
 
 The one place that samples on a period: hangs have no event. Once per
 :attr:`Watchdog.period` the :class:`StallWatcher` reads each live rank's
-``/proc`` (:class:`~aiolaunch._hangs._watchdog.Sampler`), samples the stacks of the
+``/proc`` (:class:`~aiolaunch._hangs._sampler.Sampler`), samples the stacks of the
 ranks whose main thread burns CPU without output and runs now
 (:class:`~aiolaunch._hangs._stack_sampler.StackSampler`: the ones that may spin), and
 hands each sample to the pure rule (:class:`~aiolaunch._hangs._stall.StallDetector`).
@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from .._events import Event
     from .._group import GroupState
     from ._dumper import StackDumper
+    from ._sampler import Sampler
     from ._stack_sampler import StackSampler
-    from ._watchdog import Sampler, Watchdog
+    from ._watchdog import Watchdog
 
 __all__ = ["StallWatcher"]
 

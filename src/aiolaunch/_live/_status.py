@@ -1,7 +1,7 @@
 """What ``ctx.status()`` and ``aiolaunch status`` show: one :class:`WorkerStatus` per rank.
 
 Built on demand from the group's state and a ``/proc`` reading of each live
-worker (:class:`~aiolaunch._hangs._watchdog.Sampler`); nothing is kept here.
+worker (:class:`~aiolaunch._hangs._sampler.Sampler`); nothing is kept here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .._group import GroupState
-    from .._hangs._watchdog import Sampler
+    from .._hangs._sampler import Sampler
 
 __all__ = ["RankMarks", "WorkerStatus", "worker_statuses"]
 
