@@ -135,6 +135,7 @@ async def terminate(
     on_sent: Callable[[], None] | None = None,
     escalate: Escalation | None = None,
     token: str | None = None,
+    failing: Callable[[WorkerHandle], bool] | None = None,
 ) -> None:
     """Stop every worker and all of its descendants; return when they are gone.
 
@@ -151,12 +152,15 @@ async def terminate(
        the grace period ran out - and wait for it to vanish.
 
     Workers signalled here are marked ``stopped_by_us``: their exits are not
-    failures. Never raises for processes that are already gone.
+    failures - except those ``failing(w)`` says were already failing on their
+    own when signalled (an exception recorded, the exit under way): signalled
+    too, their exits stay failures of their own. Never raises for processes
+    that are already gone.
     """
     death_sig = signal.Signals(death_sig)
     alive = [w for w in workers if w.alive]
     for w in alive:
-        w.stopped_by_us = True
+        w.stopped_by_us = failing is None or not failing(w)
     leftovers = _leftover_candidates(workers)
     since = min((w.pid for w in workers), default=0)
     table = ProcTable(since, [w.pid for w in alive]) if (alive or leftovers) else None
