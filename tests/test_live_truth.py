@@ -210,3 +210,32 @@ def test_a_stack_dump_is_no_output() -> None:
     assert not count.update(_io(3000), _now_ticks)
     assert not count.update(None, _now_ticks)  # unreadable: nothing changes
     assert count.update(_io(3001), _now_ticks)
+
+
+# -- aiolaunch events | head -1 ------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_events_ends_when_its_reader_goes_away(tmp_path: Path, as_json: bool) -> None:
+    # `aiolaunch events | head -1` on a quiet job: head exits after a line,
+    # and so does the client - at once, quietly - not at the job's next event.
+    script = tmp_path / "quiet.py"
+    script.write_text("import time\ntime.sleep(3600)\n")
+    logs = tmp_path / "logs"
+    with driver(_cli("--nproc-per-node", "1", "--log-dir", str(logs), str(script))) as job:
+        _until("the control socket", lambda: list(logs.glob("*/attempt_0/control.sock")))
+        flags = ["--json"] if as_json else []
+        with driver(_cli("events", str(logs), *flags)) as events:
+            assert events.stdout is not None and events.stderr is not None
+            first = events.stdout.readline()
+            assert "started" in first, first
+            events.stdout.close()  # what head does after its line
+            try:
+                status = events.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pytest.fail("aiolaunch events still runs after its reader went away")
+            assert status == 0
+            assert events.stderr.read() == ""
+        assert job.poll() is None
+        job.terminate()
+        job.communicate(timeout=60)
