@@ -239,3 +239,46 @@ def test_events_ends_when_its_reader_goes_away(tmp_path: Path, as_json: bool) ->
         assert job.poll() is None
         job.terminate()
         job.communicate(timeout=60)
+
+
+# -- a scrape open when an attempt ends ----------------------------------------------------
+
+RESTART_ONCE = textwrap.dedent(
+    """
+    import os, sys, time
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+        if os.environ["LOCAL_RANK"] == "1":
+            sys.exit(1)
+        time.sleep(3600)
+    """
+)
+
+
+def test_scrapes_open_when_an_attempt_ends_print_no_traceback(tmp_path: Path) -> None:
+    import http.client
+
+    from aiolaunch import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(RESTART_ONCE)
+    go = tmp_path / "go"
+    logs = tmp_path / "logs"
+    port = free_port("127.0.0.1")
+    argv = _cli("--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
+                "--metrics-port", str(port), str(script), str(go))  # fmt: skip
+    with driver(argv) as job:
+        _until("the control socket", lambda: list(logs.glob("*/attempt_0/control.sock")))
+        scrapers = []
+        for _ in range(20):  # keep-alive connections, as Prometheus keeps one
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            c.request("GET", "/metrics")
+            assert c.getresponse().read()
+            scrapers.append(c)
+        go.touch()  # attempt 0 fails; attempt 1 succeeds
+        _, err = job.communicate(timeout=120)
+        for c in scrapers:
+            c.close()
+    assert job.returncode == 0, err
+    assert "Traceback" not in err and "Exception in callback" not in err, err
