@@ -282,3 +282,87 @@ def test_scrapes_open_when_an_attempt_ends_print_no_traceback(tmp_path: Path) ->
             c.close()
     assert job.returncode == 0, err
     assert "Traceback" not in err and "Exception in callback" not in err, err
+
+
+# -- attach: no live-looking prompt for a rank that is gone ------------------------------
+
+PARKED = textwrap.dedent(
+    """
+    import os, time
+
+    def parked():
+        print("rank", os.environ["LOCAL_RANK"], "parked", flush=True)
+        while True:
+            time.sleep(0.05)
+
+    parked()
+    """
+)
+
+
+class _Terminal:
+    """A command on a pseudo-terminal of its own (readline's prompt, as a user sees it)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import pty
+
+        master, slave = pty.openpty()
+        try:
+            self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave)
+        finally:
+            os.close(slave)
+        self.fd = master
+        self.out = ""
+
+    def expect(self, text: str, timeout: float = 60.0) -> None:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while text not in self.out:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                pytest.fail(f"no {text!r} on the terminal; it shows:\n{self.out}")
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except OSError:  # EIO: the other side closed
+                chunk = b""
+            if not chunk:
+                pytest.fail(f"the terminal closed before {text!r}; it showed:\n{self.out}")
+            self.out += chunk.decode(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.fd)
+
+
+@pytest.mark.parametrize("how", ["killed", "ctrl-d"])
+def test_attach_ends_when_its_rank_is_gone(tmp_path: Path, how: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(PARKED)
+    logs = tmp_path / "logs"
+    argv = _cli("--nproc-per-node", "2", "--log-dir", str(logs), str(script))
+    with driver(argv) as job:
+        _until("the control socket", lambda: list(logs.glob("*/attempt_0/control.sock")))
+        status = subprocess.run(_cli("status", str(logs), "--json"), capture_output=True,
+                                text=True, timeout=60, check=True)  # fmt: skip
+        pid = {w["rank"]: w["pid"] for w in json.loads(status.stdout)["workers"]}[1]
+        term = _Terminal(_cli("attach", "1", str(logs)))
+        try:
+            term.expect("(Pdb) ")
+            if how == "killed":
+                os.kill(pid, 9)  # the rank dies while its prompt is shown
+                term.expect("is gone")
+                assert term.proc.wait(timeout=10) == 1
+            else:
+                os.write(term.fd, b"\x04")  # Ctrl-D: detach, the rank goes on
+                term.expect("detached from rank 1")
+                assert term.proc.wait(timeout=10) == 0
+                assert "is gone" not in term.out
+        finally:
+            term.close()
+        if how == "ctrl-d":
+            assert job.poll() is None
+            job.terminate()
+        job.communicate(timeout=60)
