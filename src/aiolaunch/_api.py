@@ -289,9 +289,12 @@ def start_processes(
     )  # fmt: skip
     warm = None
     if preload is not None and preload is not False:
-        from ._warm._preload import resolve_preload
+        from ._warm._preload import resolve_preload, workers_folder
 
-        warm = resolve_preload(preload)
+        # a script's folder (the workers' sys.path[0]): a module beside it preloads
+        warm = resolve_preload(
+            preload, folder=workers_folder(entrypoint, args.get(0, ()) if args else ())
+        )
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
