@@ -366,3 +366,78 @@ def test_attach_ends_when_its_rank_is_gone(tmp_path: Path, how: str) -> None:
             assert job.poll() is None
             job.terminate()
         job.communicate(timeout=60)
+
+
+# -- top after the job ended ---------------------------------------------------------------
+
+ENDS_ON_GO = textwrap.dedent(
+    """
+    import os, sys, time
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    """
+)
+
+
+def _tmux(name: str, *args: str) -> str:
+    r = subprocess.run(["tmux", "-L", name, *args], capture_output=True, text=True, timeout=30,
+                       check=True)  # fmt: skip
+    return r.stdout
+
+
+def test_top_counts_no_rank_as_sleeping_after_the_job_ended(tmp_path: Path) -> None:
+    import shlex
+    import shutil
+    import uuid
+
+    if shutil.which("tmux") is None:
+        pytest.skip("needs tmux")
+    script = tmp_path / "job.py"
+    script.write_text(ENDS_ON_GO)
+    go = tmp_path / "go"
+    logs = tmp_path / "logs"
+    argv = _cli("--nproc-per-node", "2", "--log-dir", str(logs), str(script), str(go))
+    name = f"aiolaunch-test-{uuid.uuid4().hex[:8]}"
+    _tmux(name, "-f", "/dev/null", "new-session", "-d", "-x", "80", "-y", "24",
+          "env PS1='$ ' TERM=xterm bash --norc --noprofile")  # fmt: skip
+    try:
+        with driver(argv) as job:
+            _until("the control socket", lambda: list(logs.glob("*/attempt_0/control.sock")))
+            env = f"PYTHONPATH={shlex.quote(os.pathsep.join(sys.path))}"
+            _tmux(name, "send-keys", f"{env} {shlex.join(_cli('top', str(logs)))}", "Enter")
+            _until(
+                "both ranks sleeping",
+                lambda: "2 ranks (2 sleeping)" in _tmux(name, "capture-pane", "-p"),
+            )
+            go.touch()  # the job ends
+            _, err = job.communicate(timeout=60)
+            assert job.returncode == 0, err
+
+        def seen_the_end() -> str | None:
+            text = _tmux(name, "capture-pane", "-p")
+            return text if "job not running" in text else None
+
+        screen = _until("top to see the end", seen_the_end)
+        assert "sleeping" not in screen, screen
+        assert "2 ranks (2 gone)" in screen, screen
+        rows = [line.split() for line in screen.splitlines() if line.split()[:1] in (["0"], ["1"])]
+        assert [r[:2] for r in rows] == [["0", "gone"], ["1", "gone"]], screen
+        _tmux(name, "send-keys", "q")
+    finally:
+        subprocess.run(["tmux", "-L", name, "kill-server"], capture_output=True, timeout=30,
+                       check=False)  # fmt: skip
+
+
+def test_an_ended_snapshot_shows_no_live_state() -> None:
+    from aiolaunch._cli._top_view import GONE, TopState, ended, screen
+
+    live = {"name": "job", "log_dir": "/l", "workers": [
+        {"rank": 0, "state": "sleeping", "pid": 10, "cpu_percent": 12.5, "last_output_s": 3.0},
+        {"rank": 1, "state": "exited", "pid": 11, "exitcode": 3, "cpu_percent": 0.0},
+    ]}  # fmt: skip
+    after = ended(live)
+    assert [w["state"] for w in after["workers"]] == [GONE, "exited"]
+    assert after["workers"][0]["cpu_percent"] is None and after["workers"][1]["exitcode"] == 3
+    lines = [text for text, _ in screen(after, TopState(), 80, 24)]
+    assert lines[0].startswith("aiolaunch top - job: 2 ranks (1 gone, 1 exited)")
+    assert "sleeping" not in "\n".join(lines)
