@@ -291,10 +291,7 @@ def start_processes(
     if preload is not None and preload is not False:
         from ._warm._preload import resolve_preload, workers_folder
 
-        # a script's folder (the workers' sys.path[0]): a module beside it preloads
-        warm = resolve_preload(
-            preload, folder=workers_folder(entrypoint, args.get(0, ()) if args else ())
-        )
+        warm = resolve_preload(preload, folder=workers_folder(entrypoint, args[0]))
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)

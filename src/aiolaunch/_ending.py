@@ -29,7 +29,6 @@ import signal
 from typing import TYPE_CHECKING
 
 from ._cancel import move_on_after, shielded
-from ._child._uncaught import recorded_by
 from ._compat import task_cancelling, task_uncancel
 from ._events import group_stopped
 from ._results import build_result
@@ -231,11 +230,9 @@ class GroupEnding:
                 await self._forensics.before_stop()
             await self._stop_observers()
             workers = self._state.workers()
-            # Before the stop: workers it signals are stopped on purpose, not failed.
-            failed = self._state.failed_ranks()
             await self._stop(workers, death_sig, grace, decided)
-            # ... but not those already failing on their own when signalled
-            failed += [r for r in self._state.failed_ranks() if r not in failed]
+            # Those it signalled were stopped on purpose, unless failing on their own.
+            failed = self._state.failed_ranks()
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit) as exc:
             # Cut short: by the loop's teardown (its cancellation; callers
             # await this task shielded) or a KeyboardInterrupt raised into it
@@ -293,19 +290,12 @@ class GroupEnding:
                 on_sent=self.sent.set,
                 escalate=self._kill_now,
                 token=None if decided else self.token,
-                failing=self._failing,
             )
         except BaseException:
             self.deadline.remove()
             raise
         if not decided:
             self.deadline.remove()
-
-    def _failing(self, w: WorkerHandle) -> bool:
-        """Whether ``w`` was failing on its own when the stop reached it: it
-        recorded an exception (its bootstrap does so before it prints the
-        traceback and finalizes), its exit under way."""
-        return recorded_by(self._logs.dest.error_files.get(w.local_rank, ""), w.pid)
 
     # -- the aftermath --------------------------------------------------------
     async def _release_files(self, result: RunProcsResult) -> None:

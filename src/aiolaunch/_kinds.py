@@ -50,9 +50,11 @@ class SubprocessContext(PContext):
             forked = await spawn_script(self._zygote, rank, argv, env, stdout, stderr)
             if forked is not None:
                 forked.records_exceptions = True  # the zygote runs it through the bootstrap
+                forked.error_file = self.error_files.get(rank, "")
                 return forked
         handle = await spawn_binary(rank, argv, env, stdout, stderr)
         handle.records_exceptions = runs_bootstrap(argv)
+        handle.error_file = self.error_files.get(rank, "")
         return handle
 
 
@@ -133,8 +135,9 @@ class MultiprocessContext(PContext):
                 error_file=self.error_files.get(rank, ""),
             )
             if forked is not None:
+                forked.error_file = self.error_files.get(rank, "")
                 return forked
-        return await spawn_function(
+        handle = await spawn_function(
             local_rank=rank,
             name=self.name,
             start_method=self.start_method,
@@ -145,3 +148,5 @@ class MultiprocessContext(PContext):
             stderr=stderr,
             error_file=self.error_files.get(rank, ""),
         )
+        handle.error_file = self.error_files.get(rank, "")
+        return handle

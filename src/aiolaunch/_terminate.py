@@ -18,6 +18,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from ._cancel import move_on_after
+from ._child._uncaught import recorded_by
 from ._workers._proc import ProcTable, find_tagged, open_exit_fd, proc_pids, read_stat
 
 if TYPE_CHECKING:
@@ -135,7 +136,6 @@ async def terminate(
     on_sent: Callable[[], None] | None = None,
     escalate: Escalation | None = None,
     token: str | None = None,
-    failing: Callable[[WorkerHandle], bool] | None = None,
 ) -> None:
     """Stop every worker and all of its descendants; return when they are gone.
 
@@ -152,15 +152,16 @@ async def terminate(
        the grace period ran out - and wait for it to vanish.
 
     Workers signalled here are marked ``stopped_by_us``: their exits are not
-    failures - except those ``failing(w)`` says were already failing on their
-    own when signalled (an exception recorded, the exit under way): signalled
-    too, their exits stay failures of their own. Never raises for processes
-    that are already gone.
+    failures - except those that were already failing on their own when
+    signalled: their error file (``error_file``) written since they started
+    (the bootstraps record an exception before the traceback and the
+    teardown). Signalled too, their exits stay failures of their own. Never
+    raises for processes that are already gone.
     """
     death_sig = signal.Signals(death_sig)
     alive = [w for w in workers if w.alive]
     for w in alive:
-        w.stopped_by_us = failing is None or not failing(w)
+        w.stopped_by_us = not recorded_by(w.error_file, w.pid)
     leftovers = _leftover_candidates(workers)
     since = min((w.pid for w in workers), default=0)
     table = ProcTable(since, [w.pid for w in alive]) if (alive or leftovers) else None

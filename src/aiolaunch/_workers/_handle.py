@@ -24,6 +24,9 @@ class WorkerHandle:
     #: workers, scripts run by the bootstrap): a failure without one died
     #: without a Python exception
     records_exceptions = False
+    #: its error file (``$TORCHELASTIC_ERROR_FILE``; ``""``: none): written
+    #: since it started, it was failing on its own when stopped (terminate())
+    error_file = ""
 
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
