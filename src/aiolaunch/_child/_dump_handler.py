@@ -63,14 +63,6 @@ MAX_DEPTH = 50
 _keep: list[object] = []  # the dump file: faulthandler only borrows its fd
 
 
-def _start_time() -> str:
-    """This process's start time in clock ticks since boot (with the pid: one process)."""
-    with open("/proc/self/stat", "rb") as f:
-        raw = f.read()
-    # "pid (comm) state ...": comm may hold spaces or ')', so split after the last ')'.
-    return raw[raw.rfind(b")") + 2 :].split()[19].decode()
-
-
 def register(directory: str | None = None) -> bool:
     """Install both dump handlers and write the marker; ``False`` if it can't.
 
@@ -100,7 +92,9 @@ def register(directory: str | None = None) -> bool:
             _signal.siginterrupt(sig, False)  # SA_RESTART, handler kept
         marker = os.path.join(directory, f"{pid}.ok")
         try:
-            started = _start_time()
+            from ._proc import start_time
+
+            started = start_time()
         except (OSError, IndexError):  # no /proc: the pid alone identifies it
             started = ""
         with open(marker + ".tmp", "w") as f:

@@ -254,9 +254,10 @@ def _foreign_threads() -> bool:
     """Whether a thread that Python did not start runs in this process (Linux)."""
     import threading
 
-    try:
-        tids = {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:  # pragma: no cover - no procfs: assume the worst
+    from ._proc import thread_ids
+
+    tids = thread_ids()
+    if tids is None:  # pragma: no cover - no procfs: assume the worst
         return True
     # The main thread's native_id is the zygote's (set before the fork).
     me = threading.current_thread()
