@@ -137,7 +137,7 @@ async def _window_cpu(
     ) as ctx:  # fmt: skip
         await ctx.wait_ready(timeout=300)
         pids = list(ctx.pids().values())
-        stacks = ctx._forensics.stacks  # the sampler the watchdog uses
+        stacks = ctx._hangs.stacks  # the sampler the watchdog uses
         await asyncio.sleep(2.0)  # allowed: let the start settle before measuring
         c0, w0, t0 = _cpu(), _workers_cpu(pids), time.monotonic()
         while time.monotonic() - t0 < seconds:

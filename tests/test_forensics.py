@@ -553,9 +553,11 @@ async def test_a_group_stopped_before_it_serves_still_tells_its_workers_the_dead
     # stop makes it - written before the death signal, which the worker's
     # handler reads. The serving was only a timer: cancelled, it never makes
     # a control socket afterwards.
-    from aiolaunch._hangs import _forensics
+    from aiolaunch import _ending
+    from aiolaunch._live import _observer
 
-    monkeypatch.setattr(_forensics, "SERVE_DELAY", 0.3)
+    monkeypatch.setattr(_observer, "SERVE_DELAY", 0.3)
+    monkeypatch.setattr(_ending, "FILES_DELAY", 0.3)
     seen, ready, logs = tmp_path / "seen", tmp_path / "ready", tmp_path / "logs"
     script = (
         f"trap 'cat \"$AIOLAUNCH_STOP_DEADLINE_FILE\" > {seen}; exit 0' TERM; "

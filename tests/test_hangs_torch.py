@@ -211,7 +211,7 @@ async def test_the_straggler_is_named_and_a_balanced_run_names_nobody(tmp_path: 
         while not named(slow) and time.monotonic() < joined + 45:
             await asyncio.sleep(0.2)  # allowed: waiting for a sampling window
         events = named(slow)
-        watch = slow._forensics.stragglers
+        watch = slow._hangs.stragglers
         shares = None if watch is None else (watch.stat._k, watch.stat._n)  # waits, samples
         assert events, f"the straggler was never named: (waits, samples) = {shares}"
         assert {e.rank for e in events} == {3}, (events, shares)

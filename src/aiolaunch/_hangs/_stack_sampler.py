@@ -118,10 +118,6 @@ class StackSampler:
         t = self._targets[pid] = _Target(pid, status_fd, dump_fd)
         return t
 
-    def sampled(self, pid: int) -> bool:
-        """Whether ``pid`` is registered for samples (as far as known)."""
-        return pid in self._targets
-
     async def sample(self, pids: Mapping[int, int], timeout: float) -> dict[int, str]:
         """``{rank: dump text}`` of the registered workers among ``pids``
         (``{rank: pid}``); ranks without a sample are left out."""

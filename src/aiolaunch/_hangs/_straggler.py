@@ -135,7 +135,6 @@ class Straggling:
     wait_share: float
     peers_wait_share: float
     samples: int
-    p_value: float
 
 
 class StragglerStat:
@@ -208,7 +207,7 @@ class StragglerStat:
                 continue
             self._streak[rank] = self._streak.get(rank, 0) + 1
             if self._streak[rank] >= self.persist and rank not in self.named:
-                s = Straggling(rank, round(share, 3), round(peers, 3), n, p)
+                s = Straggling(rank, round(share, 3), round(peers, 3), n)
                 self.named[rank] = s
                 out.append(s)
         return out

@@ -92,7 +92,7 @@ class ZygoteWorker(WorkerHandle):
         rc = self._zygote.reported.pop(self.pid, None)
         if rc is None:
             rc = 255
-            self.failure_reason = (
+            self.fail(
                 f"local rank {self.local_rank} (pid {self.pid}) exited with an unknown "
                 f"status: the zygote that forked it (pid {self._zygote_pid}) died first"
             )

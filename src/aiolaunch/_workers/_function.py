@@ -123,12 +123,12 @@ def settle_result(handle: WorkerHandle, reader: ResultReader | None, rc: int) ->
         try:
             handle.return_value = cloudpickle.loads(data)
         except Exception as exc:
-            handle.failure_reason = (
+            handle.fail(
                 f"the return value of local rank {handle.local_rank} could not be "
                 f"unpickled in the supervisor: {type(exc).__name__}: {exc}"
             )
     elif rc == 0:
-        handle.failure_reason = (
+        handle.fail(
             f"local rank {handle.local_rank} (pid {handle.pid}) exited with code 0 "
             "without returning from its function (os._exit(0) or a killed "
             "interpreter?)"
