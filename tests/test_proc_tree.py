@@ -13,7 +13,8 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiolaunch._workers._proc import ProcTable, parse_stat, read_stat
+from aiolaunch._workers._proc import parse_stat, read_stat
+from aiolaunch._workers._processes import ProcTable
 
 SIGCHLD_BIT = 1 << (signal.SIGCHLD - 1)
 

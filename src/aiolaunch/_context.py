@@ -44,7 +44,7 @@ from ._logs._folder import GroupFolder
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._validate import check_seconds, check_signal
-from ._workers._proc import new_context_token
+from ._workers._processes import new_context_token
 
 if TYPE_CHECKING:
     import socket

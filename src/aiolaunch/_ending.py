@@ -37,7 +37,7 @@ from ._errors import SignalException
 from ._events import group_stopped
 from ._results import build_result
 from ._terminate import Escalation, sweep_tagged, terminate
-from ._workers._proc import CONTEXT_ENV
+from ._workers._processes import CONTEXT_ENV
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

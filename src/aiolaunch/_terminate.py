@@ -18,7 +18,8 @@ import signal
 from typing import TYPE_CHECKING
 
 from ._cancel import move_on_after
-from ._workers._proc import ProcTable, find_tagged, open_exit_fd, proc_pids, read_stat
+from ._workers._proc import proc_pids, read_stat
+from ._workers._processes import ProcTable, find_tagged, open_exit_fd
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence

@@ -498,7 +498,7 @@ async def test_a_sweep_cancelled_in_its_grace_period_kills_and_waits() -> None:
     that is gone: a process already exiting no longer shows the token, so a
     re-scan after the cancellation could miss it and leave it beside the run's end."""
     from aiolaunch._terminate import sweep_tagged
-    from aiolaunch._workers._proc import CONTEXT_ENV
+    from aiolaunch._workers._processes import CONTEXT_ENV
 
     token = f"test-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, CONTEXT_ENV: token}

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .._types import PerProcess
+from .._workers._proc import HAVE_PROC
 from ._stdio import ConsoleHook, console_stream, set_console_hook, write_text
 
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
@@ -331,7 +332,7 @@ def _lower_priority(by: int) -> None:
     refused, nothing changes). Relative: a supervisor started under ``nice``
     keeps its console thread below itself, never above."""
     getpriority = getattr(os, "getpriority", None)
-    if getpriority is None or not os.path.isdir("/proc/self/task"):
+    if getpriority is None or not HAVE_PROC:
         return  # not Linux: a thread id is no process id for setpriority()
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):  # refused (a sandbox's seccomp filter): as it was

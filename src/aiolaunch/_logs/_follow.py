@@ -29,6 +29,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+from .._workers._proc import fd_path
 from ._growth import Growth
 from ._sink import FileRest
 
@@ -83,7 +84,7 @@ class FileFollower:
         self, fd: int, sinks: Sequence[Sink], rank: int, watches: Watches, tap: LineTap
     ) -> None:
         # Re-open the same inode (not the path: it may have been replaced).
-        self._fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = os.open(fd_path(fd), os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._start = os.fstat(self._fd).st_size
         except BaseException:

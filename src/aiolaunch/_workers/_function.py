@@ -26,7 +26,7 @@ from .._compat import forget_child, process_popen, spawn_without_main
 from ._guardian import GUARDIAN_ENV, guardian
 from ._handle import WorkerHandle, close_fd
 from ._lifeline import lifeline_fds
-from ._proc import open_exit_fd
+from ._processes import open_exit_fd
 
 __all__ = ["FunctionWorker", "ResultReader", "settle_result", "spawn_function"]
 

@@ -5,7 +5,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._proc import signal_tree
+from ._processes import signal_tree
 
 if TYPE_CHECKING:
     from collections.abc import Callable

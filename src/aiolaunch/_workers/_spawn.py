@@ -220,12 +220,11 @@ def _executable(name: str, path: str | None) -> str:
 def _inheritable_fds() -> list[int]:
     """This process's inheritable fds (``close_fds`` closes them in the
     child; every other fd is close-on-exec)."""
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:  # pragma: no cover - no /proc
-        fds = list(range(3, 256))
+    from ._proc import open_fds
+
+    fds = open_fds()
     found = []
-    for fd in fds:
+    for fd in range(3, 256) if fds is None else fds:  # no procfs: the low numbers
         with contextlib.suppress(OSError):  # the listing's own fd is closed by now
             if os.get_inheritable(fd):
                 found.append(fd)
