@@ -284,9 +284,12 @@ def start_processes(
         default=DEFAULT_SIGNALS_TO_HANDLE,
     )
     only_forwarded = resolve_signals(
-        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default="",
+        forward_signals,
+        what="forward_signals",
+        env=FORWARD_SIGNALS_ENV,
+        default="",
         strict_env=True,  # a typo would let the preemption signal kill the supervisor
-    )  # fmt: skip
+    )
     warm = None
     if preload is not None and preload is not False:
         from ._warm._preload import resolve_preload

@@ -46,7 +46,7 @@ class Escalation:
 
     Waiting grace periods hook a callback (:meth:`on_set`) instead of a
     waiter task each: the wait needs no task of its own (close() of a small
-    group spent ~0.1 ms of its ~1.5 starting and unwinding two; #26).
+    group spent ~0.1 ms of its ~1.5 starting and unwinding two).
     """
 
     __slots__ = ("_callbacks", "_set")
@@ -326,7 +326,7 @@ async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[in
     in a thread: a thread waits for the GIL before each of its small
     syscalls while the loop is busy (the convoy effect: one switch interval,
     5 ms, per syscall beside a CPU-bound asyncio task), which made close()
-    of 64 exited workers take seconds (issue #27 item 5).
+    of 64 exited workers take seconds.
     """
     pids = proc_pids(since)
     found: set[int] = set()

@@ -137,9 +137,13 @@ async def _py_spy(pid: int, timeout: float) -> str | None:
         return None
     try:
         proc = await asyncio.create_subprocess_exec(
-            exe, "dump", "--pid", str(pid),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            exe,
+            "dump",
+            "--pid",
+            str(pid),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
     except OSError:
         return None
     try:
@@ -266,9 +270,12 @@ class _PathDump:
 
 
 async def collect_dumps(
-    files: Mapping[int, DumpFile], sig: int, deadline: float,
-    done: Callable[[str, bool], bool], grown: dict[int, int] | None = None,
-) -> dict[int, str]:  # fmt: skip
+    files: Mapping[int, DumpFile],
+    sig: int,
+    deadline: float,
+    done: Callable[[str, bool], bool],
+    grown: dict[int, int] | None = None,
+) -> dict[int, str]:
     """Send ``sig`` to every file's pid; ``{rank: what its file grew by}``:
     once it is ``done``, or has not grown for :data:`QUIET_S`, or whatever
     came by ``deadline``. A rank whose file cannot be read or whose process

@@ -250,9 +250,12 @@ class StallWatcher:
             logger.warning(
                 "aiolaunch: %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
                 "Report: %s",
-                ranks_text(s.rank for s in newly), self._state.name, newly[0].reason, verdict,
+                ranks_text(s.rank for s in newly),
+                self._state.name,
+                newly[0].reason,
+                verdict,
                 paths[1] if paths else "(not written)",
-            )  # fmt: skip
+            )
         if wd.action == "observe":
             self._episode = None
             return

@@ -45,8 +45,15 @@ __all__ = [
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: every state a rank can be in (``aiolaunch_worker_state`` has one sample each)
 STATES = (
-    "starting", "running", "sleeping", "disk-sleep", "stopped", "stalled", "restarting", "exited",
-)  # fmt: skip
+    "starting",
+    "running",
+    "sleeping",
+    "disk-sleep",
+    "stopped",
+    "stalled",
+    "restarting",
+    "exited",
+)
 
 #: name, type, help, the status field it reads (per rank)
 WORKER_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -325,9 +332,13 @@ async def _http(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, collect: Callable[[], str]
 ) -> None:
     with contextlib.suppress(
-        ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-        asyncio.TimeoutError, TimeoutError, ValueError,
-    ):  # fmt: skip
+        ConnectionError,
+        asyncio.IncompleteReadError,
+        asyncio.LimitOverrunError,
+        asyncio.TimeoutError,
+        TimeoutError,
+        ValueError,
+    ):
         while True:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IDLE_S)
             lines = head.decode("latin-1").split("\r\n")

@@ -62,9 +62,8 @@ _CLEAR_LINE = "\r\x1b[K"
 #: first - a training step, a burst of output - and the console catches up
 #: from the log files (lossless, bounded by MAX_PENDING) when a CPU is free.
 #: Idle CPUs run it at once, so latency on an unloaded host is unchanged.
-#: Measured (#26): 16 workers writing 16 MiB each, tee'd on 2 CPUs, the
-#: writers' rate 0.98x -> 1.14x torch's with the console's rate unchanged.
-#: Against a nice-0 hog per CPU it still gets ~10% of one (70 MB/s here).
+#: It buys the writers' own rate (benchmarks/README.md, "tee"); against a
+#: nice-0 hog per CPU the console still gets ~10% of one.
 CONSOLE_NICENESS = 10
 
 

@@ -112,9 +112,7 @@ class FileFollower:
                 # The first read on the loop's next turn, not here: start()
                 # runs inside the spawn loop, and what this worker wrote while
                 # the next ranks were spawned would be framed there, between
-                # two spawns (measured: 16 tee'd workers of 16 MiB, ~15 ms of
-                # the loop thread's CPU in the spawn loop, every later rank
-                # started that much later; #26).
+                # two spawns, and every later rank would start that much later.
                 self._scheduled = True
                 asyncio.get_running_loop().call_soon(self._first_pump)
 

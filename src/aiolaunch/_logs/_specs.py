@@ -65,7 +65,7 @@ def _mkdtemp(prefix: str) -> str:
     """``tempfile.mkdtemp(prefix=prefix)``: a new folder, mode 0700, in
     ``tempfile.gettempdir()``, named ``prefix`` + 12 random hex digits. One
     ``getrandom`` and one ``mkdir``: tempfile's Python name generator cost as
-    much as the ``mkdir`` itself on the launch path (~80 us cold, #26) - or
+    much as the ``mkdir`` itself on the launch path (~80 us cold) - or
     one rename, of a spare root (:mod:`._spares`)."""
     root = tempfile.gettempdir()
     for _ in range(100):
@@ -87,7 +87,7 @@ def guard_temp_dir(path: str) -> None:
     :func:`prune_empty_dirs` kept it and a later run uses it). Idempotent."""
     from .._workers._guardian import WATCH_DELAY, clean_up_after
 
-    if path not in _TEMP_ROOTS:  # sent with the workers' registrations (#26)
+    if path not in _TEMP_ROOTS:  # sent with the workers' registrations: one write
         _TEMP_ROOTS[path] = clean_up_after("P", path, WATCH_DELAY)
 
 
@@ -364,7 +364,7 @@ def _layout(
     flat_errors: bool = False,
 ) -> LogsDest:
     # Plain ints: an IntFlag's ``|`` and ``&`` make enum members, ~2 us each
-    # and six a rank on the launch path (#26).
+    # and six a rank on the launch path.
     redirs, tees = _bits(redirects, nprocs), _bits(tee, nprocs)
     # torch 2.9+'s place for the duplicate filters' files (made only when used)
     dest = LogsDest(
@@ -422,7 +422,7 @@ def plain_logs_dest(
     rank and ``close()`` it when the group ends. ``flat_errors`` (a temporary
     ``log_dir``): a rank with no log file gets no folder, its error file is
     ``{log_dir}/error-{rank}.json`` - a folder costs a block, whose removal
-    some filesystems discard synchronously (#26).
+    some filesystems discard synchronously.
     """
     return _layout(
         log_dir, envs, len(envs), redirects, tee, local_ranks_filter, background, flat_errors

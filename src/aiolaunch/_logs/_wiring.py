@@ -148,7 +148,7 @@ class LogWiring:
         """Whether ``rank``'s worker writes the console itself, both streams
         (torchrun's default): no log file, pipe, sink or reader to make, close
         or start (:meth:`open` then skips the async generator and the two
-        stream plans: ~20 us a rank on the spawn path; #26). Its rank folder
+        stream plans: ~20 us a rank on the spawn path). Its rank folder
         exists once this returns."""
         rank_dirs = getattr(self._dest, "rank_dirs", None)
         if rank_dirs is not None:

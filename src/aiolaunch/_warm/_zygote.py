@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._child._zygote import load_time_items
 from .._types import PerProcess
+from .._workers import keep_for_life
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
 from .._workers._proc import children
 from ._channel import Channel, frame
@@ -394,3 +395,6 @@ def zygote_helpers() -> tuple[set[int], set[int]]:
             pids |= (set(children(z.pid)) or z.spares) - set(z.workers)
         fds |= z.fds()
     return pids, fds
+
+
+keep_for_life(zygote_helpers)

@@ -206,15 +206,12 @@ class FunctionWorker(WorkerHandle):
             self._result = None
 
 
-def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
-    from .._warm._zygote import zygote_helpers
-    from ._guardian import current_guardian
+def _supervisor_only_fds(lifeline_r: int) -> tuple[int, ...]:
+    """What a child forked from the supervisor closes at once: every fd this
+    process keeps for its lifetime but the lifeline's read end (the child's)."""
+    from . import long_lived_helpers
 
-    fds = [lifeline_w, *zygote_helpers()[1]]
-    g = current_guardian()
-    if g is not None:
-        fds.append(g.fd)
-    return tuple(fds)
+    return tuple(sorted(long_lived_helpers()[1] - {lifeline_r}))
 
 
 async def spawn_function(
@@ -241,7 +238,7 @@ async def spawn_function(
         # The lifeline kills the worker's group; the guardian's token also
         # reaches descendants that left it (setsid) if the supervisor dies.
         env = {**env, GUARDIAN_ENV: g.token}
-    lifeline_r, lifeline_w = lifeline_fds()
+    lifeline_r = lifeline_fds()[0]
     # Failure cleanup (trio's _open_process): always_cleanup runs in any case,
     # cleanup_on_fail only if we never hand the worker over; pop_all() hands it.
     with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
@@ -258,7 +255,7 @@ async def spawn_function(
             stderr=PassFd(stderr) if stderr is not None else None,
             result=PassFd(result_w),
             lifeline=PassFd(lifeline_r),
-            close_after_fork=_supervisor_only_fds(lifeline_w) if start_method == "fork" else (),
+            close_after_fork=_supervisor_only_fds(lifeline_r) if start_method == "fork" else (),
             error_file=error_file,
             supervisor_pid=os.getpid(),
             check_parent=start_method != "forkserver",

@@ -12,7 +12,7 @@ the ``PATH`` search in the child, an exec failure sent back over a
 close-on-exec pipe. Measured from the call to the exec, one worker, caches
 cold as in the interleaved benchmark (median of 40, 2-core host): glibc's
 ``posix_spawn`` with the ``/proc/self/fd`` listing that ``close_fds`` needs
-there, 465 us; ``fork_exec``, 294 us (#26).
+there, 465 us; ``fork_exec``, 294 us.
 
 ``fork_exec`` is private and its arguments changed between Python versions
 (21 on 3.10; 22 on early 3.11, with the process group; 23 from 3.11.x on, with
