@@ -317,9 +317,7 @@ def start_processes(
         elif log_dir is None:
             folder = make_temp_dir(f"aiolaunch_{name}_")  # the guardian knows it too
             try:
-                dest = plain_logs_dest(
-                    folder, envs_, redirects, tee, background=True, flat_errors=True
-                )
+                dest = plain_logs_dest(folder, envs_, redirects, tee, flat_errors=True)
             except BaseException:
                 prune_empty_dirs([folder])
                 raise
@@ -331,7 +329,7 @@ def start_processes(
             except OSError as exc:
                 # e.g. a read-only or virtual filesystem that access() misses (root)
                 raise log_dir_error("log_dir", folder, exc) from exc
-            dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
+            dest = plain_logs_dest(folder, envs_, redirects, tee)
         common: dict[str, Any] = {
             "name": name,
             "entrypoint": entrypoint,
@@ -359,14 +357,9 @@ def start_processes(
             from ._warm._zygote import zygote_for
 
             common["zygote"] = zygote_for(warm, shared_load_env(envs_), spares=nprocs)
-        try:
-            if isinstance(entrypoint, str):
-                return SubprocessContext(**common)
-            return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
-        except BaseException:
-            if (rank_dirs := getattr(dest, "rank_dirs", None)) is not None:
-                rank_dirs.close()  # no folder appears once the call failed
-            raise
+        if isinstance(entrypoint, str):
+            return SubprocessContext(**common)
+        return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
 
     return _Starting(make, name)
 

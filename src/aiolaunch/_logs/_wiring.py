@@ -148,11 +148,7 @@ class LogWiring:
         """Whether ``rank``'s worker writes the console itself, both streams
         (torchrun's default): no log file, pipe, sink or reader to make, close
         or start (:meth:`open` then skips the async generator and the two
-        stream plans: ~20 us a rank on the spawn path). Its rank folder
-        exists once this returns."""
-        rank_dirs = getattr(self._dest, "rank_dirs", None)
-        if rank_dirs is not None:
-            rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
+        stream plans: ~20 us a rank on the spawn path)."""
         dest = self._dest
         return inherits_console(
             dest.stdouts[rank], "stdout", self.lines.reads(rank, "stdout")
@@ -271,9 +267,6 @@ class LogWiring:
         if self._closed:
             return
         self._closed = True
-        rank_dirs = getattr(self._dest, "rank_dirs", None)
-        if rank_dirs is not None:
-            rank_dirs.close()  # a failed start: no folder appears after this
         readers, self._readers = self._readers, []
         self._by_rank.clear()
         try:
