@@ -1,4 +1,4 @@
-"""Every exit status of the table (aiolaunch._cli._exit, docs/recipes.md) from
+"""Every exit status of the table (aiolaunch._cli._exit, docs/schedulers.md) from
 the real command, and the termination message that goes with it."""
 
 from __future__ import annotations

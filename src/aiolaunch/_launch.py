@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RankLauncher", "Spawner"]
 
+
 class Spawner(Protocol):
     """How a group's workers come to be: one process for one rank."""
 
