@@ -16,7 +16,7 @@ from ._kinds import MultiprocessContext, SubprocessContext
 from ._live._metrics import closed_on_error, metrics_binder
 from ._logs import LogWiring
 from ._logs._filters import check_filters
-from ._logs._specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
+from ._logs._specs import LogsDest, LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
@@ -313,7 +313,7 @@ def start_processes(
 
     def build(metrics: socket.socket | None) -> PContext:
         if logs_specs is not None:
-            dest = logs_specs.reify(envs_)
+            dest = LogsDest.of(logs_specs.reify(envs_))
         elif log_dir is None:
             folder = make_temp_dir(f"aiolaunch_{name}_")  # the guardian knows it too
             try:

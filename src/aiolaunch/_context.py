@@ -104,7 +104,7 @@ class PContext:
         self._logs = logs
         self._state = state = GroupState(name, self.nprocs)
         self._bus = bus = EventBus()
-        folder = GroupFolder(getattr(logs.dest, "root", ""), self.error_files)
+        folder = GroupFolder(logs.dest.root, self.error_files)
         restarts = Restarts(restart or {}, state, bus=bus)
         self._readiness = Readiness(state, ready or {}, bus=bus, error_files=self.error_files)
         self._hangs = HangObserver(

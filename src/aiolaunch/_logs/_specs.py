@@ -117,6 +117,23 @@ class LogsDest:
     #: The folder holding the rank folders (``""``: not known, e.g. torch's own specs).
     root: str = ""
 
+    @classmethod
+    def of(cls, dest: Any) -> LogsDest:
+        """Ours, from what a ``LogsSpecs.reify`` returned: ours as it is, or
+        torch's ``LogsDest`` (the one place its fields are read: torch before
+        2.9 has no ``filtered_*``, and no version has ``temp_dirs`` or ``root``)."""
+        if isinstance(dest, cls):
+            return dest
+        return cls(
+            stdouts=dict(dest.stdouts),
+            stderrs=dict(dest.stderrs),
+            tee_stdouts=dict(dest.tee_stdouts),
+            tee_stderrs=dict(dest.tee_stderrs),
+            error_files=dict(dest.error_files),
+            filtered_stdout=getattr(dest, "filtered_stdout", ""),
+            filtered_stderr=getattr(dest, "filtered_stderr", ""),
+        )
+
 
 class LogsSpecs(ABC):
     """Turns per-rank environments into :class:`LogsDest` (torch's ABC).

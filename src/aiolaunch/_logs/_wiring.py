@@ -139,7 +139,7 @@ class LogWiring:
         kept. On the loop (one rmdir per rank folder, ~10 us each): a thread
         would wait for the GIL before each one while the loop is busy.
         """
-        temp_dirs = list(getattr(self._dest, "temp_dirs", None) or ())
+        temp_dirs = list(self._dest.temp_dirs)
         if temp_dirs:
             prune_empty_dirs(temp_dirs, self._name)
 

@@ -21,8 +21,9 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .._workers._fds import close_fd
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
-from .._workers._handle import WorkerHandle, close_fd
+from .._workers._handle import WorkerHandle
 
 if TYPE_CHECKING:
     from .._workers._function import ResultReader

@@ -28,8 +28,9 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
+from ._fds import close_fd
 from ._guardian import GUARDIAN_ENV, guardian
-from ._handle import WorkerHandle, close_fd
+from ._handle import WorkerHandle
 from ._spawn import spawn
 
 if TYPE_CHECKING:

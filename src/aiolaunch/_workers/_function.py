@@ -23,14 +23,14 @@ from typing import Any
 
 from .._child._function import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from .._compat import forget_child, process_popen, spawn_without_main
+from ._fds import close_fd, read_pipe_rest
 from ._guardian import GUARDIAN_ENV, guardian
-from ._handle import WorkerHandle, close_fd
+from ._handle import WorkerHandle
 from ._lifeline import lifeline_fds
 from ._processes import open_exit_fd
 
 __all__ = ["FunctionWorker", "ResultReader", "settle_result", "spawn_function"]
 
-_READ_SIZE = 1 << 20
 
 
 class ResultReader(asyncio.Protocol):
@@ -74,24 +74,8 @@ class ResultReader(asyncio.Protocol):
         descendant that inherited the write end (``os.fork``) may keep it
         open, so this reads until the pipe is empty rather than until EOF.
         """
-        transport = self.transport
-        # is_closing() turns true in the same callback that sees EOF (all data
-        # delivered) and on close(); while it is false the fd is open and ours.
-        if self.eof or transport is None or transport.is_closing():
-            return
-        pipe = transport.get_extra_info("pipe")
-        if pipe is None:  # pragma: no cover - every pipe transport sets it
-            return
-        while True:
-            try:
-                # Non-blocking: connect_read_pipe set O_NONBLOCK on this fd.
-                data = os.read(pipe.fileno(), _READ_SIZE)
-            except (BlockingIOError, InterruptedError, OSError):
-                return
-            if not data:
-                self.eof = True
-                return
-            self.buf += data
+        if not self.eof and read_pipe_rest(self.transport, self.buf.extend):
+            self.eof = True
 
     def record(self) -> bytes | None:
         if len(self.buf) < HEADER_SIZE or self.buf[:1] != RESULT_TAG:

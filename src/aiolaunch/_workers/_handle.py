@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -80,10 +79,3 @@ class WorkerHandle:
         state = "running" if self.alive else f"exited({self.returncode})"
         return f"<{type(self).__name__} rank={self.local_rank} pid={self.pid} {state}>"
 
-
-def close_fd(fd: int | None) -> None:
-    if fd is not None and fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
