@@ -358,9 +358,11 @@ def test_every_flag_of_the_parser_has_a_bad_value_case() -> None:
     flags = {f for f in found if "_" not in f and not f.endswith("-")}
     covered = {f for _, argv, _, _ in CLI_CASES for f in argv if f.startswith("--")}
     covered |= {
-        "--" + k[len("PET_"):].lower().replace("_", "-")
-        for _, _, env, _ in CLI_CASES for k in env if k.startswith("PET_")
-    }  # fmt: skip
+        "--" + k[len("PET_") :].lower().replace("_", "-")
+        for _, _, env, _ in CLI_CASES
+        for k in env
+        if k.startswith("PET_")
+    }
     covered |= {"--module", "--no-python", "--tee", "--redirects"}  # as -m, -r, -t above
     assert flags - covered - ANY_VALUE == set()
 
@@ -474,9 +476,14 @@ def test_the_real_command_line_fails_before_anything_starts(
         script = flags.pop()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run(
-        [*AIOLAUNCH, *flags, script, str(marker)], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [*AIOLAUNCH, *flags, script, str(marker)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("aiolaunch: error: ") and "Traceback" not in r.stderr, r.stderr
     for needle in needles:

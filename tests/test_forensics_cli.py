@@ -140,8 +140,9 @@ def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     with driver(
         _cli("--nproc-per-node", "3", "--log-dir", str(logs), "--redirects", "3", str(script)),
-        env=_env(), stdout=subprocess.DEVNULL,
-    ) as job:  # fmt: skip
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+    ) as job:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             outs = list(logs.glob("*/attempt_0/*/stdout.log"))
@@ -151,18 +152,26 @@ def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
         else:
             pytest.fail("the job's workers did not start")
         r = subprocess.run(
-            _cli("status", str(logs)), env=_env(), capture_output=True, text=True, timeout=30,
+            _cli("status", str(logs)),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
             check=False,
-        )  # fmt: skip
+        )
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert lines[1].split()[:2] == ["RANK", "STATE"]
         assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2"]
         assert all(" sleeping " in line for line in lines[2:])
         r = subprocess.run(
-            _cli("stacks", str(logs), "--json"), env=_env(), capture_output=True, text=True,
-            timeout=30, check=False,
-        )  # fmt: skip
+            _cli("stacks", str(logs), "--json"),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         assert r.returncode == 0, r.stderr
         answer = json.loads(r.stdout)
         assert "stuck_here" in answer["stacks"]["2"]
@@ -184,9 +193,13 @@ def test_client_verbs_are_one_table_outside_the_server() -> None:
         assert not hasattr(control, name), name
     for verb in VERBS:
         r = subprocess.run(
-            _cli(verb, "--help"), env=_env(), capture_output=True, text=True, timeout=60,
+            _cli(verb, "--help"),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
             check=False,
-        )  # fmt: skip
+        )
         assert r.returncode == 0 and f"usage: aiolaunch {verb}" in r.stdout, r.stderr
     assert control.decode(control.encode({"cmd": "status"})) == {"cmd": "status"}
     with pytest.raises(ValueError, match="JSON object"):

@@ -18,16 +18,19 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
-@pytest.mark.parametrize(("hostlist", "hosts"), [
-    ("node1", ["node1"]),
-    ("node[1-3]", ["node1", "node2", "node3"]),
-    ("node[08-11]", ["node08", "node09", "node10", "node11"]),
-    ("node[001-002,010]", ["node001", "node002", "node010"]),
-    ("a[1-2],b,c[5]", ["a1", "a2", "b", "c5"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("gpu-a100-[7,9].cluster.org", ["gpu-a100-7.cluster.org", "gpu-a100-9.cluster.org"]),
-    (" x[9-10] ", ["x9", "x10"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("hostlist", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("node[08-11]", ["node08", "node09", "node10", "node11"]),
+        ("node[001-002,010]", ["node001", "node002", "node010"]),
+        ("a[1-2],b,c[5]", ["a1", "a2", "b", "c5"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("gpu-a100-[7,9].cluster.org", ["gpu-a100-7.cluster.org", "gpu-a100-9.cluster.org"]),
+        (" x[9-10] ", ["x9", "x10"]),
+    ],
+)
 def test_expand_hostlist(hostlist: str, hosts: list[str]) -> None:
     assert expand_hostlist(hostlist) == hosts
 
@@ -128,9 +131,14 @@ def test_one_node_and_outside_slurm_take_nothing_but_the_count() -> None:
     assert (args.node_rank, args.rdzv_endpoint) == (0, "")
 
 
-@pytest.mark.parametrize(("var", "value"), [
-    ("SLURM_STEP_NUM_NODES", "two"), ("SLURM_NODEID", "x"), ("SLURM_STEP_NODELIST", "n[1-"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SLURM_STEP_NUM_NODES", "two"),
+        ("SLURM_NODEID", "x"),
+        ("SLURM_STEP_NODELIST", "n[1-"),
+    ],
+)
 def test_bad_slurm_values_name_the_variable(var: str, value: str) -> None:
     with pytest.raises(ValueError, match=var):
         apply_slurm(parse_args(["train.py"]), {**SLURM, var: value})

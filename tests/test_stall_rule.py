@@ -316,9 +316,13 @@ def test_a_starved_rank_at_the_same_frames_is_not_spinning() -> None:
     det.observe(0, Sample(1, 0.0, main_s=0.0, helpers_s=0.0, main_run_s=0.0), 0.0)
     for t in range(1, 30):
         sample = Sample(
-            1, 0.02 * t, main_s=float(t), helpers_s=0.0, main_run_s=0.02 * t,
+            1,
+            0.02 * t,
+            main_s=float(t),
+            helpers_s=0.0,
+            main_run_s=0.02 * t,
             stack="_create_fn (dataclasses.py:433)",
-        )  # fmt: skip
+        )
         assert det.observe(0, sample, float(t)) is None
     # A spinner that gets 20 % of a core on the same host is still a spin.
     det = StallDetector(STALL)

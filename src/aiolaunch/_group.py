@@ -90,8 +90,10 @@ class GroupState:
         self._workers: dict[int, WorkerHandle] = {}
         self._exit_order: list[int] = []
         self._restarting: dict[int, int] = {}  # rank -> restarts planned, not finished
-        self._attempts = dict.fromkeys(range(nprocs), 0)
+        self._attempts = dict.fromkeys(range(nprocs), 0)  # restarts started, per rank
+        self._planned = dict.fromkeys(range(nprocs), 0)  # restarts planned, per rank
         self._forced: dict[int, ForcedFailure] = {}
+        self._attached: set[int] = set()
         self._ending = False
 
     # -- queries -------------------------------------------------------------
@@ -126,6 +128,11 @@ class GroupState:
     def attempts(self, rank: int) -> int:
         """How many times ``rank`` was restarted (its current incarnation's number)."""
         return self._attempts[rank]
+
+    def attached(self, rank: int) -> bool:
+        """Whether an ``aiolaunch attach`` session holds ``rank`` now (its main
+        thread waits at a pdb prompt: the watchdog leaves it alone)."""
+        return rank in self._attached
 
     @property
     def ending(self) -> bool:
@@ -178,10 +185,14 @@ class GroupState:
         self._exit_order.append(rank)
         self.wakeup.notify()
 
-    def restart_planned(self, rank: int) -> None:
-        """A restart of ``rank`` was planned: it counts as neither exited nor ready."""
+    def restart_planned(self, rank: int) -> int:
+        """A restart of ``rank`` was planned: it counts as neither exited nor
+        ready. Returns the plan's number (1 for the rank's first restart; a
+        plan the group's end cancels keeps its number)."""
         self._restarting[rank] = self._restarting.get(rank, 0) + 1
+        self._planned[rank] += 1
         self.wakeup.notify()
+        return self._planned[rank]
 
     def next_attempt(self, rank: int) -> int:
         """A planned restart of ``rank`` starts its next incarnation now: its number."""
@@ -196,6 +207,15 @@ class GroupState:
         else:
             self._restarting.pop(rank, None)
         self.wakeup.notify()
+
+    def attach_begun(self, rank: int) -> None:
+        """An ``aiolaunch attach`` session opens on ``rank``. No waiter depends
+        on it: nothing is notified."""
+        self._attached.add(rank)
+
+    def attach_ended(self, rank: int) -> None:
+        """The attach session on ``rank`` ended."""
+        self._attached.discard(rank)
 
     def end_begun(self) -> None:
         """The group's end has begun (``GroupEnding.begin``)."""
@@ -217,7 +237,7 @@ class GroupState:
         w = self._workers.get(rank)
         if w is None or not w.alive:
             return False
-        w.failure_reason = reason
+        w.fail(reason)
         w.signal_tree(sig)
         return True
 

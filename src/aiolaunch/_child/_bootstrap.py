@@ -93,9 +93,13 @@ def _run_script(path: str) -> None:
         code = compile(f.read(), path, "exec")
     main = type(sys)("__main__")
     main.__dict__.update(
-        __file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None,
+        __file__=path,
+        __cached__=None,
+        __loader__=None,
+        __package__=None,
+        __spec__=None,
         __builtins__=builtins,
-    )  # fmt: skip
+    )
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
 

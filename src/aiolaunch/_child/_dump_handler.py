@@ -64,14 +64,6 @@ MAX_DEPTH = 50
 _keep: list[object] = []  # the dump file: faulthandler only borrows its fd
 
 
-def _start_time() -> str:
-    """This process's start time in clock ticks since boot (with the pid: one process)."""
-    with open("/proc/self/stat", "rb") as f:
-        raw = f.read()
-    # "pid (comm) state ...": comm may hold spaces or ')', so split after the last ')'.
-    return raw[raw.rfind(b")") + 2 :].split()[19].decode()
-
-
 _UNKNOWN = "unknown"
 
 
@@ -119,7 +111,9 @@ def register(directory: str | None = None) -> bool:
             _signal.siginterrupt(sig, False)  # SA_RESTART, handler kept
         marker = os.path.join(directory, f"{pid}.ok")
         try:
-            started = _start_time()
+            from ._proc import start_time
+
+            started = start_time()
         except (OSError, IndexError):  # no /proc: the pid alone identifies it
             started = ""
         # A symbolic link holds the start time: made without a write(), so

@@ -220,7 +220,7 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
     CPython does not promise that objects still alive at exit - cycles
     included - are finalized.
     """
-    from .._compat import exit_steps
+    from ._compat import exit_steps
 
     for fin in inherited:
         fin.atexit = False  # the zygote's state: it goes with the process, as its modules
@@ -254,9 +254,10 @@ def _foreign_threads() -> bool:
     """Whether a thread that Python did not start runs in this process (Linux)."""
     import threading
 
-    try:
-        tids = {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:  # pragma: no cover - no procfs: assume the worst
+    from ._proc import thread_ids
+
+    tids = thread_ids()
+    if tids is None:  # pragma: no cover - no procfs: assume the worst
         return True
     # The main thread's native_id is the zygote's (set before the fork).
     me = threading.current_thread()
@@ -281,7 +282,7 @@ def _flush_files(namespace: dict[str, Any]) -> None:
 
 def _inherited() -> list[Any]:
     """The ``weakref.finalize`` objects the worker got from the zygote."""
-    from .._compat import exit_finalizers
+    from ._compat import exit_finalizers
 
     return exit_finalizers()
 

@@ -50,7 +50,7 @@ class PassFd:
         self.fd = fd
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from .._compat import dup_fd_for_child
+        from ._compat import dup_fd_for_child
 
         return (_rebuild_fd, (dup_fd_for_child(self.fd),))
 
@@ -182,7 +182,7 @@ def _send_result(fd: int, value: Any) -> None:
 def _reset_asyncio_after_fork() -> None:
     # Python < 3.12 leaves the parent's running loop set in a forked child.
     if "asyncio" in sys.modules:  # else importing _compat would import it
-        from .._compat import clear_running_loop
+        from ._compat import clear_running_loop
 
         clear_running_loop()
 

@@ -15,7 +15,7 @@ the program starts and writes only when it is unchanged at the end.
 
 The record is made before the traceback is printed and the interpreter
 finalizes: the supervisor reads it as the sign that a worker is failing on
-its own (:func:`recorded_by`), even when it stops the worker before its exit.
+its own (``_terminate``), even when it stops the worker before its exit.
 
 Imports only :mod:`os` until there is something to record (a worker's start
 stays as cheap as a bare interpreter's); the error-file writer is imported
@@ -25,9 +25,8 @@ then.
 from __future__ import annotations
 
 import os
-import time
 
-__all__ = ["ErrorFileWatch", "recorded_by"]
+__all__ = ["ErrorFileWatch"]
 
 _ENV = "TORCHELASTIC_ERROR_FILE"  # _error_file.ERROR_FILE_ENV, without importing it
 
@@ -70,32 +69,6 @@ class ErrorFileWatch:
                 os.write(2, note.encode())
             except OSError:
                 pass
-
-
-def recorded_by(path: str, pid: int) -> bool:
-    """Whether process ``pid`` (alive, or exited and not yet reaped) wrote its
-    error file ``path``: the file was written after the process started.
-
-    ``False`` for no path, ``/dev/null``, no file, or no such process (the
-    file of an earlier process of the rank, a restart's, is older than it).
-    Linux (``/proc``); elsewhere always ``False``.
-    """
-    if not path or path == os.devnull:
-        return False
-    try:
-        written = os.stat(path).st_mtime
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        ticks = int(raw[raw.rfind(b")") + 2 :].split()[19])
-        boot = getattr(time, "CLOCK_BOOTTIME", None)
-        if boot is None:  # pragma: no cover - Linux has it
-            return False
-        booted = time.time() - time.clock_gettime(boot)
-    except (OSError, ValueError, IndexError):
-        return False
-    # A tick of the start time is 10 ms: the margin keeps a file written in
-    # the process's first tick.
-    return written >= booted + ticks / os.sysconf("SC_CLK_TCK") - 0.02
 
 
 def _state(path: str) -> tuple[int, int, int, int] | None:

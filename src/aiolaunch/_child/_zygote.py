@@ -39,6 +39,8 @@ import struct
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ._proc import library_loaded, open_fds, thread_ids
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
 
@@ -126,12 +128,12 @@ def recv_frame(sock: socket.socket) -> tuple[Any, list[int]] | None:
 
 # -- fork safety ----------------------------------------------------------------
 def _threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:  # pragma: no cover - no /proc
+    tids = thread_ids()
+    if tids is None:  # pragma: no cover - no procfs
         import threading
 
         return threading.active_count()
+    return len(tids)
 
 
 def _probe_fork() -> None:
@@ -152,14 +154,10 @@ def _cuda_loaded() -> bool:
                 return True
         except Exception:  # pragma: no cover - a broken torch
             return True
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            # The CUDA driver is loaded by the first CUDA call, not by torch's
-            # import; torch.cuda.is_available() loads it unless
-            # PYTORCH_NVML_BASED_CUDA_CHECK=1 (set in the zygote's environment).
-            return b"/libcuda.so" in f.read()
-    except OSError:  # pragma: no cover - no /proc
-        return False
+    # The CUDA driver is loaded by the first CUDA call, not by torch's
+    # import; torch.cuda.is_available() loads it unless
+    # PYTORCH_NVML_BASED_CUDA_CHECK=1 (set in the zygote's environment).
+    return library_loaded(b"/libcuda.so")
 
 
 def fork_hazard() -> str | None:
@@ -182,11 +180,7 @@ def fork_hazard() -> str | None:
 def _close_inherited(keep: set[int]) -> None:
     # As Popen(close_fds=True): a worker starts with no fd the supervisor
     # happened to leave inheritable.
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:  # pragma: no cover - no /proc
-        fds = list(range(3, 256))
-    for fd in fds:
+    for fd in open_fds():
         if fd > 2 and fd not in keep:
             try:
                 os.close(fd)

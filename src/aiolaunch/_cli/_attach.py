@@ -150,13 +150,18 @@ def attach_main(argv: Sequence[str]) -> int:
     )
     p.add_argument("rank", type=int, help="the local rank to attach to")
     p.add_argument(
-        "log_dir", nargs="?", default=None,
+        "log_dir",
+        nargs="?",
+        default=None,
         help="the job's --log-dir (searched up to 3 levels down); default: your one running job",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--timeout", type=float, default=10.0, metavar="SECONDS",
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
         help="how long the rank's main thread has to take the signal (default 10)",
-    )  # fmt: skip
+    )
     args = p.parse_args(list(argv))
     if not args.timeout > 0:
         print(f"aiolaunch attach: --timeout {args.timeout} must be > 0", file=sys.stderr)

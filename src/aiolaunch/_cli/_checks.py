@@ -134,10 +134,14 @@ def signal_environ(args: argparse.Namespace) -> dict[str, str]:
     environ: dict[str, str] = {}
     inherited = os.environ.get(FORWARD_SIGNALS_ENV)
     for flag, value, env, example in (
-        ("--signals-to-handle", args.signals_to_handle, "TORCHELASTIC_SIGNALS_TO_HANDLE",
-         DEFAULT_SIGNALS),
+        (
+            "--signals-to-handle",
+            args.signals_to_handle,
+            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+            DEFAULT_SIGNALS,
+        ),
         ("--forward-signals", args.forward_signals, FORWARD_SIGNALS_ENV, "SIGUSR1"),
-    ):  # fmt: skip
+    ):
         what = source(flag, value)
         if value is None:
             if not inherited:

@@ -147,9 +147,11 @@ def events_main(argv: Sequence[str]) -> int:
         "restarting, stalled, straggling, group_stopped) as they happen, until it ends.",
     )
     p.add_argument(
-        "log_dir", nargs="?", default=None,
+        "log_dir",
+        nargs="?",
+        default=None,
         help="the job's --log-dir (searched up to 3 levels down); default: your one running job",
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(list(argv))
     conn = ControlConnection(args.log_dir)
@@ -160,8 +162,11 @@ def events_main(argv: Sequence[str]) -> int:
             stopped, supervisor = _stream(conn, args.json, seen)
             conn.close()
             if not stopped:
-                print("aiolaunch events: the job's control socket closed before its group "
-                      "stopped (the supervisor died?)", file=sys.stderr)  # fmt: skip
+                print(
+                    "aiolaunch events: the job's control socket closed before its group "
+                    "stopped (the supervisor died?)",
+                    file=sys.stderr,
+                )
                 return 1
             if supervisor is None or not _next_attempt(conn, supervisor, seen):
                 return 0

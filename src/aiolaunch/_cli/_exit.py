@@ -17,7 +17,7 @@ exit status            meaning
 =====================  ==================================================
 
 Schedulers (Slurm's ``ExitCode``, a Kubernetes ``podFailurePolicy``, a retry
-wrapper) read these; docs/recipes.md keys its examples on them and
+wrapper) read these; docs/schedulers.md keys its examples on them and
 ``tests/test_exit_status.py`` checks each against the real command.
 
 The termination message: on a non-zero exit, one short text (the root cause:

@@ -201,11 +201,6 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> str | N
     return _notice(environ, taken)
 
 
-def _first(environ: Mapping[str, str], *names: str) -> str | None:
-    """The first of ``names`` that is set."""
-    return next((n for n in names if n in environ), None)
-
-
 def _notice(environ: Mapping[str, str], taken: list[str]) -> str | None:
     if not taken:
         return None

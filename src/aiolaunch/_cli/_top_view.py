@@ -37,9 +37,17 @@ ESC = 27
 #: the state of a rank that was live when its job ended (how it ended is not known here)
 GONE = "gone"
 _STATE_ORDER = (
-    "stalled", "straggling", "running", "sleeping", "disk-sleep", "stopped", "restarting",
-    "starting", GONE, "exited",
-)  # fmt: skip
+    "stalled",
+    "straggling",
+    "running",
+    "sleeping",
+    "disk-sleep",
+    "stopped",
+    "restarting",
+    "starting",
+    GONE,
+    "exited",
+)
 _HEAD_ROWS = 3  # title, subtitle, column header
 _FOOT_ROWS = 1
 Line = tuple[str, str]  # (text, style): title header row selected alert warn dim blank footer
@@ -72,8 +80,8 @@ def ended(snapshot: Mapping[str, Any]) -> dict[str, Any]:
     workers = []
     for w in snapshot.get("workers", []):
         if w.get("state") != "exited":
-            w = {**w, "state": GONE, "cpu_percent": None, "last_output_s": None,
-                 "step_rate": None}  # fmt: skip
+            w = {**w, "state": GONE, "cpu_percent": None, "last_output_s": None}
+            w["step_rate"] = None
         workers.append(w)
     return {**snapshot, "workers": workers}
 
@@ -146,8 +154,11 @@ _COLUMNS: tuple[_Column, ...] = (
 
 
 def _columns(workers: Sequence[Mapping[str, Any]], width: int) -> list[_Column]:
-    cols = [c for c in _COLUMNS if c[0] != "STEP/s" or any(w.get("step_rate") is not None
-                                                               for w in workers)]  # fmt: skip
+    cols = [
+        c
+        for c in _COLUMNS
+        if c[0] != "STEP/s" or any(w.get("step_rate") is not None for w in workers)
+    ]
     # Narrow terminals lose columns from the right (MARKS takes what is left).
     while len(cols) > 2 and sum(c[1] + 1 for c in cols) > width:
         cols.pop()
@@ -286,8 +297,15 @@ def on_key(
     """Apply ``key``; returns ``"quit"``, ``"stacks"`` (show the selected rank's) or ``None``."""
     room = max(1, height - _HEAD_ROWS - _FOOT_ROWS)
     if state.pager is not None:
-        steps = {KEY_DOWN: 1, ord("j"): 1, KEY_UP: -1, ord("k"): -1,
-                 KEY_NPAGE: room, ord(" "): room, KEY_PPAGE: -room}  # fmt: skip
+        steps = {
+            KEY_DOWN: 1,
+            ord("j"): 1,
+            KEY_UP: -1,
+            ord("k"): -1,
+            KEY_NPAGE: room,
+            ord(" "): room,
+            KEY_PPAGE: -room,
+        }
         if key in steps:
             state.pager_top = max(0, state.pager_top + steps[key])
         elif key in (ord("q"), ord("Q"), ESC, KEY_LEFT, KEY_BACKSPACE, ord("s")):
@@ -311,9 +329,18 @@ def on_key(
     if key == ord("a"):
         state.filter, state.top = None, 0
         return None
-    moves = {KEY_DOWN: 1, ord("j"): 1, KEY_UP: -1, ord("k"): -1, KEY_NPAGE: room,
-             KEY_PPAGE: -room, KEY_HOME: -len(rows), ord("g"): -len(rows),
-             KEY_END: len(rows), ord("G"): len(rows)}  # fmt: skip
+    moves = {
+        KEY_DOWN: 1,
+        ord("j"): 1,
+        KEY_UP: -1,
+        ord("k"): -1,
+        KEY_NPAGE: room,
+        KEY_PPAGE: -room,
+        KEY_HOME: -len(rows),
+        ord("g"): -len(rows),
+        KEY_END: len(rows),
+        ord("G"): len(rows),
+    }
     if key in moves and rows:
         i = rows.index(state.selected) if state.selected in rows else 0
         state.selected = rows[max(0, min(len(rows) - 1, i + moves[key]))]

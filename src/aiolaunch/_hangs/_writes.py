@@ -20,27 +20,18 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from .._workers._proc import parse_wchar
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["FRESH_S", "WriteCount", "parse_wchar", "process_age"]
+__all__ = ["FRESH_S", "WriteCount", "process_age"]
 
 #: a process first read within this many seconds of its start: its writes
 #: so far count as output (``wchar`` starts at 0 in a new process)
 FRESH_S = 5.0
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def parse_wchar(data: bytes) -> int | None:
-    """``wchar`` of a ``/proc/<pid>/io`` text, or ``None``."""
-    i = data.find(b"wchar:")
-    if i < 0:
-        return None
-    try:
-        return int(data[i + 6 : data.index(b"\n", i)])
-    except ValueError:
-        return None
 
 
 def process_age(starttime: int) -> float:

@@ -45,8 +45,15 @@ __all__ = [
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: every state a rank can be in (``aiolaunch_worker_state`` has one sample each)
 STATES = (
-    "starting", "running", "sleeping", "disk-sleep", "stopped", "stalled", "restarting", "exited",
-)  # fmt: skip
+    "starting",
+    "running",
+    "sleeping",
+    "disk-sleep",
+    "stopped",
+    "stalled",
+    "restarting",
+    "exited",
+)
 
 #: name, type, help, the status field it reads (per rank)
 WORKER_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -178,21 +185,16 @@ def _group_lines(snapshot: Mapping[str, Any], workers: Sequence[Mapping[str, Any
 
 def _process_values() -> dict[str, list[tuple[str, float]]]:
     """The supervisor's own ``process_*`` samples (Linux ``/proc``; none elsewhere)."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        with open("/proc/stat", "rb") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        fds = len(os.listdir("/proc/self/fd"))
-    except (OSError, StopIteration, IndexError, ValueError):
+    from .._workers._proc import boot_time, open_fds, read_stat
+
+    stat, btime, fds = read_stat("self"), boot_time(), open_fds()
+    if stat is None or btime is None or fds is None:
         return {}
-    # fields[0] is the state (field 3): utime is field 14, starttime 22, rss 24
-    cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
     return {
-        "process_cpu_seconds_total": [("", cpu)],
-        "process_resident_memory_bytes": [("", int(fields[21]) * _PAGE)],
-        "process_open_fds": [("", fds)],
-        "process_start_time_seconds": [("", btime + int(fields[19]) / _CLK_TCK)],
+        "process_cpu_seconds_total": [("", (stat.utime + stat.stime) / _CLK_TCK)],
+        "process_resident_memory_bytes": [("", stat.rss_pages * _PAGE)],
+        "process_open_fds": [("", len(fds))],
+        "process_start_time_seconds": [("", btime + stat.starttime / _CLK_TCK)],
     }
 
 
@@ -337,9 +339,13 @@ async def _http(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, collect: Callable[[], str]
 ) -> None:
     with contextlib.suppress(
-        ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-        asyncio.TimeoutError, TimeoutError, ValueError,
-    ):  # fmt: skip
+        ConnectionError,
+        asyncio.IncompleteReadError,
+        asyncio.LimitOverrunError,
+        asyncio.TimeoutError,
+        TimeoutError,
+        ValueError,
+    ):
         while True:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IDLE_S)
             lines = head.decode("latin-1").split("\r\n")

@@ -21,8 +21,9 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .._workers._fds import close_fd
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
-from .._workers._handle import WorkerHandle, close_fd
+from .._workers._handle import WorkerHandle
 
 if TYPE_CHECKING:
     from .._workers._function import ResultReader
@@ -92,7 +93,7 @@ class ZygoteWorker(WorkerHandle):
         rc = self._zygote.reported.pop(self.pid, None)
         if rc is None:
             rc = 255
-            self.failure_reason = (
+            self.fail(
                 f"local rank {self.local_rank} (pid {self.pid}) exited with an unknown "
                 f"status: the zygote that forked it (pid {self._zygote_pid}) died first"
             )

@@ -4,7 +4,7 @@ A rank that writes the console itself (inherited streams: torchrun's
 default, and the CLI's without ``-r``/``-t``) or ``/dev/null`` has no reader
 in the log pipeline to say when it last wrote. Its age comes from the
 kernel's count of the bytes it wrote (``wchar`` in ``/proc/<pid>/io``, read
-by :class:`~aiolaunch._hangs._sampler.Sampler`): any ``write()`` of the
+by :class:`~aiolaunch._hangs._activity.Sampler`): any ``write()`` of the
 worker's, to its streams or to a file, counts.
 
 A count has no time stamp, so the clock reads it: each such rank as soon as
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .._group import GroupState
-    from .._hangs._sampler import Sampler
+    from ._activity import Sampler
 
 __all__ = ["MAX_INTERVAL", "TICK", "OutputClock"]
 

@@ -1,0 +1,50 @@
+"""``/proc/self``, read from inside a worker or the zygote: the worker side's one door to it.
+
+Four readings, each a few system calls; every one has a fallback where there
+is no procfs (macOS), stated in its docstring. Standard library only, like
+everything in this folder.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["library_loaded", "open_fds", "start_time", "thread_ids"]
+
+
+def start_time() -> str:
+    """This process's start time in clock ticks since boot (with the pid: one process).
+
+    :raises OSError: no procfs.
+    """
+    with open("/proc/self/stat", "rb") as f:
+        raw = f.read()
+    # "pid (comm) state ...": comm may hold spaces or ')', so split after the last ')'.
+    return raw[raw.rfind(b")") + 2 :].split()[19].decode()
+
+
+def thread_ids() -> set[int] | None:
+    """The kernel ids of this process's threads; ``None`` without procfs."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # pragma: no cover - no procfs
+        return None
+
+
+def library_loaded(name: bytes) -> bool:
+    """Whether a shared library whose path contains ``name`` is mapped into this
+    process (``b"/libcuda.so"``); ``False`` without procfs."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return name in f.read()
+    except OSError:  # pragma: no cover - no procfs
+        return False
+
+
+def open_fds() -> list[int]:
+    """This process's open file descriptors; without procfs, every number below 256
+    (the caller closes what it does not keep: closing a closed fd is harmless)."""
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:  # pragma: no cover - no procfs
+        return list(range(256))
