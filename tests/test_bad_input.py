@@ -146,6 +146,18 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
     ),
     ("stall-inf", ["--stall-timeout", "inf"], {}, ("--stall-timeout=inf", "> 0")),
     (
+        "stall-tiny",
+        ["--stall-timeout", "1e-9"],
+        {},
+        ("--stall-timeout=1e-09", "sampling period (1 s)", "--stall-timeout 600"),
+    ),
+    (
+        "stall-huge",
+        ["--stall-timeout", "1e300"],
+        {},
+        ("--stall-timeout=1e+300", "longer than 30 days", "--stall-timeout 600"),
+    ),
+    (
         "straggler-small",
         ["--stall-timeout", "5", "--straggler-sample", "0.01"],
         {},
@@ -511,6 +523,16 @@ def test_stacks_timeout_is_checked_by_the_command_line(
             ("progress='x?'", "matches every line"),
         ),
         (
+            lambda: aiolaunch.Watchdog(stall_after=1e-9),
+            ValueError,
+            ("stall_after=1e-09", "sampling period (1 s)", "stall_after=600"),
+        ),
+        (
+            lambda: aiolaunch.Watchdog(stall_after=1e300),
+            ValueError,
+            ("stall_after=1e+300", "longer than 30 days", "watchdog=None"),
+        ),
+        (
             lambda: aiolaunch.set_console_hook(NOT_A_HOOK),
             TypeError,
             ("set_console_hook(5)", "callable", "None"),
@@ -553,6 +575,8 @@ def test_stacks_timeout_is_checked_by_the_command_line(
     ids=[
         "progress-empty",
         "progress-optional",
+        "stall-after-tiny",
+        "stall-after-huge",
         "console-hook",
         "monitor-nan",
         "monitor-inf",

@@ -660,7 +660,7 @@ def test_register_makes_the_stacks_folder_a_worker_gets_to_first(tmp_path: Path)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     ok, pid = out.stdout.split()
     assert ok == "True", out.stderr
-    assert (folder / f"{pid}.txt").exists() and (folder / f"{pid}.ok").exists()
+    assert (folder / f"{pid}.txt").exists() and (folder / f"{pid}.ok").is_symlink()
     assert (folder.stat().st_mode & 0o777) == 0o700
 
 

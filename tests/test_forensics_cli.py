@@ -100,6 +100,40 @@ def test_cli_stall_fails_the_job_and_names_the_outlier(tmp_path: Path) -> None:
     assert "waiting_for_peers" in (attempt / "0" / "stacks-1.txt").read_text()
 
 
+EARLY_STEPS = textwrap.dedent(
+    """
+    import os, sys, time
+
+    rank = int(os.environ["LOCAL_RANK"])
+    if rank == 1:
+        for i in range(3):  # before the watchdog's first sample
+            print(f"step {i}", flush=True)
+        time.sleep(12)  # then no progress: a stall
+        sys.exit(0)
+    start = time.monotonic()
+    i = 0
+    while time.monotonic() - start < 15:  # rank 0: progress all along
+        i += 1
+        print(f"step {i}", flush=True)
+        time.sleep(0.2)
+    """
+)
+
+
+def test_progress_printed_before_the_first_sample_counts_for_its_rank(tmp_path: Path) -> None:
+    # Judged by the group's progress (rank 0's), rank 1 would never be
+    # flagged: the job would succeed after 15 s.
+    script = tmp_path / "train.py"
+    script.write_text(EARLY_STEPS)
+    argv = _cli("--nproc-per-node", "2", "--stall-timeout", "3", "--progress-regex", "^step",
+                str(script))  # fmt: skip
+    with driver(argv, env=_env()) as proc:
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert "rank 1 of 'default' stalled (no progress line and no CPU" in stderr, stderr
+    assert "root cause: rank 1 (local_rank 1)" in stderr
+
+
 def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(HANG)

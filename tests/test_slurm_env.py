@@ -144,6 +144,33 @@ def test_bad_slurm_values_name_the_variable(var: str, value: str) -> None:
         apply_slurm(parse_args(["train.py"]), {**SLURM, var: value})
 
 
+def test_standalone_takes_nothing_from_slurm() -> None:
+    # torchrun --standalone is one node whatever Slurm says: in an srun step
+    # on several nodes each node runs a job of its own.
+    for env in (SLURM, {k: v for k, v in SLURM.items() if not k.startswith("SLURM_STEP_")}):
+        args = parse_args(["--standalone", "train.py"])
+        assert apply_slurm(args, env) is None
+        assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == ("1:1", 0, "")
+
+
+def test_standalone_in_a_two_node_srun_step_runs(tmp_path: Path) -> None:
+    # What srun writes on the second node of a 2-node step.
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+    env |= {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_NUM_NODES": "2"}
+    env |= {"SLURM_STEP_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n2"}
+    argv = ["--standalone", "--nproc-per-node", "2", "--no-python", "sh", "-c", "echo $WORLD_SIZE"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiolaunch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "2"]  # one node's world, as torchrun's
+    assert "--nnodes" not in proc.stderr
+
+
 def test_the_cli_says_what_it_took(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1"}
     env["SLURM_JOB_NODELIST"] = "localhost"

@@ -282,6 +282,22 @@ def test_ranks_that_never_print_progress_follow_the_group() -> None:
     assert "judged by the group's" in verdicts[1][1]
 
 
+def test_progress_printed_before_the_first_sample_counts_for_the_rank() -> None:
+    # Rank 1 printed its steps before the watchdog's first sample, then
+    # stopped; rank 0 goes on printing. Rank 1 is a rank that prints
+    # progress: judged by its own lines, it is stalled stall_after later.
+    det = StallDetector(STALL, progress=True)
+    det.observe(0, Sample(1, 0.0, last_progress=0.5), 1.0)
+    det.observe(1, Sample(2, 0.0, last_progress=0.2), 1.0)
+    t, stalled = 1.0, None
+    while stalled is None and t < 30:
+        t += 0.5
+        assert det.observe(0, Sample(1, 0.0, last_progress=t), t) is None
+        stalled = det.observe(1, Sample(2, 0.0, last_progress=0.2), t)
+    assert stalled is not None and t == 1.0 + STALL
+    assert stalled.reason.startswith("no progress line and no CPU for 5.0s"), stalled.reason
+
+
 def test_a_rank_starved_of_cpu_still_wants_it() -> None:
     # main_s counts time waiting on the run queue: a loaded host's busy rank
     # gets 3 % of a core but wants all of it (schedstat), so it is busy.

@@ -627,6 +627,42 @@ def test_cli_preload_flags(tmp_path: Path) -> None:
         assert proc.returncode == 2 and words in err, err
 
 
+def test_cli_preload_of_a_module_beside_the_script(tmp_path: Path) -> None:
+    # `python proj/train.py` imports proj/cfgmod.py (the script's folder is
+    # sys.path[0]): --preload cfgmod finds it there too, from another folder.
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    imports = tmp_path / "imports"
+    write_script(
+        proj, "cfgmod.py", f"import os\nopen({str(imports)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+    )
+    write_script(
+        proj,
+        "train.py",
+        "import os, sys\nprint('cfgmod' in sys.modules, os.getppid(), flush=True)\n",
+    )
+    argv = [sys.executable, "-m", "aiolaunch", "--nproc-per-node", "2", "--tee", "3"]
+    with driver([*argv, "--preload", "cfgmod", "proj/train.py"], cwd=tmp_path) as proc:
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "install it" not in err
+    rows = [line.split(":", 1)[1].split() for line in out.splitlines() if ":" in line]
+    assert len(rows) == 2 and all(preloaded == "True" for preloaded, _ in rows), out
+    assert len({ppid for _, ppid in rows}) == 1 and rows[0][1] != str(proc.pid)  # one zygote
+    assert len(imports.read_text().split()) == 1  # imported once, by that zygote
+
+
+def test_cli_preload_of_a_module_nowhere_names_both_places(tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    write_script(proj, "train.py", "pass\n")
+    argv = [sys.executable, "-m", "aiolaunch", "--preload", "cfgmod_nowhere", "proj/train.py"]
+    with driver(argv, cwd=tmp_path) as proc:
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert f"no module named 'cfgmod_nowhere' is installed, nor in {proj}" in err
+
+
 AGENT_RESTART = """
 import os, sys, time
 attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["LOCAL_RANK"]

@@ -292,9 +292,9 @@ def start_processes(
     )
     warm = None
     if preload is not None and preload is not False:
-        from ._warm._preload import resolve_preload
+        from ._warm._preload import resolve_preload, workers_folder
 
-        warm = resolve_preload(preload)
+        warm = resolve_preload(preload, folder=workers_folder(entrypoint, args[0]))
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)

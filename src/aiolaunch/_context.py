@@ -115,6 +115,7 @@ class PContext:
             stderrs=self.stderrs,
             emit=bus.emit,
             restartable=restarts.has_policy,
+            unread=logs.unread,
         )
         live = LiveObserver(
             state,

@@ -86,6 +86,7 @@ class RankLauncher:
         block's end on, and closed if the spawn fails."""
         async with self._logs.open(rank) as streams:
             handle = await self._spawner.spawn(rank, self.env(rank), streams.stdout, streams.stderr)
+            handle.error_file = self._logs.dest.error_files.get(rank, "")
             self._state.started(handle)
             self._bus.emit(worker_started(handle))
             for observer in self._observers:

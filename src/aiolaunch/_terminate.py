@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import time
 from typing import TYPE_CHECKING
 
 from ._cancel import move_on_after
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["Escalation", "sweep_tagged", "terminate"]
 
 logger = logging.getLogger("aiolaunch")
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 # Bound for processes to vanish after SIGKILL (a process in uninterruptible
 # sleep can take a moment; we never wait forever).
@@ -152,12 +155,16 @@ async def terminate(
        the grace period ran out - and wait for it to vanish.
 
     Workers signalled here are marked ``stopped_by_us``: their exits are not
-    failures. Never raises for processes that are already gone.
+    failures - except those that were already failing on their own when
+    signalled: their error file (``error_file``) written since they started
+    (the bootstraps record an exception before the traceback and the
+    teardown). Signalled too, their exits stay failures of their own. Never
+    raises for processes that are already gone.
     """
     death_sig = signal.Signals(death_sig)
     alive = [w for w in workers if w.alive]
     for w in alive:
-        w.stopped_by_us = True
+        w.stopped_by_us = not _failing_on_its_own(w)
     leftovers = _leftover_candidates(workers)
     since = min((w.pid for w in workers), default=0)
     table = ProcTable(since, [w.pid for w in alive]) if (alive or leftovers) else None
@@ -372,3 +379,25 @@ def _alive_pids(pids: set[int]) -> set[int]:
         if stat is not None and stat.alive:
             alive.add(pid)
     return alive
+
+
+def _failing_on_its_own(w: WorkerHandle) -> bool:
+    """Whether ``w`` wrote its error file since it started: it recorded an
+    exception (the bootstraps do before they print the traceback and tear
+    down), its exit under way. ``False`` without an error file, or once the
+    process is gone (a file of an earlier incarnation is older than it)."""
+    path = w.error_file
+    if not path or path == os.devnull:
+        return False
+    try:
+        written = os.stat(path).st_mtime
+    except OSError:
+        return False
+    stat = read_stat(w.pid)
+    boot = getattr(time, "CLOCK_BOOTTIME", None)
+    if stat is None or boot is None:
+        return False
+    started = time.time() - time.clock_gettime(boot) + stat.starttime / _CLK_TCK
+    # The start time comes in clock ticks (10 ms): the margin keeps a file
+    # written in the process's first tick.
+    return written >= started - 0.02

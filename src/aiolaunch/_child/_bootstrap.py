@@ -10,6 +10,12 @@ uncaught exception: its traceback, without the bootstrap's frames, and
 status 1; ``sys.exit(n)``: ``n``; a script that cannot be opened: python's
 one line, status 2).
 
+An uncaught exception is also recorded in the rank's error file
+(``$TORCHELASTIC_ERROR_FILE``) as ``@record`` would record it - type,
+message, traceback - unless the program wrote that file itself
+(:mod:`aiolaunch._child._uncaught`): the failure's message, the summary and
+``report.json`` carry the exception with no decorator in the script.
+
 Before the program starts, :func:`aiolaunch._child._dump_handler.register` installs the
 stack-dump handlers when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
 :func:`aiolaunch._child._attach.register` the ``aiolaunch attach`` one.
@@ -42,6 +48,9 @@ def main(argv: list[str], dumps: bool = True) -> None:
 
         register()
         register_attach()  # `aiolaunch attach RANK`: pdb on request
+    from ._uncaught import ErrorFileWatch
+
+    error_file = ErrorFileWatch()  # before the program can write it
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] by the module's path
@@ -62,7 +71,8 @@ def main(argv: list[str], dumps: bool = True) -> None:
         tb = exc.__traceback__
         while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        error_file.record(exc.with_traceback(tb))
+        sys.excepthook(type(exc), exc, tb)
         raise SystemExit(1) from None
     raise SystemExit(0)
 

@@ -49,12 +49,18 @@ def watchdog_from_args(args: argparse.Namespace) -> Any:
             if value is not None:
                 raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
         return None
-    from .._hangs._watchdog import Watchdog, matches_every_line
+    from .._hangs._watchdog import Watchdog, matches_every_line, stall_after_problem
 
     if not (math.isfinite(args.stall_timeout) and args.stall_timeout > 0):
         raise ValueError(
             f"--stall-timeout={args.stall_timeout} must be a number of seconds > 0, "
             "e.g. --stall-timeout 600"
+        )
+    why = stall_after_problem(args.stall_timeout)
+    if why is not None:
+        raise ValueError(
+            f"--stall-timeout={args.stall_timeout} {why}; pass seconds from 1 to 2592000 "
+            "(30 days), e.g. --stall-timeout 600, or drop the flag for no watchdog"
         )
     if args.progress_regex is not None:
         try:

@@ -373,7 +373,7 @@ def early_preload(args: argparse.Namespace) -> tuple[Preload, int] | None:
 
 def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
     """``--preload``/``--no-preload``; by default torch, for a Python script that imports it."""
-    from .._warm._preload import resolve_preload, supported
+    from .._warm._preload import resolve_preload, supported, workers_folder
 
     if args.preload is not None and not [m for m in args.preload.split(",") if m.strip()]:
         raise ValueError(
@@ -391,7 +391,10 @@ def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
                 "module (drop --no-python or --preload)"
             )
         names = [m.strip() for m in args.preload.split(",") if m.strip()]
-        return resolve_preload(names, "--preload")
+        # A script's folder is its workers' sys.path[0]: a module beside it preloads.
+        script = not args.module and not args.run_path
+        folder = workers_folder(sys.executable, [args.training_script]) if script else ""
+        return resolve_preload(names, "--preload", folder)
     if not python_workers or not supported():
         return None
     import importlib.util

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._live import ControlConnection
-from ._top_view import TopState, on_key, screen
+from ._top_view import TopState, ended, on_key, screen
 
 if TYPE_CHECKING:
     import curses
@@ -105,6 +105,7 @@ class _Top:
             if self.snapshot is not None and not self.ended:
                 self.ended = True
                 self.state.message = f"job not running since {time.strftime('%H:%M:%S')}"
+                self.snapshot = ended(self.snapshot)  # its live ranks are gone now
             elif self.snapshot is None:
                 self.state.message = str(exc)
             return

@@ -19,12 +19,23 @@ from .._signals._names import describe_signal
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["TopState", "fmt_age", "fmt_bytes", "on_key", "pager_lines", "screen"]
+__all__ = [
+    "GONE",
+    "TopState",
+    "ended",
+    "fmt_age",
+    "fmt_bytes",
+    "on_key",
+    "pager_lines",
+    "screen",
+]
 
 #: key codes (curses' values, so the driver passes them through unchanged)
 KEY_DOWN, KEY_UP, KEY_LEFT, KEY_HOME, KEY_END = 258, 259, 260, 262, 360
 KEY_NPAGE, KEY_PPAGE, KEY_ENTER, KEY_BACKSPACE = 338, 339, 343, 263
 ESC = 27
+#: the state of a rank that was live when its job ended (how it ended is not known here)
+GONE = "gone"
 _STATE_ORDER = (
     "stalled",
     "straggling",
@@ -34,6 +45,7 @@ _STATE_ORDER = (
     "stopped",
     "restarting",
     "starting",
+    GONE,
     "exited",
 )
 _HEAD_ROWS = 3  # title, subtitle, column header
@@ -59,6 +71,24 @@ class TopState:
     message: str = ""
     #: the states seen so far, for the filter's cycle
     seen_states: set[str] = field(default_factory=set)
+
+
+def ended(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """``snapshot`` once its job ended (the control socket is gone): the ranks
+    it showed live are :data:`GONE`, without live figures (CPU %, output
+    age, step rate); those it showed exited stay as they were."""
+    workers = []
+    for w in snapshot.get("workers", []):
+        if w.get("state") != "exited":
+            w = {**w, "state": GONE, "cpu_percent": None, "last_output_s": None}
+            w["step_rate"] = None
+        workers.append(w)
+    return {**snapshot, "workers": workers}
+
+
+def _cpu(w: Mapping[str, Any]) -> str:
+    cpu = w.get("cpu_percent", 0.0)
+    return "-" if cpu is None else f"{cpu:.1f}"
 
 
 def fmt_age(seconds: float | None) -> str:
@@ -117,7 +147,7 @@ _COLUMNS: tuple[_Column, ...] = (
     ("PID", 7, True, lambda w: str(w.get("pid") or "-")),
     ("RST", 3, True, lambda w: str(w.get("restarts", 0))),
     ("OUTPUT", 7, True, lambda w: fmt_age(w.get("last_output_s"))),
-    ("CPU%", 6, True, lambda w: f"{w.get('cpu_percent', 0.0):.1f}"),
+    ("CPU%", 6, True, _cpu),
     ("RSS", 6, True, lambda w: fmt_bytes(w.get("rss"))),
     ("STEP/s", 7, True, _rate),
 )
@@ -160,7 +190,7 @@ def _style(w: Mapping[str, Any]) -> str:
         return "alert"
     if w.get("straggling"):
         return "warn"
-    if w.get("state") == "exited":
+    if w.get("state") in ("exited", GONE):
         return "dim"
     return "row"
 

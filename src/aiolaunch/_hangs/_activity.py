@@ -24,9 +24,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .._workers._proc import ProcFile, parse_schedstat, parse_stat, parse_wchar, wchan
+from .._workers._proc import ProcFile, parse_schedstat, parse_stat, wchan
 from ._descendants import Descendants, Threads
 from ._stall import CPU_BUSY_FRACTION, Sample
+from ._writes import WriteCount
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -50,7 +51,8 @@ class RankActivity:
     what ``status()`` shows: :attr:`cpu_percent` since the previous reading,
     :attr:`rss`, :attr:`state`, and :attr:`last_output` (monotonic time
     ``wchar`` of it or of a descendant last advanced, or output seen by the
-    log pipeline: :meth:`seen`).
+    log pipeline: :meth:`seen`); ``wchar`` as output:
+    :class:`~aiolaunch._hangs._writes.WriteCount`.
 
     :param suspect_after: after resting this long, the costlier looks: every
         thread's run-queue wait, every thread's children (each at most every
@@ -71,8 +73,7 @@ class RankActivity:
         self._main: tuple[float, float] | None = None
         self._helpers = 0.0
         self._rested_since = now
-        self._wchar: int | None = None
-        self._discount = 0
+        self._writes = WriteCount()
         self._schedstat = True
         # Held open and re-read each period (see ProcFile).
         self._stat = ProcFile(pid, "stat")
@@ -86,10 +87,6 @@ class RankActivity:
         for f in (self._stat, self._sched, self._io):
             f.close()
         self._descendants.close()
-
-    def _wchar_now(self) -> int | None:
-        data = self._io.read(1024)
-        return None if data is None else parse_wchar(data)
 
     def _main_now(self) -> tuple[float, float] | None:
         """The main thread's seconds on a CPU and runnable waiting for one
@@ -127,11 +124,7 @@ class RankActivity:
             self._t, self._cpu, self._main = now, cpu, main
         self.state, self.rss = stat.state, stat.rss_pages * _PAGE
         if writes:
-            wchar = self._wchar_now()
-            if wchar is not None:
-                if self._wchar is not None and wchar - self._wchar > self._discount:
-                    self.last_output = self._rested_since = now
-                self._wchar, self._discount = wchar, 0
+            self._wrote(now)
         where = wchan(self.pid) if stat.state == "D" else ""
         return Sample(
             self.pid,
@@ -144,6 +137,24 @@ class RankActivity:
             helpers_s=None if main is None else self._helpers,
             main_run_s=None if main is None else main[0],
         )
+
+    def read_writes(self, now: float) -> float | None:
+        """Read ``wchar`` alone now (one small read): :attr:`last_output` moves
+        to ``now`` when the process wrote since the previous reading.
+
+        :returns: :attr:`last_output`.
+        """
+        self._wrote(now)
+        return self.last_output
+
+    def _wrote(self, now: float) -> None:
+        if self._writes.update(self._io.read(1024), self._starttime):
+            self.last_output = self._rested_since = now
+
+    def _starttime(self) -> int | None:
+        raw = self._stat.read(4096)
+        stat = None if raw is None else parse_stat(raw)
+        return None if stat is None else stat.starttime
 
     def _helping(
         self, now: float, dt: float, used: float, main: tuple[float, float] | None, threads: int
@@ -183,13 +194,11 @@ class RankActivity:
     def discount(self, nbytes: int) -> None:
         """The worker wrote ``nbytes`` of a stack dump since the last reading:
         not output."""
-        self._discount += nbytes
+        self._writes.discount(nbytes)
 
     def rebase(self) -> None:
         """Forget writes made since the last reading (our own stack dump, say)."""
-        wchar = self._wchar_now()
-        if wchar is not None:
-            self._wchar = wchar
+        self._writes.rebase(self._io.read(1024))
 
 
 class Sampler:
@@ -222,6 +231,15 @@ class Sampler:
     def sample(self, rank: int, pid: int, now: float, *, writes: bool = True) -> Sample | None:
         """Read ``rank``'s process ``pid`` now; ``None`` when it is gone."""
         return self._activity(rank, pid, now).read(now, writes=writes)
+
+    def writes(self, rank: int, pid: int, now: float) -> float | None:
+        """Read only whether ``rank``'s process ``pid`` wrote since the last
+        reading (``wchar``); its :attr:`RankActivity.last_output` (monotonic),
+        ``None`` while unknown."""
+        act = self._ranks.get(rank)
+        if act is None or act.pid != pid:
+            act = self._activity(rank, pid, now)
+        return act.read_writes(now)
 
     def reading(self, rank: int, pid: int, now: float) -> RankActivity | None:
         """Read ``rank``'s process now; its activity (CPU %, RSS, state,

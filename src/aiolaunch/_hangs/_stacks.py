@@ -34,6 +34,7 @@ from .._child._dump_handler import (
     STACKS_DIR_ENV,
     TASKS_END,
     TASKS_SIGNAL,
+    read_marker,
     register,
 )
 from .._workers._proc import handles_signal, read_stat, sigmasks
@@ -108,8 +109,7 @@ def registered(directory: str, pid: int, sig: int = DUMP_SIGNAL, what: str = "")
     dump, a stack sample or an ``attach`` session (``what``: how to name ``sig``,
     e.g. ``"the attach signal (SIGRTMIN+6)"``)."""
     try:
-        with open(os.path.join(directory, f"{pid}.ok")) as f:
-            started = f.read().strip()
+        started = read_marker(os.path.join(directory, f"{pid}.ok"))
     except OSError:
         return (
             "not registered for stack dumps (not a Python worker started by aiolaunch: "

@@ -279,12 +279,12 @@ class MetricsServer:
         self,
         server: asyncio.AbstractServer,
         sock: socket.socket,
-        conns: set[asyncio.Task[None]],
+        conns: dict[asyncio.Task[None], asyncio.StreamWriter],
     ) -> None:
         self._server = server
         host, port = sock.getsockname()[:2]
         self.address: tuple[str, int] = (host, port)
-        # The connection tasks, added and removed by serve() (see start()).
+        # The connections (task, writer), added and removed by serve() (see start()).
         self._conns = conns
 
     @property
@@ -295,16 +295,16 @@ class MetricsServer:
     @classmethod
     async def start(cls, sock: socket.socket, collect: Callable[[], str]) -> MetricsServer:
         """Serve on ``sock`` (from :func:`bind_metrics`; the server owns it from here)."""
-        conns: set[asyncio.Task[None]] = set()
+        conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            conns.add(task)
+            conns[task] = writer
             try:
                 await _http(reader, writer, collect)
             finally:
-                conns.discard(task)
+                conns.pop(task, None)
                 writer.close()
 
         try:
@@ -315,10 +315,17 @@ class MetricsServer:
         return cls(server, sock, conns)
 
     def close(self) -> None:
-        """Stop listening and end open connections. Idempotent."""
+        """Stop listening and end open connections. Idempotent.
+
+        A connection ends by its transport's abort: its task sees the stream
+        end and returns. Not by cancelling the task: asyncio's server (3.10,
+        3.11) asks a cancelled connection task for its exception, and the
+        loop then logs a traceback to stderr for every connection open at
+        the end of a group (every keep-alive scraper, at every restart).
+        """
         self._server.close()
-        for task in self._conns:
-            task.cancel()
+        for writer in self._conns.values():
+            writer.transport.abort()
 
     async def aclose(self) -> None:
         """:meth:`close`, then wait for the connections' tasks to end."""

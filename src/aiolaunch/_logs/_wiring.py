@@ -247,6 +247,11 @@ class LogWiring:
         known = [a for a in ages if a is not None]
         return min(known) if known else None
 
+    def unread(self, rank: int) -> bool:
+        """Whether some of ``rank``'s output has no reader here (a stream
+        inherited or discarded): :meth:`last_output` cannot see it."""
+        return len(self._by_rank.get(rank, ())) < 2
+
     # -- finish -----------------------------------------------------------------
     async def drain_rank(self, rank: int) -> None:
         """Finish ``rank``'s current streams (its worker exited; before a restart).

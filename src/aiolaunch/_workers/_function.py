@@ -32,7 +32,6 @@ from ._processes import open_exit_fd
 __all__ = ["FunctionWorker", "ResultReader", "settle_result", "spawn_function"]
 
 
-
 class ResultReader(asyncio.Protocol):
     """Collects the worker's length-prefixed return record from the result pipe.
 

@@ -20,8 +20,12 @@ class WorkerHandle:
     """
 
     #: the worker writes its own Python exception to its error file (function
-    #: workers): a failure without one died without a Python exception
+    #: workers, scripts run by the bootstrap): a failure without one died
+    #: without a Python exception
     records_exceptions = False
+    #: its error file (``$TORCHELASTIC_ERROR_FILE``; ``""``: none): written
+    #: since it started, it was failing on its own when stopped (terminate())
+    error_file = ""
 
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
@@ -78,4 +82,3 @@ class WorkerHandle:
     def __repr__(self) -> str:
         state = "running" if self.alive else f"exited({self.returncode})"
         return f"<{type(self).__name__} rank={self.local_rank} pid={self.pid} {state}>"
-
