@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from ._child._bootstrap import BOOTSTRAP
 from ._compat import environ_data
 from ._context import PContext
 
@@ -81,10 +82,6 @@ def runs_bootstrap(argv: list[str]) -> bool:
     if rest[:1] == ["-u"]:
         rest = rest[1:]
     return rest[:2] == ["-m", BOOTSTRAP]
-
-
-#: the module the CLI runs a Python worker through (``_child/_bootstrap.py``)
-BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 _environ_cache: tuple[dict[Any, Any], dict[str, str]] | None = None

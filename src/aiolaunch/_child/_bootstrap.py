@@ -28,7 +28,11 @@ import os
 import runpy
 import sys
 
-__all__ = ["main"]
+__all__ = ["BOOTSTRAP", "main"]
+
+#: this module's name: a Python worker runs as ``python -u -m`` it ``script ARGS``
+#: (``__name__`` is ``"__main__"`` when it runs so)
+BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 def main(argv: list[str], dumps: bool = True) -> None:

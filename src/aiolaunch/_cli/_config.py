@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._child._bootstrap import BOOTSTRAP
 from .._child._runpath import run_script_path
 from ._checks import (
     check_event_log_handler,
@@ -351,9 +352,6 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         preload=preload,
         log_root=args.log_dir,
     )
-
-
-BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 def early_preload(args: argparse.Namespace) -> tuple[Preload, int] | None:

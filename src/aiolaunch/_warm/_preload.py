@@ -10,13 +10,13 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._child._bootstrap import BOOTSTRAP
 from .._child._zygote import load_time_items
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 __all__ = [
-    "BOOTSTRAP",
     "DEFAULT_PRELOAD",
     "TORCH_LATER",
     "Preload",
@@ -99,10 +99,6 @@ def resolve_preload(preload: object, what: str = "preload", folder: str = "") ->
         tuple(m for m in later if m not in names),
         folder if beside else "",
     )
-
-
-#: the CLI runs a Python worker as ``python -u -m`` this ``script ARGS``
-BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 def workers_folder(entrypoint: object, args: Sequence[object]) -> str:
