@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ._errors import MainProcessError, SignalException, WorkerError
 from ._hangs._watchdog import Watchdog
 from ._kinds import MultiprocessContext, SubprocessContext
-from ._live._metrics import closed_on_error, metrics_binder
+from ._live._metrics import MetricsEndpoint, closed_on_error, metrics_binder
 from ._logs import LogWiring
 from ._logs._filters import check_filters
 from ._logs._specs import LogsDest, LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
@@ -33,7 +33,7 @@ from ._validate import check_port, check_start_inputs, log_dir_error, pickle_pay
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from ._context import PContext
+    from ._context import JobAttempt, PContext
 
 __all__ = ["free_port", "launch", "start_processes"]
 
@@ -49,15 +49,23 @@ class _Starting:
     as a never-awaited coroutine does).
     """
 
-    def __init__(self, make: Callable[[], PContext], name: str) -> None:
+    def __init__(self, make: Callable[[JobAttempt | None], PContext], name: str) -> None:
         self._make = make
         self._name = name
         self._ctx: PContext | None = None
         self._used = False
+        self._job: JobAttempt | None = None
+
+    def in_job(self, job: JobAttempt) -> _Starting:
+        """The group is ``job``'s attempt (the elastic agent's): its restart
+        counts start at the job's, and it shows its metrics on the job's
+        endpoint. Returns this object, still to be awaited."""
+        self._job = job
+        return self
 
     async def _start(self) -> PContext:
         _require_asyncio()  # before the log folder, pipes or any process exist
-        ctx = self._make()
+        ctx = self._make(self._job)
         await ctx.start()
         return ctx
 
@@ -307,11 +315,12 @@ def start_processes(
     else:
         args_ = {rank: tuple(str(a) for a in a_) for rank, a_ in args_.items()}
 
-    def make() -> PContext:  # the port first: in use, it fails before any folder or worker
-        with closed_on_error(bind_metrics_port()) as metrics:
-            return build(metrics)
+    def make(job: JobAttempt | None) -> PContext:
+        # The port first: in use, it fails before any folder or worker.
+        with closed_on_error(bind_metrics_port()) as sock:
+            return build(None if sock is None else MetricsEndpoint(sock), job)
 
-    def build(metrics: socket.socket | None) -> PContext:
+    def build(metrics: MetricsEndpoint | None, job: JobAttempt | None) -> PContext:
         if logs_specs is not None:
             dest = LogsDest.of(logs_specs.reify(envs_))
         elif log_dir is None:
@@ -350,6 +359,7 @@ def start_processes(
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
             "metrics": metrics,
+            "job": job,
             "zygote": None,
         }
         if warm is not None:

@@ -27,17 +27,18 @@ from __future__ import annotations
 import asyncio
 import errno
 import signal
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._cancel import shielded
 from ._deadline import StopDeadline
 from ._ending import GroupEnding
 from ._errors import fd_limit_error
-from ._events import Event, EventBus, LogLines
+from ._events import Event, EventBus, LogLines, WorkerRestarting
 from ._group import GroupState
 from ._hangs._observer import HangObserver
 from ._launch import RankLauncher
-from ._live._metrics import url_of
 from ._live._observer import LiveObserver
 from ._live._status import worker_statuses
 from ._logs._folder import GroupFolder
@@ -47,17 +48,30 @@ from ._validate import check_seconds, check_signal
 from ._workers._processes import new_context_token
 
 if TYPE_CHECKING:
-    import socket
     from collections.abc import AsyncIterator, Callable
 
     from ._hangs._watchdog import Watchdog
     from ._launch import Spawner
+    from ._live._metrics import MetricsEndpoint
     from ._live._status import WorkerStatus
     from ._logs import LogWiring
     from ._results import RunProcsResult
     from ._signals._plan import SignalPlan
 
-__all__ = ["PContext"]
+__all__ = ["JobAttempt", "PContext"]
+
+
+@dataclass(frozen=True)
+class JobAttempt:
+    """What a group knows of the job it is one attempt of (the elastic agent's):
+    how many times the job restarted before it (``restarts``: every rank's
+    restart count starts there, and its first events say each rank restarts),
+    the delay before it, and the job's metrics endpoint (``None``: none; it
+    outlives the group)."""
+
+    restarts: int = 0
+    delay: float = 0.0
+    metrics: MetricsEndpoint | None = None
 
 
 class PContext:
@@ -86,7 +100,8 @@ class PContext:
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
         watchdog: Watchdog | None = None,
-        metrics: socket.socket | None = None,
+        metrics: MetricsEndpoint | None = None,
+        job: JobAttempt | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -102,8 +117,19 @@ class PContext:
         self.filtered_stderr = logs.filtered_file("stderr")
         self._signals = signal_plan
         self._logs = logs
-        self._state = state = GroupState(name, self.nprocs)
+        job = job or JobAttempt()
+        self._state = state = GroupState(name, self.nprocs, restarts=job.restarts)
         self._bus = bus = EventBus()
+        if job.restarts:  # the ranks of this attempt are the job's ranks restarted
+            for rank in range(self.nprocs):
+                bus.emit(
+                    WorkerRestarting(
+                        rank=rank, time=time.monotonic(), attempt=job.restarts, delay=job.delay
+                    )
+                )
+        owns_metrics = job.metrics is None
+        if job.metrics is not None:
+            metrics = job.metrics
         folder = GroupFolder(logs.dest.root, self.error_files)
         restarts = Restarts(restart or {}, state, bus=bus)
         self._readiness = Readiness(state, ready or {}, bus=bus, error_files=self.error_files)
@@ -121,12 +147,13 @@ class PContext:
             state,
             folder,
             metrics,
+            owns_metrics=owns_metrics,
             status=self.status,
             dump=self._hangs.dump,
             events=bus.iterate,
         )
         #: ``http://127.0.0.1:PORT/metrics`` with ``start_processes(metrics_port=)``, else None
-        self.metrics_url = None if metrics is None else url_of(metrics)
+        self.metrics_url = None if metrics is None else metrics.url
         observers = (self._hangs, live, self._readiness, restarts)
         self._ending = GroupEnding(
             state,

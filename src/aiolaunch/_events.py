@@ -106,7 +106,9 @@ def worker_exited(handle: WorkerHandle) -> WorkerExited:
 
 @dataclass(frozen=True)
 class WorkerRestarting(Event):
-    """A worker will be started again after ``delay`` seconds (restart policy)."""
+    """A worker will be started again after ``delay`` seconds: by its restart
+    policy, or as a rank of the next attempt of an agent's job (``attempt``:
+    the restart's number, as ``WorkerStarted.attempt`` will say)."""
 
     attempt: int
     delay: float

@@ -82,16 +82,19 @@ class GroupState:
     :attr:`wakeup`. All methods run on the loop thread.
     """
 
-    def __init__(self, name: str, nprocs: int) -> None:
+    def __init__(self, name: str, nprocs: int, *, restarts: int = 0) -> None:
         self.name = name
         self.nprocs = nprocs
+        #: how many times the job restarted before this group (its agent's attempt):
+        #: every rank's count starts there
+        self.job_restarts = restarts
         #: notified on every change (see :class:`Wakeup` for the waiting rule)
         self.wakeup = Wakeup()
         self._workers: dict[int, WorkerHandle] = {}
         self._exit_order: list[int] = []
         self._restarting: dict[int, int] = {}  # rank -> restarts planned, not finished
-        self._attempts = dict.fromkeys(range(nprocs), 0)  # restarts started, per rank
-        self._planned = dict.fromkeys(range(nprocs), 0)  # restarts planned, per rank
+        self._attempts = dict.fromkeys(range(nprocs), restarts)  # restarts started, per rank
+        self._planned = dict.fromkeys(range(nprocs), restarts)  # restarts planned, per rank
         self._forced: dict[int, ForcedFailure] = {}
         self._attached: set[int] = set()
         self._ending = False
@@ -126,7 +129,8 @@ class GroupState:
         return bool(self._restarting)
 
     def attempts(self, rank: int) -> int:
-        """How many times ``rank`` was restarted (its current incarnation's number)."""
+        """How many times ``rank`` was restarted (its current incarnation's number),
+        the job's restarts before this group included (:attr:`job_restarts`)."""
         return self._attempts[rank]
 
     def attached(self, rank: int) -> bool:

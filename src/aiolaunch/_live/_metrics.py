@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ __all__ = [
     "GROUP_METRICS",
     "STATES",
     "WORKER_METRICS",
+    "MetricsEndpoint",
     "MetricsServer",
     "bind_metrics",
     "closed_on_error",
@@ -333,6 +335,73 @@ class MetricsServer:
         conns = list(self._conns)
         if conns:
             await asyncio.gather(*conns, return_exceptions=True)
+
+
+class MetricsEndpoint:
+    """A ``/metrics`` address that may outlive the groups it shows.
+
+    The bound socket, served from the first time :meth:`serve` is awaited
+    (on that loop) until :meth:`aclose`; a scrape renders what :meth:`show`
+    set last, or ``idle()`` while nothing is shown. A group started with
+    ``start_processes(metrics_port=)`` owns one and closes it with itself;
+    the elastic agent owns one for its whole run, so that the address a
+    scraper is pointed at lives as long as the job: each attempt's group
+    shows itself while it runs, and between attempts the job's own samples
+    are served (a port taken by someone else between two attempts can no
+    longer end the job).
+
+    :param sock: a socket from :func:`bind_metrics`; owned from here on.
+    :param idle: the text while no group is shown (default: no sample).
+    """
+
+    def __init__(self, sock: socket.socket, idle: Callable[[], str] = lambda: "") -> None:
+        self._sock: socket.socket | None = sock
+        #: ``http://host:port/metrics``
+        self.url = url_of(sock)
+        self._idle = idle
+        self._render = idle
+        self._server: MetricsServer | None = None
+
+    @property
+    def serving(self) -> bool:
+        """Whether scrapes are answered now."""
+        return self._server is not None
+
+    async def serve(self) -> None:
+        """Answer scrapes from now on (idempotent). A failure is logged, never
+        raised: a metrics endpoint must never stop a job."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            self._server = await MetricsServer.start(sock, lambda: self._render())
+        except OSError as exc:
+            logging.getLogger("aiolaunch").warning("aiolaunch: no metrics server: %s", exc)
+
+    def show(self, render: Callable[[], str]) -> Callable[[], None]:
+        """Serve ``render()`` until the returned call (idempotent) takes it back."""
+        self._render = render
+
+        def unshow() -> None:
+            if self._render is render:
+                self._render = self._idle
+
+        return unshow
+
+    def close(self) -> None:
+        """Stop listening and end open scrapes (also an endpoint never served). Idempotent."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._server is not None:
+            self._server.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, then wait for the scrapes' tasks to end."""
+        self.close()
+        server, self._server = self._server, None
+        if server is not None:
+            await server.aclose()
 
 
 async def _http(

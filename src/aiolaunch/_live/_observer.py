@@ -9,9 +9,10 @@ and stopped when the group's end begins:
   table of :mod:`aiolaunch._live._commands` with this object as its target
   (:class:`~aiolaunch._live._commands.ControlTarget`);
 - the Prometheus endpoint (``metrics_port``): a
-  :class:`~aiolaunch._live._metrics.MetricsServer` on the socket bound by
+  :class:`~aiolaunch._live._metrics.MetricsEndpoint` on the socket bound by
   ``start_processes`` (before any worker started, so a port in use is an
-  error at the call), serving the same snapshot as the ``status`` command;
+  error at the call) or by the elastic agent for its whole run, showing the
+  same snapshot as the ``status`` command while the group runs;
 - ``aiolaunch attach`` sessions: at most one per rank; while one is open the
   group's state marks the rank attached (the watchdog leaves it alone: a rank
   at a pdb prompt has no output and no CPU, and is no hang).
@@ -34,7 +35,6 @@ from .._observer import GroupObserver
 from ._commands import dispatch, status_answer
 
 if TYPE_CHECKING:
-    import socket
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
     from .._events import Event
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .._results import RunProcsResult
     from ._attach import Session
     from ._control import ControlServer
-    from ._metrics import MetricsServer
+    from ._metrics import MetricsEndpoint
     from ._status import WorkerStatus
 
 __all__ = ["SERVE_DELAY", "LiveObserver"]
@@ -60,8 +60,9 @@ class LiveObserver(GroupObserver):
 
     :param state: the group.
     :param folder: where ``control.sock`` goes (and attach sockets, beside the dumps).
-    :param metrics: the bound metrics socket (``None``: no metrics); owned
-        from here on, closed by :meth:`aclose` or :meth:`conclude`.
+    :param metrics: where the group's metrics are shown (``None``: no metrics).
+    :param owns_metrics: the endpoint is the group's own: closed with it
+        (else the job's: only the group's showing ends with it).
     :param status: every rank's status row now (``PContext.status``).
     :param dump: a round of stack dumps of some ranks (``None``: all).
     :param events: the group's lifecycle events, history first.
@@ -71,16 +72,18 @@ class LiveObserver(GroupObserver):
         self,
         state: GroupState,
         folder: GroupFolder,
-        metrics: socket.socket | None,
+        metrics: MetricsEndpoint | None,
         *,
+        owns_metrics: bool = True,
         status: Callable[[], list[WorkerStatus]],
         dump: Callable[[Sequence[int] | None, float], Awaitable[Dump]],
         events: Callable[[], AsyncIterator[Event]],
     ) -> None:
         self._state = state
         self._folder = folder
-        self._metrics_sock = metrics
-        self._metrics: MetricsServer | None = None
+        self._metrics = metrics
+        self._owns_metrics = owns_metrics
+        self._unshow: Callable[[], None] = lambda: None
         self._status = status
         self._dump = dump
         self._events = events
@@ -105,10 +108,9 @@ class LiveObserver(GroupObserver):
             # A server still being set up is stopped too (ControlServer.start
             # removes its files when cancelled).
             await serving.stop()
-        self._close_metrics_socket()
-        if self._metrics is not None:
-            server, self._metrics = self._metrics, None
-            await server.aclose()
+        self._unshow()
+        if self._metrics is not None and self._owns_metrics:
+            await self._metrics.aclose()
         if self._server is not None:
             # Stop listening now; the socket's files go in conclude() (file
             # I/O, off wait()'s path).
@@ -122,9 +124,9 @@ class LiveObserver(GroupObserver):
         if self._server is not None:
             self._server.remove()
             self._server = None
-        self._close_metrics_socket()
-        if self._metrics is not None:
-            self._metrics.close()
+        self._unshow()
+        if self._metrics is not None and self._owns_metrics:
+            self._metrics.close()  # also an endpoint never served (a group that ended at once)
 
     async def _serve(self) -> None:
         from ._control import ControlServer
@@ -134,22 +136,12 @@ class LiveObserver(GroupObserver):
             self._server = await ControlServer.start(self.log_dir, lambda r: dispatch(self, r))
         except OSError as exc:  # a status endpoint must never stop a job
             logger.warning("aiolaunch: no control socket in %s: %s", self.log_dir, exc)
-        sock, self._metrics_sock = self._metrics_sock, None
-        if sock is None:
+        if self._metrics is None:
             return
-        from ._metrics import MetricsServer, render_metrics
+        from ._metrics import render_metrics
 
-        try:
-            self._metrics = await MetricsServer.start(
-                sock, lambda: render_metrics(status_answer(self))
-            )
-        except OSError as exc:  # a metrics endpoint must never stop a job
-            logger.warning("aiolaunch: no metrics server: %s", exc)
-
-    def _close_metrics_socket(self) -> None:
-        if self._metrics_sock is not None:
-            self._metrics_sock.close()
-            self._metrics_sock = None
+        await self._metrics.serve()
+        self._unshow = self._metrics.show(lambda: render_metrics(status_answer(self)))
 
     # -- ControlTarget: what a command sees ---------------------------------------
     @property
@@ -165,7 +157,8 @@ class LiveObserver(GroupObserver):
     @property
     def metrics_url(self) -> str | None:
         """``http://host:port/metrics`` while metrics are served, else ``None``."""
-        return None if self._metrics is None else self._metrics.url
+        metrics = self._metrics
+        return metrics.url if metrics is not None and metrics.serving else None
 
     def status(self) -> list[WorkerStatus]:
         """Every rank's state now."""
