@@ -26,7 +26,7 @@ from _helpers import alive, driver, wait_dead
 from _programs import write_script
 from aiolaunch import Std
 from aiolaunch._warm._preload import Preload
-from aiolaunch._warm._zygote import close_zygotes, zygote_for
+from aiolaunch._warm._zygote import ZygoteState, close_zygotes, zygote_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -427,7 +427,7 @@ async def test_zygote_killed_mid_run_takes_nothing_along(
         await ctx.wait_ready(timeout=60)
         pids = ctx.pids()
         z = zygote_for(JSON)
-        assert z is not None and z.state == "ready"
+        assert z is not None and z.state is ZygoteState.READY
         zpid = z.pid
         os.kill(zpid, signal.SIGKILL)
         wait_dead(zpid)

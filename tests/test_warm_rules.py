@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -13,7 +14,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiolaunch._child._forked import _exit_code
-from aiolaunch._child._zygote import load_time_items, recv_frame, send_frame
+from aiolaunch._child._wire import (
+    Decoder,
+    Exited,
+    Fork,
+    Forked,
+    FunctionJob,
+    Later,
+    Loaded,
+    Message,
+    Refused,
+    Spare,
+    encode,
+    receive,
+    send,
+)
+from aiolaunch._child._zygote import load_time_items
 from aiolaunch._cli._config import _IMPORTS_TORCH, _imports_torch
 from aiolaunch._warm._forks import script_form
 from aiolaunch._warm._preload import Preload, resolve_preload, shared_load_env
@@ -132,12 +148,12 @@ def test_script_form(argv: list[str], form: dict[str, object] | None) -> None:
     if form is None:
         assert got is None
     else:
-        assert got == {**form, "orig_argv": argv}
+        assert got is not None and dataclasses.asdict(got) == {**form, "orig_argv": argv}
 
 
 def test_pythonunbuffered_is_minus_u() -> None:
     form = script_form([PY, "t.py"], {"PYTHONUNBUFFERED": "1"})
-    assert form is not None and form["unbuffered"]
+    assert form is not None and form.unbuffered
 
 
 @pytest.mark.parametrize(
@@ -188,12 +204,22 @@ def test_frames_carry_objects_and_fds() -> None:
     a, b = socket.socketpair()
     r, w = os.pipe()
     try:
-        big = {"op": "fork", "blob": b"x" * (1 << 20)}  # larger than the socket buffer
+        job = FunctionJob(
+            rank=0,
+            fn=b"x" * (1 << 20),
+            args=b"",
+            error_file="",
+            sys_argv=[],
+            sys_path=[],
+            supervisor_pid=1,
+            process_name="w0",
+        )
+        big = Fork(job, ("result",), {"X": "1"}, "/", ())  # larger than the socket buffer
         import threading
 
-        sender = threading.Thread(target=send_frame, args=(a, big, [w]))
+        sender = threading.Thread(target=send, args=(a, big, [w]))
         sender.start()
-        got = recv_frame(b)
+        got = receive(b)
         sender.join()
         assert got is not None
         obj, fds = got
@@ -201,9 +227,22 @@ def test_frames_carry_objects_and_fds() -> None:
         os.write(fds[0], b"!")
         assert os.read(r, 1) == b"!"
         os.close(fds[0])
+        send(a, Later())
+        assert receive(b) == (Later(), [])
         a.close()
-        assert recv_frame(b) is None  # EOF
+        assert receive(b) is None  # EOF
     finally:
         b.close()
         os.close(r)
         os.close(w)
+
+
+def test_the_decoder_takes_frames_in_any_pieces() -> None:
+    msgs: list[Message] = [Spare(7), Forked(8), Exited(7, 256), Loaded("m", None), Refused("x")]
+    stream = b"".join(bytes(encode(m)) for m in msgs)
+    for step in (1, 3, 7, len(stream)):
+        decoder = Decoder()
+        got: list[Message] = []
+        for i in range(0, len(stream), step):
+            got += decoder.feed(stream[i : i + step])
+        assert got == msgs

@@ -40,6 +40,8 @@ import struct
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ._wire import Fork, FunctionJob, ScriptJob, StoreJob
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -60,32 +62,32 @@ class ChildContext:
         self.signals = signals
 
 
-def become(req: dict[str, Any], fds: list[int], ctx: ChildContext) -> Callable[[], None]:
+def become(req: Fork, fds: list[int], ctx: ChildContext) -> Callable[[], None]:
     """Set this freshly forked process up as ``req`` asks; return its job."""
-    got = dict(zip(req["fds"], fds, strict=True))
-    job = req["job"]
+    got = dict(zip(req.fds, fds, strict=True))
+    job = req.job
     try:
-        if job != "function":
+        if not isinstance(job, FunctionJob):
             os.setsid()
-        _signals(ctx.signals, set(req["ignored"]))
+        _signals(ctx.signals, set(req.ignored))
         os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
+        os.environ.update(req.env)
+        os.chdir(req.cwd)
         _std_fds(got)
         for name in ("result", "listen", "stop"):
             if name in got:
                 os.set_inheritable(got[name], False)  # ours, not for what the worker execs
-        _fresh_state(req.get("process_name"))
+        _fresh_state(job.process_name if isinstance(job, FunctionJob) else None)
     except BaseException as exc:
         os.write(2, f"aiolaunch: the forked worker could not start: {exc!r}\n".encode())
         os._exit(127)
-    if job == "script":
+    if isinstance(job, ScriptJob):
         os.close(ctx.lifeline_fd)
-        return lambda: _run_script(req, ctx)
-    if job == "function":
-        return lambda: _run_function(req, got, ctx)
+        return lambda: _run_script(job, ctx)
+    if isinstance(job, FunctionJob):
+        return lambda: _run_function(job, req.env, got, ctx)
     os.close(ctx.lifeline_fd)
-    return lambda: _run_store(req, got)
+    return lambda: _run_store(job, got)
 
 
 def _signals(zygote: dict[int, Any], ignored: set[int]) -> None:
@@ -287,16 +289,16 @@ def _inherited() -> list[Any]:
     return exit_finalizers()
 
 
-def _run_script(req: dict[str, Any], ctx: ChildContext) -> None:
+def _run_script(job: ScriptJob, ctx: ChildContext) -> None:
     from . import _bootstrap
 
     inherited = _inherited()
-    _stdio(req["unbuffered"])
-    sys.orig_argv = list(req["orig_argv"])
+    _stdio(job.unbuffered)
+    sys.orig_argv = list(job.orig_argv)
     if sys.path:
         sys.path[0] = os.getcwd()  # `python -m`; the bootstrap puts a script's folder there
     try:
-        _bootstrap.main(list(req["argv"]), dumps=req["bootstrap"])
+        _bootstrap.main(list(job.argv), dumps=job.bootstrap)
     except SystemExit as exc:
         _end(ctx.status_fd, _exit_code(exc), inherited)
     except KeyboardInterrupt:
@@ -304,25 +306,27 @@ def _run_script(req: dict[str, Any], ctx: ChildContext) -> None:
         raise
 
 
-def _run_function(req: dict[str, Any], got: dict[str, int], ctx: ChildContext) -> None:
+def _run_function(
+    job: FunctionJob, env: dict[str, str], got: dict[str, int], ctx: ChildContext
+) -> None:
     from ._function import ChildSpec, PassFd, run_worker
 
-    sys.argv = list(req["sys_argv"])
-    sys.path[:] = list(req["sys_path"])
+    sys.argv = list(job.sys_argv)
+    sys.path[:] = list(job.sys_path)
     _stdio(False)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - as multiprocessing's children
     spec = ChildSpec(
-        local_rank=req["rank"],
-        fn=req["fn"],
-        args=req["args"],
-        env=req["env"],
+        local_rank=job.rank,
+        fn=job.fn,
+        args=job.args,
+        env=env,
         stdout=None,
         stderr=None,
         result=PassFd(got["result"]),
         lifeline=PassFd(ctx.lifeline_fd),
         close_after_fork=(),
-        error_file=req["error_file"],
-        supervisor_pid=req["supervisor_pid"],
+        error_file=job.error_file,
+        supervisor_pid=job.supervisor_pid,
         check_parent=False,
     )
     inherited = _inherited()
@@ -333,18 +337,18 @@ def _run_function(req: dict[str, Any], got: dict[str, int], ctx: ChildContext) -
     _end(ctx.status_fd, 0, inherited)
 
 
-def _run_store(req: dict[str, Any], got: dict[str, int]) -> None:
+def _run_store(job: StoreJob, got: dict[str, int]) -> None:
     """Host the attempt's TCPStore on the supervisor's listening socket until told to stop."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     store = TCPStore(
-        req["host"],
-        req["port"],
+        job.host,
+        job.port,
         None,
         True,
-        timeout=timedelta(seconds=req["timeout"]),
+        timeout=timedelta(seconds=job.timeout),
         wait_for_workers=False,
         master_listen_fd=got["listen"],
         use_libuv=True,

@@ -16,12 +16,13 @@ would hang) or initialise CUDA (a CUDA context never survives a fork). It
 runs no op itself; a preload module that does either at import time makes it
 refuse to fork, and the supervisor starts those workers the ordinary way.
 
-The wire format (:func:`send_frame` / :func:`recv_frame`): a 4-byte length
-and a pickled dict; the supervisor's requests carry their fds as SCM_RIGHTS.
-Replies: ``ready``, ``failed`` (a preload import), ``loaded`` (a later
-import), ``forked``/``refused`` (one per request, in order), ``spare`` (a
-child forked ahead) and ``exited`` (a child's raw wait status; the zygote is
-the parent and reaps it).
+Its messages, and their one codec, are :mod:`._wire`'s: requests
+:class:`~._wire.Fork` and :class:`~._wire.Later`; replies
+:class:`~._wire.Ready`, :class:`~._wire.Failed` (a preload import),
+:class:`~._wire.Loaded` (a later import), :class:`~._wire.Forked` /
+:class:`~._wire.Refused` (one per request, in order), :class:`~._wire.Spare`
+(a child forked ahead) and :class:`~._wire.Exited` (a child's raw wait
+status; the zygote is the parent and reaps it).
 
 Imports only the standard library and aiolaunch's light modules: the
 workers inherit every module it holds.
@@ -31,18 +32,30 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
 import select
 import signal
 import socket
-import struct
 import sys
 from typing import TYPE_CHECKING, Any
 
 from ._proc import library_loaded, open_fds, thread_ids
+from ._wire import (
+    Exited,
+    Failed,
+    Fork,
+    Forked,
+    FunctionJob,
+    Later,
+    Loaded,
+    Ready,
+    Refused,
+    Spare,
+    receive,
+    send,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Mapping
 
 __all__ = [
     "LOAD_TIME_NAMES",
@@ -50,13 +63,8 @@ __all__ = [
     "fork_hazard",
     "load_time_items",
     "main",
-    "recv_frame",
-    "send_frame",
 ]
 
-_HEADER = struct.Struct("!I")
-#: most fds one request carries (stdin, stdout, stderr, and one job fd)
-MAX_FDS = 8
 #: idle time (seconds) after a request before a LATER import or a spare fork
 IDLE = 0.1
 #: the most spares a zygote keeps
@@ -91,39 +99,6 @@ def load_time_items(env: Mapping[str, str]) -> frozenset[tuple[str, str]]:
     return frozenset(
         (k, v) for k, v in env.items() if k in LOAD_TIME_NAMES or k.startswith(LOAD_TIME_PREFIXES)
     )
-
-
-# -- frames -------------------------------------------------------------------
-def send_frame(sock: socket.socket, obj: object, fds: Iterable[int] = ()) -> None:
-    """Send one frame (blocking); ``fds`` travel with its first byte."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    frame = memoryview(_HEADER.pack(len(data)) + data)
-    fds = list(fds)
-    sent = socket.send_fds(sock, [frame], fds) if fds else sock.send(frame)
-    while sent < len(frame):
-        sent += sock.send(frame[sent:])
-
-
-def recv_frame(sock: socket.socket) -> tuple[Any, list[int]] | None:
-    """Receive one frame (blocking): ``(obj, fds)``, or ``None`` at EOF."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
-    if not head:
-        return None
-    while len(head) < _HEADER.size:
-        more = sock.recv(_HEADER.size - len(head))
-        if not more:
-            return None
-        head += more
-    (size,) = _HEADER.unpack(head)
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if not n:
-            return None
-        got += n
-    return pickle.loads(buf), fds
 
 
 # -- fork safety ----------------------------------------------------------------
@@ -263,13 +238,14 @@ class _Server:
                 continue
             for fd, _ in events:
                 if fd == self.ctl.fileno():
-                    got = recv_frame(self.ctl)
+                    got = receive(self.ctl)
                     if got is None:
                         os._exit(0)  # the supervisor closed the zygote, or died
-                    if got[0].get("op") == "later":  # the workers started: import now
+                    msg, fds = got
+                    if isinstance(msg, Later):  # the workers started: import now
                         self._import_later()
                         continue
-                    job = self._request(*got)
+                    job = self._request(msg, fds)
                     if job is not None:
                         return job
                 else:
@@ -293,7 +269,7 @@ class _Server:
             except BaseException as exc:
                 error = _import_error(exc)
             gc.freeze()
-            send_frame(self.ctl, {"op": "loaded", "module": name, "error": error})
+            send(self.ctl, Loaded(name, error))
         for pid, sock in self.spares:  # made without the module
             sock.close()
             try:
@@ -311,15 +287,15 @@ class _Server:
         if pid == 0:
             ours.close()
             self._forget()
-            got = recv_frame(theirs)  # blocks until it is handed a worker
-            if got is None:
+            got = receive(theirs)  # blocks until it is handed a worker
+            if got is None or not isinstance(got[0], Fork):
                 os._exit(0)  # dropped, or the zygote is gone
             theirs.close()
-            return self._become(*got)
+            return self._become(got[0], got[1])
         theirs.close()
         self._watch(pid)
         self.spares.append((pid, ours))
-        send_frame(self.ctl, {"op": "spare", "pid": pid})
+        send(self.ctl, Spare(pid))
         return None
 
     def _reap(self, pidfd: int) -> None:
@@ -333,15 +309,15 @@ class _Server:
         self.poll.unregister(pidfd)
         os.close(pidfd)
         del self.children[pidfd]
-        send_frame(self.ctl, {"op": "exited", "pid": pid, "status": status})
+        send(self.ctl, Exited(pid, status))
 
     def _watch(self, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = pid
         self.poll.register(pidfd, select.POLLIN)
 
-    def _request(self, req: dict[str, Any], fds: list[int]) -> Callable[[], None] | None:
-        if req.get("op") != "fork":
+    def _request(self, req: object, fds: list[int]) -> Callable[[], None] | None:
+        if not isinstance(req, Fork):
             for fd in fds:
                 os.close(fd)
             return None
@@ -353,7 +329,7 @@ class _Server:
             if hazard is not None:
                 for fd in fds:
                     os.close(fd)
-                send_frame(self.ctl, {"op": "refused", "reason": hazard})
+                send(self.ctl, Refused(hazard))
                 return None
             pid = os.fork()
             if pid == 0:
@@ -361,21 +337,21 @@ class _Server:
                 return self._become(req, fds)
             self._watch(pid)
         self.forked = True
-        if req["job"] == "function":
+        if isinstance(req.job, FunctionJob):
             try:
                 os.setpgid(pid, pid)  # as the child will: no window where it shares ours
             except OSError:
                 pass
         for fd in fds:
             os.close(fd)
-        send_frame(self.ctl, {"op": "forked", "pid": pid})
+        send(self.ctl, Forked(pid))
         return None
 
-    def _hand_to_spare(self, req: dict[str, Any], fds: list[int]) -> int | None:
+    def _hand_to_spare(self, req: Fork, fds: list[int]) -> int | None:
         while self.spares:
             pid, sock = self.spares.pop(0)
             try:
-                send_frame(sock, req, fds)  # checked for safety when it was forked
+                send(sock, req, fds)  # checked for safety when it was forked
             except OSError:
                 continue  # it died: the next one, or a fork
             finally:
@@ -391,7 +367,7 @@ class _Server:
             sock.close()
         self.ctl.close()
 
-    def _become(self, req: dict[str, Any], fds: list[int]) -> Callable[[], None]:
+    def _become(self, req: Fork, fds: list[int]) -> Callable[[], None]:
         from ._forked import ChildContext, become
 
         ctx = ChildContext(
@@ -422,18 +398,10 @@ def main() -> None:
         try:
             importlib.import_module(name)
         except BaseException as exc:
-            send_frame(ctl, {"op": "failed", "module": name, "error": _import_error(exc)})
+            send(ctl, Failed(name, _import_error(exc)))
             os._exit(1)
     gc.freeze()
     server = _Server(ctl, status_fd, lifeline_fd, spares)
-    send_frame(
-        ctl,
-        {
-            "op": "ready",
-            "pid": os.getpid(),
-            "hazard": fork_hazard(),
-            "torch_distributed": "torch.distributed" in sys.modules,
-        },
-    )
+    send(ctl, Ready(os.getpid(), fork_hazard(), "torch.distributed" in sys.modules))
     job = server.serve(later)
     job()  # in a forked worker: never returns (SystemExit ends the interpreter)

@@ -19,10 +19,12 @@ import contextlib
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._child._wire import FunctionJob, ScriptJob, StoreJob
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
 from .._workers._handle import WorkerHandle, close_fd
+from ._zygote import ZygoteState
 
 if TYPE_CHECKING:
     from .._workers._function import ResultReader
@@ -79,7 +81,7 @@ class ZygoteWorker(WorkerHandle):
     def rebind(self) -> None:
         """(Re)register the pidfd reader on the running loop, once orphaned."""
         zygote = self._zygote
-        if zygote is None or zygote.state != "dead" or self._pidfd is None:
+        if zygote is None or zygote.state is not ZygoteState.DEAD or self._pidfd is None:
             return
         if self._watching:
             return
@@ -88,8 +90,7 @@ class ZygoteWorker(WorkerHandle):
 
     def _on_orphan_exit(self) -> None:
         assert self._zygote is not None
-        self._zygote.workers.pop(self.pid, None)
-        rc = self._zygote.reported.pop(self.pid, None)
+        rc = self._zygote.orphan_exited(self.pid)
         if rc is None:
             rc = 255
             self.failure_reason = (
@@ -147,14 +148,13 @@ def _std_fds(stdout: int | None, stderr: int | None) -> dict[str, int]:
     return fds
 
 
-def _common(env: dict[str, str]) -> dict[str, Any]:
+def _tagged(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the guardian's token, as a spawned worker gets it."""
     g = guardian()
-    if g is not None:
-        env = {**env, GUARDIAN_ENV: g.token}
-    return {"env": env, "cwd": os.getcwd(), "ignored": _ignored_signals()}
+    return env if g is None else {**env, GUARDIAN_ENV: g.token}
 
 
-def script_form(argv: list[str], env: dict[str, str]) -> dict[str, Any] | None:
+def script_form(argv: list[str], env: dict[str, str]) -> ScriptJob | None:
     """How the zygote runs the Python command line ``argv``; ``None``: it cannot.
 
     Accepted: ``python [-u] -m aiolaunch._child._bootstrap [-m] TARGET ARGS`` (the
@@ -176,7 +176,7 @@ def script_form(argv: list[str], env: dict[str, str]) -> dict[str, Any] | None:
         rest = rest[2:]
     if not rest or (rest[0].startswith("-") and rest[0] != "-m") or rest == ["-m"]:
         return None
-    return {"argv": rest, "unbuffered": unbuffered, "bootstrap": bootstrap, "orig_argv": argv}
+    return ScriptJob(argv=rest, unbuffered=unbuffered, bootstrap=bootstrap, orig_argv=argv)
 
 
 async def spawn_script(
@@ -196,9 +196,8 @@ async def spawn_script(
         zygote.warn(f"rank {local_rank} starts the ordinary way: {why}")
         return None
     handle = ZygoteWorker(local_rank)
-    pid = await zygote.fork(
-        {"job": "script", **_common(env), **form}, _std_fds(stdout, stderr), handle
-    )
+    fds = _std_fds(stdout, stderr)
+    pid = await zygote.fork(form, fds, _tagged(env), _ignored_signals(), handle)
     return handle if pid is not None else None
 
 
@@ -234,20 +233,18 @@ async def fork_function(
         await loop.connect_read_pipe(lambda: reader, pipe)  # the transport owns result_r
         cleanup_on_fail.callback(reader.close)
         handle = ZygoteWorker(local_rank, result=reader, session=False)
-        req = {
-            "job": "function",
-            **_common(full),
-            "rank": local_rank,
-            "fn": fn,
-            "args": args,
-            "error_file": error_file,
-            "sys_argv": list(sys.argv),
-            "sys_path": list(sys.path),
-            "supervisor_pid": os.getpid(),
-            "process_name": f"{name}{local_rank}",
-        }
+        job = FunctionJob(
+            rank=local_rank,
+            fn=fn,
+            args=args,
+            error_file=error_file,
+            sys_argv=list(sys.argv),
+            sys_path=list(sys.path),
+            supervisor_pid=os.getpid(),
+            process_name=f"{name}{local_rank}",
+        )
         fds = {**_std_fds(stdout, stderr), "result": result_w}
-        if await zygote.fork(req, fds, handle) is None:
+        if await zygote.fork(job, fds, _tagged(full), _ignored_signals(), handle) is None:
             return None
         cleanup_on_fail.pop_all()
     return handle
@@ -267,9 +264,9 @@ async def start_store(
         null = os.open(os.devnull, os.O_RDONLY)
         always_cleanup.callback(close_fd, null)
         fds = {**_std_fds(None, None), "stdin": null, "listen": listen_fd, "stop": stop_r}
-        req = {"job": "store", **_common(dict(os.environ)), "host": host, "port": port}
-        req["timeout"] = timeout
-        if await zygote.fork(req, fds, handle) is None:
+        job = StoreJob(host=host, port=port, timeout=timeout)
+        env = _tagged(dict(os.environ))
+        if await zygote.fork(job, fds, env, _ignored_signals(), handle) is None:
             return None
         cleanup_on_fail.pop_all()
     return handle, stop_w

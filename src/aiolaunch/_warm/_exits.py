@@ -1,0 +1,73 @@
+"""How the supervisor learns a forked worker's exit status, besides the zygote's report.
+
+The zygote is the forked workers' parent: it reaps each and reports its raw
+wait status (:class:`~aiolaunch._child._wire.Exited`). Each worker also
+reports its own exit code on the zygote's status socket just before it ends
+(``_child/_forked.py``): :class:`SelfReports` reads those, which is what the
+supervisor uses when the zygote died first (SIGKILLed mid-run: the workers
+it forked run on, and their exits are seen through their pidfds).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+    import socket
+    from collections.abc import Callable
+
+__all__ = ["SelfReports"]
+
+
+class SelfReports:
+    """The exit codes forked workers report themselves, read off the status socket.
+
+    The socket is drained on the event loop as reports come (a full one
+    would block a worker's last write); a report is kept while ``wanted``
+    says its pid is a live worker, until :meth:`take` or :meth:`forget`.
+    """
+
+    def __init__(self, sock: socket.socket, wanted: Callable[[int], bool]) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._wanted = wanted
+        self._codes: dict[int, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the socket on ``loop`` from now on (and no longer on the previous one)."""
+        self.unbind()
+        self._loop = loop
+        loop.add_reader(self.sock.fileno(), self.drain)
+
+    def unbind(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed() and self.sock.fileno() >= 0:
+            loop.remove_reader(self.sock.fileno())
+
+    def close(self) -> None:
+        self.unbind()
+        self.sock.close()
+
+    def drain(self) -> None:
+        """Read every report waiting in the socket."""
+        from .._child._forked import STATUS
+
+        while True:
+            try:
+                data = self.sock.recv(STATUS.size)
+            except OSError:  # BlockingIOError: all read
+                return
+            if len(data) == STATUS.size:
+                pid, code = STATUS.unpack(data)
+                if self._wanted(pid):
+                    self._codes[pid] = code
+
+    def take(self, pid: int) -> int | None:
+        """The code ``pid`` reported (reading what waits first), or ``None``: none."""
+        self.drain()
+        return self._codes.pop(pid, None)
+
+    def forget(self, pid: int) -> None:
+        self._codes.pop(pid, None)
