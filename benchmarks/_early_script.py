@@ -1,0 +1,41 @@
+"""The early-failure restart benchmark's script (``bench_early_restart.py``).
+
+``_early_script.py DELAY``: a 2-rank gloo job without DDP. In attempt 0 rank
+1 stamps ``fail`` and exits 1 ``DELAY`` seconds after its first all_reduce,
+while rank 0 sleeps; every rank of every attempt stamps ``first`` right
+after its first all_reduce. Stamps go to ``$BENCH_STAMP`` as ``ATTEMPT RANK
+WHAT CLOCK_MONOTONIC`` lines (``bench_warm.read_stamps`` reads them).
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+STAMP = os.environ["BENCH_STAMP"]
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def stamp(what: str) -> None:
+    fd = os.open(STAMP, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{ATTEMPT} {RANK} {what} {time.monotonic():.6f}\n".encode())
+    os.close(fd)
+
+
+dist.init_process_group("gloo")
+t = torch.ones(16)
+dist.all_reduce(t)
+stamp("first")
+if ATTEMPT == 0:
+    if RANK == 1:
+        time.sleep(float(sys.argv[1]))
+        stamp("fail")
+        sys.exit(1)
+    time.sleep(600)  # stopped by the launcher once rank 1 failed
+dist.barrier()
+# End without the interpreter's teardown, which sometimes aborts in gloo
+# (as _warm_script.py does): the turnaround is what is measured.
+os._exit(0)
