@@ -2,17 +2,15 @@
 
 ``_early_script.py DELAY``: a 2-rank gloo job without DDP. In attempt 0 rank
 1 stamps ``fail`` and exits 1 ``DELAY`` seconds after its first all_reduce,
-while rank 0 sleeps; every rank of every attempt stamps ``first`` right
-after its first all_reduce. Stamps go to ``$BENCH_STAMP`` as ``ATTEMPT RANK
-WHAT CLOCK_MONOTONIC`` lines (``bench_warm.read_stamps`` reads them).
+while rank 0 sleeps; every rank of every attempt stamps ``start`` as the
+script begins and ``first`` right after its first all_reduce. Stamps go to
+``$BENCH_STAMP`` as ``ATTEMPT RANK WHAT CLOCK_MONOTONIC`` lines
+(``bench_warm.read_stamps`` reads them).
 """
 
 import os
 import sys
 import time
-
-import torch
-import torch.distributed as dist
 
 STAMP = os.environ["BENCH_STAMP"]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -24,6 +22,10 @@ def stamp(what: str) -> None:
     os.write(fd, f"{ATTEMPT} {RANK} {what} {time.monotonic():.6f}\n".encode())
     os.close(fd)
 
+
+stamp("start")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 dist.init_process_group("gloo")
 t = torch.ones(16)

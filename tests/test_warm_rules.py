@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiolaunch._child._forked import _exit_code
+from aiolaunch._child._safety import load_time_items
 from aiolaunch._child._wire import (
     Decoder,
     Exited,
@@ -29,7 +30,6 @@ from aiolaunch._child._wire import (
     receive,
     send,
 )
-from aiolaunch._child._zygote import load_time_items
 from aiolaunch._cli._config import _IMPORTS_TORCH, _imports_torch
 from aiolaunch._warm._forks import script_form
 from aiolaunch._warm._preload import Preload, resolve_preload, shared_load_env

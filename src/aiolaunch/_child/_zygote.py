@@ -10,11 +10,12 @@ workers all started: ``later``), it imports the modules of ``LATER``
 (torch's lazily imported parts: a restart then skips them too), then forks
 spare children that wait for the next requests (:class:`_Server`).
 
-What it must never do, and checks before every fork (:func:`fork_hazard`):
-run a second thread (an OpenMP pool: the first parallel op of a forked child
-would hang) or initialise CUDA (a CUDA context never survives a fork). It
-runs no op itself; a preload module that does either at import time makes it
-refuse to fork, and the supervisor starts those workers the ordinary way.
+What it must never do, and checks before every fork
+(:func:`._safety.fork_hazard`): run a second thread (an OpenMP pool: the
+first parallel op of a forked child would hang) or initialise CUDA (a CUDA
+context never survives a fork). It runs no op itself; a preload module that
+does either at import time makes it refuse to fork, and the supervisor
+starts those workers the ordinary way.
 
 Its messages, and their one codec, are :mod:`._wire`'s: requests
 :class:`~._wire.Fork` and :class:`~._wire.Later`; replies
@@ -30,6 +31,8 @@ workers inherit every module it holds.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import os
 import select
@@ -38,7 +41,9 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ._proc import library_loaded, open_fds, thread_ids
+from ._proc import open_fds
+from ._safety import fork_hazard
+from ._spares import Spares, wait_for_request
 from ._wire import (
     Exited,
     Failed,
@@ -55,100 +60,12 @@ from ._wire import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Iterator
 
-__all__ = [
-    "LOAD_TIME_NAMES",
-    "LOAD_TIME_PREFIXES",
-    "fork_hazard",
-    "load_time_items",
-    "main",
-]
+__all__ = ["main"]
 
 #: idle time (seconds) after a request before a LATER import or a spare fork
 IDLE = 0.1
-#: the most spares a zygote keeps
-MAX_SPARES = 16
-
-#: Environment variables read when the interpreter starts or a preloaded
-#: library loads (the interpreter's, glibc's, OpenMP's, BLAS's, torch's). A
-#: worker is forked only if its environment agrees with the zygote's on all
-#: of them; else it is started the ordinary way, where they take effect.
-LOAD_TIME_PREFIXES = (
-    "PYTHON",
-    "LD_",
-    "MALLOC_",
-    "GLIBC_",
-    "LC_",
-    "OMP_",
-    "GOMP_",
-    "KMP_",
-    "MKL_",
-    "OPENBLAS_",
-    "GOTO_",
-    "TORCH_",
-    "PYTORCH_",
-    "TORCHDYNAMO_",
-    "TORCHINDUCTOR_",
-)
-LOAD_TIME_NAMES = frozenset({"LANG", "LANGUAGE"})
-
-
-def load_time_items(env: Mapping[str, str]) -> frozenset[tuple[str, str]]:
-    """The ``(name, value)`` pairs of ``env`` that are read at load time."""
-    return frozenset(
-        (k, v) for k, v in env.items() if k in LOAD_TIME_NAMES or k.startswith(LOAD_TIME_PREFIXES)
-    )
-
-
-# -- fork safety ----------------------------------------------------------------
-def _threads() -> int:
-    tids = thread_ids()
-    if tids is None:  # pragma: no cover - no procfs
-        import threading
-
-        return threading.active_count()
-    return len(tids)
-
-
-def _probe_fork() -> None:
-    # A fork runs the pthread_atfork handlers: OpenBLAS (imported by numpy,
-    # which torch imports) stops its thread pool there and starts it again
-    # only at its next call, which the zygote never makes.
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child exits at once
-        os._exit(0)
-    os.waitpid(pid, 0)
-
-
-def _cuda_loaded() -> bool:
-    cuda = sys.modules.get("torch.cuda")
-    if cuda is not None:
-        try:
-            if cuda.is_initialized():
-                return True
-        except Exception:  # pragma: no cover - a broken torch
-            return True
-    # The CUDA driver is loaded by the first CUDA call, not by torch's
-    # import; torch.cuda.is_available() loads it unless
-    # PYTORCH_NVML_BASED_CUDA_CHECK=1 (set in the zygote's environment).
-    return library_loaded(b"/libcuda.so")
-
-
-def fork_hazard() -> str | None:
-    """Why a fork of this process now could give a broken child; ``None``: safe."""
-    n = _threads()
-    if n > 1:
-        _probe_fork()
-        n = _threads()
-        if n > 1:
-            return (
-                f"{n} threads run in the zygote (a preloaded module started a thread "
-                "or ran a parallel op at import)"
-            )
-    if _cuda_loaded():
-        return "CUDA was initialised in the zygote (a preloaded module touched the GPU)"
-    return None
 
 
 # -- the process ------------------------------------------------------------------
@@ -194,12 +111,18 @@ def _signal_state() -> dict[int, Any]:
 class _Server:
     """The zygote's request loop. :meth:`serve` returns only in a forked child.
 
-    *Spares*: once idle, the zygote forks (while it is safe to) as many
-    children as the largest burst of requests so far (at most
-    :data:`MAX_SPARES`); each waits on a socket of its own for its request.
-    A restart then hands its ranks to spares instead of forking them one
-    after the other (a fork of a torch-sized process takes 10-25 ms). Spares
-    made before a LATER import are dropped: they lack the module.
+    *Spares* (:mod:`._spares`): once idle, the zygote forks (while it is
+    safe to) children that wait for the next requests.
+
+    *LATER imports* take a second or more (torch._dynamo) and cannot be
+    interrupted, and a fork in the middle of one would give a child with
+    half-run modules. So the spares are forked first, and while a module
+    imports, the control socket raises SIGIO (``O_ASYNC``), whose handler
+    runs between the import's bytecodes (:meth:`_serve_importing`): a
+    request is handed to a spare at once - a failure in the first seconds
+    restarts as fast as a later one - or, with no spare left, forked once
+    the import is done. Spares that outlive the import are dropped then:
+    they lack the module.
     """
 
     def __init__(
@@ -210,27 +133,22 @@ class _Server:
         self.lifeline_fd = lifeline_fd
         self.signals = _signal_state()
         self.children: dict[int, int] = {}  # pidfd -> pid
-        self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
-        # spares to keep: the largest burst so far (at first, the group size
-        # the supervisor expects: they are forked at once, ahead of its requests)
-        self.want = min(spares, MAX_SPARES)
-        self.burst = 0  # requests since the zygote was last idle
+        # at first, as many as the group size the supervisor expects: forked
+        # at once, ahead of its requests
+        self.spares = Spares(spares)
         self.later: list[str] = []
+        self.later_asked = False  # the supervisor said its workers all started
         self.poll = select.poll()
         self.poll.register(ctl, select.POLLIN)
         self.forked = False
+        # requests that came during an import with no spare left: forked after it
+        self.deferred: list[tuple[Fork, list[int]]] = []
+        self._serving = False  # in _serve_importing (a signal handler: no re-entry)
 
     def serve(self, later: list[str]) -> Callable[[], None]:
         self.later = later
         while True:
-            short = len(self.spares) < self.want
-            if short and not self.forked:
-                timeout: int | None = 0  # the first group's spares: now, requests first
-            elif self.forked and (self.later or short):
-                timeout = int(IDLE * 1000)
-            else:
-                timeout = None
-            events = self.poll.poll(timeout)
+            events = self.poll.poll(self._timeout())
             if not events:
                 job = self._idle()
                 if job is not None:
@@ -243,7 +161,7 @@ class _Server:
                         os._exit(0)  # the supervisor closed the zygote, or died
                     msg, fds = got
                     if isinstance(msg, Later):  # the workers started: import now
-                        self._import_later()
+                        self.later_asked = True
                         continue
                     job = self._request(msg, fds)
                     if job is not None:
@@ -251,12 +169,22 @@ class _Server:
                 else:
                     self._reap(fd)
 
+    def _timeout(self) -> int | None:
+        """How long the loop waits for a request before :meth:`_idle` (ms; ``None``: for ever)."""
+        if self.later and self.later_asked:
+            return 0  # the spares, then the import: now, requests first
+        if not self.forked:
+            return 0 if self.spares.short else None  # the first group's: now, requests first
+        return int(IDLE * 1000) if self.later or self.spares.short else None
+
     def _idle(self) -> Callable[[], None] | None:
-        self.burst = 0
-        if self.later and self.forked:
+        self.spares.idle()
+        if self.spares.short:
+            return self._spare()  # before a LATER import too: they serve the requests meanwhile
+        if self.later and (self.forked or self.later_asked):
             self._import_later()
-            return None
-        return self._spare()
+            return self._run_deferred()
+        return None
 
     def _import_later(self) -> None:
         import importlib
@@ -264,37 +192,83 @@ class _Server:
         while self.later:
             name = self.later.pop(0)
             error = None
-            try:
-                importlib.import_module(name)
-            except BaseException as exc:
-                error = _import_error(exc)
+            with self._served():
+                try:
+                    importlib.import_module(name)
+                except BaseException as exc:
+                    error = _import_error(exc)
             gc.freeze()
             send(self.ctl, Loaded(name, error))
-        for pid, sock in self.spares:  # made without the module
-            sock.close()
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # pragma: no cover
-                pass
-        self.spares.clear()
+        self.spares.drop()  # made without the module
+
+    @contextlib.contextmanager
+    def _served(self) -> Iterator[None]:
+        """Serve the control socket from SIGIO while the body runs (an import)."""
+        fd = self.ctl.fileno()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        old = signal.signal(signal.SIGIO, self._serve_importing)
+        signal.siginterrupt(signal.SIGIO, False)  # SA_RESTART: the import's own calls go on
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
+        try:
+            self._serve_importing()  # what came before the signal was armed
+            yield
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)  # no SIGIO from here on (its default kills)
+            signal.signal(signal.SIGIO, old)
+
+    def _serve_importing(self, *_: object) -> None:
+        """During an import: hand each request that waits to a spare, or defer it.
+
+        A signal handler: it runs between two bytecodes of the import, in the
+        main thread. It never forks, never imports, never raises (into the
+        import), and is not re-entered; a request that comes while it runs
+        is read by its next turn of the loop.
+        """
+        if self._serving:
+            return
+        try:
+            while select.select([self.ctl], [], [], 0)[0]:
+                self._serving = True
+                try:
+                    got = receive(self.ctl)
+                    if got is None:
+                        os._exit(0)  # the supervisor closed the zygote, or died
+                    msg, fds = got
+                    if isinstance(msg, Later):
+                        continue  # importing already
+                    if not isinstance(msg, Fork):
+                        _close(fds)
+                        continue
+                    self.spares.counted()
+                    if self.deferred or not self._handed(msg, fds):
+                        self.deferred.append((msg, fds))  # in order, after the import
+                finally:
+                    self._serving = False
+        except BaseException:  # pragma: no cover - the socket broke: the supervisor is gone
+            os._exit(0)
+
+    def _run_deferred(self) -> Callable[[], None] | None:
+        while self.deferred:
+            req, fds = self.deferred.pop(0)
+            job = self._place(req, fds)
+            if job is not None:
+                return job
+        return None
 
     def _spare(self) -> Callable[[], None] | None:
         if fork_hazard() is not None:
-            self.want = 0  # the next request is refused, with the reason
+            self.spares.stop()  # the next request is refused, with the reason
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:
             ours.close()
             self._forget()
-            got = receive(theirs)  # blocks until it is handed a worker
-            if got is None or not isinstance(got[0], Fork):
-                os._exit(0)  # dropped, or the zygote is gone
-            theirs.close()
-            return self._become(got[0], got[1])
+            return self._become(*wait_for_request(theirs))
         theirs.close()
         self._watch(pid)
-        self.spares.append((pid, ours))
+        self.spares.add(pid, ours)
         send(self.ctl, Spare(pid))
         return None
 
@@ -318,53 +292,53 @@ class _Server:
 
     def _request(self, req: object, fds: list[int]) -> Callable[[], None] | None:
         if not isinstance(req, Fork):
-            for fd in fds:
-                os.close(fd)
+            _close(fds)
             return None
-        self.burst += 1
-        self.want = min(max(self.want, self.burst), MAX_SPARES)
-        pid = self._hand_to_spare(req, fds)
+        self.spares.counted()
+        return self._place(req, fds)
+
+    def _place(self, req: Fork, fds: list[int]) -> Callable[[], None] | None:
+        """Hand ``req`` to a spare, or fork it; the job in the forked child."""
+        if self._handed(req, fds):
+            return None
+        hazard = fork_hazard()
+        if hazard is not None:
+            _close(fds)
+            send(self.ctl, Refused(hazard))
+            return None
+        pid = os.fork()
+        if pid == 0:
+            self._forget()
+            return self._become(req, fds)
+        self._watch(pid)
+        self._answer(req, pid, fds)
+        return None
+
+    def _handed(self, req: Fork, fds: list[int]) -> bool:
+        """Hand ``req`` to a spare (checked for safety when it was forked), if one is left."""
+        pid = self.spares.hand(req, fds)
         if pid is None:
-            hazard = fork_hazard()
-            if hazard is not None:
-                for fd in fds:
-                    os.close(fd)
-                send(self.ctl, Refused(hazard))
-                return None
-            pid = os.fork()
-            if pid == 0:
-                self._forget()
-                return self._become(req, fds)
-            self._watch(pid)
+            return False
+        self._answer(req, pid, fds)
+        return True
+
+    def _answer(self, req: Fork, pid: int, fds: list[int]) -> None:
         self.forked = True
         if isinstance(req.job, FunctionJob):
             try:
                 os.setpgid(pid, pid)  # as the child will: no window where it shares ours
             except OSError:
                 pass
-        for fd in fds:
-            os.close(fd)
+        _close(fds)
         send(self.ctl, Forked(pid))
-        return None
-
-    def _hand_to_spare(self, req: Fork, fds: list[int]) -> int | None:
-        while self.spares:
-            pid, sock = self.spares.pop(0)
-            try:
-                send(sock, req, fds)  # checked for safety when it was forked
-            except OSError:
-                continue  # it died: the next one, or a fork
-            finally:
-                sock.close()
-            return pid
-        return None
 
     def _forget(self) -> None:
         """In a new child: close what only the zygote may hold."""
         for pidfd in self.children:
             os.close(pidfd)
-        for _, sock in self.spares:
-            sock.close()
+        self.spares.forget()
+        for _, fds in self.deferred:
+            _close(fds)
         self.ctl.close()
 
     def _become(self, req: Fork, fds: list[int]) -> Callable[[], None]:
@@ -374,6 +348,11 @@ class _Server:
             status_fd=self.status_fd, lifeline_fd=self.lifeline_fd, signals=self.signals
         )
         return become(req, fds, ctx)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def main() -> None:

@@ -1,23 +1,52 @@
 """How the supervisor learns a forked worker's exit status, besides the zygote's report.
 
 The zygote is the forked workers' parent: it reaps each and reports its raw
-wait status (:class:`~aiolaunch._child._wire.Exited`). Each worker also
+wait status (:class:`~aiolaunch._child._wire.Exited`). But the supervisor
+holds a pidfd of each forked worker and sees the exit itself, at once, while
+the zygote may be busy (importing its LATER modules, forking spares): the
+status is then read from the kernel, which keeps it for the parent until
+the zygote reaps the worker (:func:`zombie_status`). Each worker also
 reports its own exit code on the zygote's status socket just before it ends
-(``_child/_forked.py``): :class:`SelfReports` reads those, which is what the
-supervisor uses when the zygote died first (SIGKILLed mid-run: the workers
-it forked run on, and their exits are seen through their pidfds).
+(``_child/_forked.py``): :class:`SelfReports` reads those. They vouch for a
+zombie's 0 (the kernel shows 0 too where it keeps the status from us), and
+they are what the supervisor has when the zygote died first (SIGKILLed
+mid-run: the workers it forked run on, and init reaps them).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import TYPE_CHECKING
+
+from .._workers._proc import read_stat
 
 if TYPE_CHECKING:
     import asyncio
     import socket
     from collections.abc import Callable
 
-__all__ = ["SelfReports"]
+__all__ = ["SelfReports", "zombie_status"]
+
+
+def zombie_status(pid: int, pidfd: int) -> int | None:
+    """The exit code of ``pid`` (whose ``pidfd`` is readable), read while it is a zombie.
+
+    As :func:`os.waitstatus_to_exitcode` gives it: ``-N`` for signal ``N``.
+    ``None`` once its parent reaped it (``/proc/<pid>`` is then gone, or
+    another process's), or where ``/proc`` does not say. A 0 may also mean
+    that the kernel keeps the status from us (a worker that made itself
+    non-dumpable): the caller checks it against the worker's own report.
+    """
+    stat = read_stat(pid)
+    if stat is None or stat.state != "Z" or stat.exit_status < 0:
+        return None
+    try:
+        # Not reaped now, so not reaped when the entry was read: it was ours.
+        signal.pidfd_send_signal(pidfd, 0)
+    except OSError:
+        return None
+    return os.waitstatus_to_exitcode(stat.exit_status)
 
 
 class SelfReports:
@@ -68,6 +97,11 @@ class SelfReports:
         """The code ``pid`` reported (reading what waits first), or ``None``: none."""
         self.drain()
         return self._codes.pop(pid, None)
+
+    def peek(self, pid: int) -> int | None:
+        """As :meth:`take`, keeping the report."""
+        self.drain()
+        return self._codes.get(pid)
 
     def forget(self, pid: int) -> None:
         self._codes.pop(pid, None)

@@ -36,7 +36,13 @@ BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 class ZygoteWorker(WorkerHandle):
-    """A worker forked from a zygote (whose child it is: the zygote reports its exit)."""
+    """A worker forked from a zygote (whose child it is: the zygote reaps it).
+
+    Its exit is seen through a pidfd the supervisor holds, as a spawned
+    worker's: at once, whatever the zygote is doing. Its status comes from
+    the zygote (:meth:`Zygote.exit_seen`, or its report), or from the
+    worker's own report once the zygote died first.
+    """
 
     def __init__(
         self, local_rank: int, *, result: ResultReader | None = None, session: bool = True
@@ -46,9 +52,8 @@ class ZygoteWorker(WorkerHandle):
         self.records_exceptions = result is not None
         self._session = session  # leads its own session: watched by the guardian
         self._zygote_pid = 0
-        # Opened at the fork: read only if the zygote dies before the worker.
         self._pidfd: int | None = None
-        self._watching = False
+        self._watching: asyncio.AbstractEventLoop | None = None  # the loop reading the pidfd
         self._result = result
         self._zygote: Zygote | None = None
 
@@ -62,6 +67,7 @@ class ZygoteWorker(WorkerHandle):
             g = guardian()
             if g is not None:
                 g.watch(self.pid)
+        self.rebind()
 
     def exited_with(self, rc: int) -> None:
         """The exit status, as the zygote (or the worker itself) reported it."""
@@ -74,23 +80,38 @@ class ZygoteWorker(WorkerHandle):
         self._close_pidfd()
 
     def orphaned(self) -> None:
-        """The zygote died first: see the exit through the pidfd from now on."""
+        """The zygote died first: the exit's status is the worker's own report now."""
         if self.alive:
             self.rebind()
 
     def rebind(self) -> None:
-        """(Re)register the pidfd reader on the running loop, once orphaned."""
-        zygote = self._zygote
-        if zygote is None or zygote.state is not ZygoteState.DEAD or self._pidfd is None:
+        """Read the pidfd on the running loop (again, after another loop's)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # Zygote.close() outside a loop: no one waits for this exit
             return
-        if self._watching:
+        if self._pidfd is None or self._watching is loop or not self.alive:
             return
-        self._watching = True
-        asyncio.get_running_loop().add_reader(self._pidfd, self._on_orphan_exit)
+        self._unwatch()
+        self._watching = loop
+        loop.add_reader(self._pidfd, self._on_exit)
 
-    def _on_orphan_exit(self) -> None:
-        assert self._zygote is not None
-        rc = self._zygote.orphan_exited(self.pid)
+    def _unwatch(self) -> None:
+        loop, self._watching = self._watching, None
+        if loop is not None and self._pidfd is not None and not loop.is_closed():
+            loop.remove_reader(self._pidfd)
+
+    def _on_exit(self) -> None:
+        zygote = self._zygote
+        assert zygote is not None and self._pidfd is not None
+        if zygote.state is not ZygoteState.DEAD:
+            rc = zygote.exit_seen(self.pid, self._pidfd)
+            if rc is None:
+                self._unwatch()  # reaped already: the zygote's report is on its way
+            else:
+                self.exited_with(rc)
+            return
+        rc = zygote.orphan_exited(self.pid)
         if rc is None:
             rc = 255
             self.failure_reason = (
@@ -100,13 +121,8 @@ class ZygoteWorker(WorkerHandle):
         self.exited_with(rc)
 
     def _close_pidfd(self) -> None:
+        self._unwatch()
         fd, self._pidfd = self._pidfd, None
-        if fd is None:
-            return
-        if self._watching:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(fd)
-            self._watching = False
         close_fd(fd)
 
     def release(self) -> None:

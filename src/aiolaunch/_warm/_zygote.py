@@ -25,6 +25,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol
 
+from .._child._safety import load_time_items
 from .._child._wire import (
     Exited,
     Failed,
@@ -36,11 +37,11 @@ from .._child._wire import (
     Refused,
     Spare,
 )
-from .._child._zygote import load_time_items
 from .._types import PerProcess
 from .._workers._guardian import current_guardian
 from ._channel import Channel
-from ._exits import SelfReports
+from ._exits import SelfReports, zombie_status
+from ._image import Image
 from ._preload import Preload, supported
 from ._start import start_zygote
 
@@ -93,7 +94,8 @@ class Zygote:
 
     The one owner of its table of forked workers (:attr:`workers`, and the
     exit codes they reported themselves, :attr:`reports`): a worker leaves
-    it through the zygote's exit report, or through :meth:`orphan_exited`.
+    it through the zygote's exit report, :meth:`exit_seen` or
+    :meth:`orphan_exited`.
     """
 
     def __init__(
@@ -102,7 +104,8 @@ class Zygote:
         self.preload = preload
         #: whether spawns wait for its imports (False: a replacement, used once ready)
         self.wait = wait
-        self.load_env = load_time_items(env)
+        #: what its workers inherit, and which workers may be forked from it
+        self.image = Image(env)
         self.state = ZygoteState.STARTING
         self.why = ""
         self.failed_module: str | None = None
@@ -197,6 +200,23 @@ class Zygote:
             case _:
                 pass
 
+    def exit_seen(self, pid: int, pidfd: int) -> int | None:
+        """The exit code of a worker whose pidfd turned readable, if it can be known now.
+
+        While the zygote lives, the kernel keeps the status for it until it
+        reaps the worker: read then, the exit is known at once even while
+        the zygote is busy (importing, forking spares). ``None``: the zygote
+        reaped it already (its report is on the way), or the status read 0
+        without the worker's own report of 0 to vouch for it. The worker
+        leaves the table when its code is returned.
+        """
+        code = zombie_status(pid, pidfd)
+        if code is None or (code == 0 and self.reports.peek(pid) != 0):
+            return None
+        self.workers.pop(pid, None)
+        self.reports.forget(pid)
+        return code
+
     def orphan_exited(self, pid: int) -> int | None:
         """A worker whose exit the zygote will never report (it died first) exited.
 
@@ -275,14 +295,7 @@ class Zygote:
         """Why a worker with environment ``env`` cannot be forked from this zygote."""
         if self.state is not ZygoteState.READY:
             return self.why
-        mine, theirs = dict(self.load_env), dict(load_time_items(env))
-        for name in sorted(set(mine) | set(theirs)):
-            if mine.get(name) != theirs.get(name):
-                return (
-                    f"{name}={theirs.get(name)!r} in the worker's environment but "
-                    f"{mine.get(name)!r} in the zygote's (read when a library loads)"
-                )
-        return None
+        return self.image.refusal(env)
 
     async def fork(
         self,
