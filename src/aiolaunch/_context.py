@@ -137,13 +137,25 @@ class PContext:
 
         A failure part-way SIGKILLs the workers already started, then raises; running out
         of fds raises an ``OSError`` saying how many ranks started and how to raise the limit.
+        A stop signal meanwhile is the group's, as in :meth:`wait`: the workers started
+        so far are stopped, then :class:`SignalException` is raised.
         """
         rank = 0
+        state, ending, signals = self._state, self._ending, self._signals
         try:
-            for rank in range(self.nprocs):
-                await self._start_one(rank)
-            # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land in this try.
-            await asyncio.sleep(0)  # allowed: one loop turn, not a wait
+            # A worker forked from a zygote runs its script at once, before the
+            # caller reaches wait(): a stop signal must not meet the default action.
+            watch = signals.watch(state.wakeup.notify, ending.escalate, state.workers, self.name)
+            with watch as sig:
+                for rank in range(self.nprocs):
+                    await self._start_one(rank)
+                    if sig.received is not None:
+                        break
+                # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land here.
+                await asyncio.sleep(0)  # allowed: one loop turn, not a wait
+                if sig.received is not None:
+                    grace = signals.shutdown_timeout
+                    await sig.stop_group(ending.sent, ending.begin(sig.received, grace))
             self._forensics.start(self._ending.deadline.make)
         except BaseException as exc:
             await shielded(self._ending.begin(signal.SIGKILL, 0.0))

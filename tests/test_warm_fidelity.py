@@ -1,0 +1,100 @@
+"""Forked workers as faithful as ``python script.py``: what ``ps`` and ``/proc`` show,
+``__file__``, the data at exit, random state, an early stop signal.
+
+Each test runs its worker ``spawned`` (no zygote) and ``forked`` (from a
+zygote) with the same assertions, as tests/test_warm.py does; the torch ones
+preload torch, the others a stdlib module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+import aiolaunch
+from _helpers import driver
+from _programs import write_script
+from aiolaunch import Std
+from aiolaunch._warm._zygote import close_zygotes
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="warm start is Linux-only"
+)
+
+MODES = ["spawned", "forked"]
+BOOT = ["-u", "-m", "aiolaunch._child._bootstrap"]
+AIOLAUNCH = [sys.executable, "-m", "aiolaunch"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_zygotes() -> Iterator[None]:
+    yield
+    close_zygotes()
+
+
+def preload_flags(mode: str, module: str = "json") -> list[str]:
+    return ["--preload", module] if mode == "forked" else ["--no-preload"]
+
+
+async def run_python(
+    mode: str,
+    tmp_path: Path,
+    args: dict[int, tuple[str, ...]],
+    preload: list[str] | None = None,
+    **kw: Any,
+) -> aiolaunch.RunProcsResult:
+    async with aiolaunch.start_processes(
+        name="w",
+        entrypoint=sys.executable,
+        args=args,
+        envs=kw.pop("envs", {r: {"X": str(r)} for r in args}),
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
+        preload=(preload or ["json"]) if mode == "forked" else None,
+        **kw,
+    ) as ctx:
+        result = await ctx.wait()
+    assert result is not None
+    return result
+
+
+# -- an early stop signal ---------------------------------------------------------------
+EARLY_SIGTERM = """
+import os, signal, sys, time
+
+def on_term(sig, frame):
+    open(f"handled-{os.environ['LOCAL_RANK']}", "w").close()
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, on_term)
+if os.environ["LOCAL_RANK"] == "0":  # at once: the supervisor still starts the others
+    while not os.path.exists("supervisor.pid"):
+        time.sleep(0.001)
+    os.kill(int(open("supervisor.pid").read()), signal.SIGTERM)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sigterm_as_the_first_rank_runs_stops_the_run(mode: str, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "early.py", EARLY_SIGTERM)
+    log = tmp_path / "termination-log"
+    env = {**os.environ, "AIOLAUNCH_TERMINATION_LOG": str(log)}
+    argv = [*AIOLAUNCH, "--nproc-per-node", "8", *preload_flags(mode), str(script)]
+    with driver(argv, env=env, cwd=str(tmp_path)) as proc:
+        (tmp_path / "supervisor.pid.tmp").write_text(str(proc.pid))
+        os.rename(tmp_path / "supervisor.pid.tmp", tmp_path / "supervisor.pid")
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err  # not -15: the default action
+    assert log.read_text() == "aiolaunch: stopped by SIGTERM; all workers were stopped"
+    assert (tmp_path / "handled-0").exists()  # the rank's own handler ran
