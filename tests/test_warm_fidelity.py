@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
@@ -98,3 +97,56 @@ def test_a_sigterm_as_the_first_rank_runs_stops_the_run(mode: str, tmp_path: Pat
     assert proc.returncode == 143, err  # not -15: the default action
     assert log.read_text() == "aiolaunch: stopped by SIGTERM; all workers were stopped"
     assert (tmp_path / "handled-0").exists()  # the rank's own handler ran
+
+
+# -- __file__ ---------------------------------------------------------------------------
+FILE = """
+import json, sys
+print(json.dumps({"file": __file__, "argv0": sys.argv[0], "path0": sys.path[0]}))
+raise ValueError("where")
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_file_is_absolute_as_python_makes_it(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_script(tmp_path, "rel.py", FILE)
+    monkeypatch.chdir(tmp_path)
+    result = await run_python(mode, tmp_path, {0: (*BOOT, "rel.py")})
+    assert result.failures[0].exitcode == 1
+    report = json.loads((tmp_path / "logs/0/stdout.log").read_text())
+    python = subprocess.run([sys.executable, "rel.py"], capture_output=True, text=True)
+    assert report == json.loads(python.stdout.splitlines()[0])
+    assert report["file"] == str(tmp_path / "rel.py") and report["argv0"] == "rel.py"
+    err = (tmp_path / "logs/0/stderr.log").read_text()
+    assert f'File "{tmp_path / "rel.py"}", line 4, in <module>' in err
+    assert err == python.stderr
+
+
+# -- torch's random state ------------------------------------------------------------------
+SEEDS = """
+import json, os, torch
+print(json.dumps([torch.initial_seed(), torch.rand(4).tolist()]))
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("mode", MODES)
+async def test_torch_random_state_differs_across_ranks_and_attempts(
+    mode: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    script = write_script(tmp_path, "seeds.py", SEEDS)
+    seen: list[tuple[int, list[float]]] = []
+    for attempt in range(2):
+        folder = tmp_path / str(attempt)
+        result = await run_python(
+            mode, folder, {0: (*BOOT, str(script)), 1: (*BOOT, str(script))}, preload=["torch"]
+        )
+        assert not result.is_failed()
+        for r in range(2):
+            seed, draws = json.loads((folder / f"logs/{r}/stdout.log").read_text())
+            seen.append((seed, draws))
+    assert len({seed for seed, _ in seen}) == 4  # every rank of every attempt its own
+    assert len({tuple(draws) for _, draws in seen}) == 4

@@ -17,8 +17,8 @@ start-up, a forked one gets here, in this order:
    and ``sys.stdin``/``stdout``/``stderr`` built as CPython builds them
    (``-u``: unbuffered, write-through);
 5. fresh per-process state: the garbage collector on, numpy's global random
-   state reseeded (``random`` reseeds itself at fork), a new multiprocessing
-   authkey;
+   state and torch's default (CPU) generator reseeded from the OS (``random``
+   reseeds itself at fork), a new multiprocessing authkey;
 6. ``sys.argv``, ``sys.orig_argv``, ``sys.path[0]`` and ``__main__`` as
    ``python [-u] -m aiolaunch._child._bootstrap script.py ARGS`` would set them
    (:func:`aiolaunch._child._bootstrap.main`).
@@ -127,9 +127,16 @@ def _std_fds(got: dict[str, int]) -> None:
 
 def _fresh_state(process_name: str | None) -> None:
     gc.enable()
+    # Global generators a spawned worker seeds from the OS at import (``random``
+    # reseeds itself at fork); torch's CUDA generators start from a fixed seed
+    # in every process, so they are left alone, as torch.seed() would not.
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:
-        nprandom.seed()  # a spawned worker seeds it from the OS at import
+        nprandom.seed()
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        generator.seed()  # torch.initial_seed(), unseeded torch.rand, samplers' seeds
     import multiprocessing.process as mpp
 
     me = mpp.current_process()
