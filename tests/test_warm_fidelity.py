@@ -150,3 +150,63 @@ async def test_torch_random_state_differs_across_ranks_and_attempts(
             seen.append((seed, draws))
     assert len({seed for seed, _ in seen}) == 4  # every rank of every attempt its own
     assert len({tuple(draws) for _, draws in seen}) == 4
+
+
+# -- what ps and /proc show --------------------------------------------------------------
+SHOWN = """
+import json, os, sys, time
+with open(sys.argv[1], "w") as f:
+    json.dump({"pid": os.getpid(), "environ": dict(os.environ)}, f)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def proc_entry(pid: int, name: str) -> list[str]:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return [os.fsdecode(item) for item in f.read().split(b"\0")[:-1]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_ps_and_proc_show_the_workers_command_line_and_environment(
+    mode: str, tmp_path: Path
+) -> None:
+    script = write_script(tmp_path, "shown_by_ps_7c1f.py", SHOWN)
+    argv = {r: (*BOOT, str(script), str(tmp_path / f"{r}.json"), "--lr", "0.1") for r in (0, 1)}
+    async with aiolaunch.start_processes(
+        name="w",
+        entrypoint=sys.executable,
+        args=argv,
+        envs={r: {"X": str(r)} for r in argv},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
+        preload=["json"] if mode == "forked" else None,
+        ready=aiolaunch.ReadyLine("up"),
+    ) as ctx:
+        await ctx.wait_ready(timeout=60)
+        for r, args in argv.items():
+            seen = json.loads((tmp_path / f"{r}.json").read_text())
+            pid = seen["pid"]
+            assert proc_entry(pid, "cmdline") == [sys.executable, *args]  # as exec'd
+            environ = dict(item.split("=", 1) for item in proc_entry(pid, "environ"))
+            assert environ == seen["environ"] and environ["X"] == str(r)
+        found = subprocess.run(["pgrep", "-f", "shown_by_ps_7c1f"], capture_output=True, text=True)
+        assert sorted(int(p) for p in found.stdout.split()) == sorted(ctx.pids().values())
+        await ctx.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cli_workers_show_rank_in_their_environ(mode: str, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "s.py", SHOWN)
+    argv = [*AIOLAUNCH, "--nproc-per-node", "1", "--tee", "3", *preload_flags(mode)]
+    with driver([*argv, str(script), str(tmp_path / "seen.json")], cwd=str(tmp_path)) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if ":up" in line:
+                break
+        seen = json.loads((tmp_path / "seen.json").read_text())
+        environ = dict(item.split("=", 1) for item in proc_entry(seen["pid"], "environ"))
+        assert environ == seen["environ"]
+        assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} <= set(environ)
+        proc.terminate()
+        proc.communicate(timeout=60)

@@ -217,6 +217,7 @@ def test_frames_carry_objects_and_fds() -> None:
             error_file="",
             sys_argv=[],
             sys_path=[],
+            orig_argv=[],
             supervisor_pid=1,
             process_name="w0",
         )

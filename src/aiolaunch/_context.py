@@ -39,7 +39,7 @@ from ._workers._proc import new_context_token
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ._hangs._watchdog import Watchdog
     from ._live._status import WorkerStatus
@@ -58,6 +58,32 @@ __all__ = ["PContext"]
 # than after it, 7% sooner again at N=1 and 4 (100 trials a side,
 # 2026-11-27). Not after every spawn: that slowed N=4 and 64.
 _sched_yield = getattr(os, "sched_yield", lambda: None)
+
+
+async def _start_ranks(
+    nprocs: int,
+    start_one: Callable[[int], Awaitable[None]],
+    signals: SignalPlan,
+    ending: GroupEnding,
+    state: GroupState,
+) -> None:
+    """Start ranks ``0..nprocs-1`` in order, watching the group's stop signals as ``wait()`` does.
+
+    A worker forked from a zygote runs its script at once, before the caller
+    reaches ``wait()``: a stop signal must not meet the default action. One
+    received stops the workers started so far (death signal, grace; no
+    further rank starts) and raises ``SignalException``.
+    """
+    watch = signals.watch(state.wakeup.notify, ending.escalate, state.workers, state.name)
+    with watch as sig:
+        for rank in range(nprocs):
+            await start_one(rank)
+            if sig.received is not None:
+                break
+        # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land here.
+        await asyncio.sleep(0)  # allowed: one loop turn, not a wait
+        if sig.received is not None:
+            await sig.stop_group(ending.sent, ending.begin(sig.received, signals.shutdown_timeout))
 
 
 class PContext:
@@ -140,28 +166,15 @@ class PContext:
         A stop signal meanwhile is the group's, as in :meth:`wait`: the workers started
         so far are stopped, then :class:`SignalException` is raised.
         """
-        rank = 0
-        state, ending, signals = self._state, self._ending, self._signals
+        ending = self._ending
         try:
-            # A worker forked from a zygote runs its script at once, before the
-            # caller reaches wait(): a stop signal must not meet the default action.
-            watch = signals.watch(state.wakeup.notify, ending.escalate, state.workers, self.name)
-            with watch as sig:
-                for rank in range(self.nprocs):
-                    await self._start_one(rank)
-                    if sig.received is not None:
-                        break
-                # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land here.
-                await asyncio.sleep(0)  # allowed: one loop turn, not a wait
-                if sig.received is not None:
-                    grace = signals.shutdown_timeout
-                    await sig.stop_group(ending.sent, ending.begin(sig.received, grace))
+            await _start_ranks(self.nprocs, self._start_one, self._signals, ending, self._state)
             self._forensics.start(self._ending.deadline.make)
         except BaseException as exc:
             await shielded(self._ending.begin(signal.SIGKILL, 0.0))
             await self._ending.finished()
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise fd_limit_error(exc, rank, self.nprocs) from exc
+                raise fd_limit_error(exc, len(self._state.pids()), self.nprocs) from exc
             raise
 
     async def _start_one(self, rank: int) -> None:

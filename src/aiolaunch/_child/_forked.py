@@ -19,7 +19,9 @@ start-up, a forked one gets here, in this order:
 5. fresh per-process state: the garbage collector on, numpy's global random
    state and torch's default (CPU) generator reseeded from the OS (``random``
    reseeds itself at fork), a new multiprocessing authkey;
-6. ``sys.argv``, ``sys.orig_argv``, ``sys.path[0]`` and ``__main__`` as
+6. its command line and environment as ``ps`` and ``/proc/<pid>/environ``
+   show them: the worker's own (:mod:`._cmdline`);
+7. ``sys.argv``, ``sys.orig_argv``, ``sys.path[0]`` and ``__main__`` as
    ``python [-u] -m aiolaunch._child._bootstrap script.py ARGS`` would set them
    (:func:`aiolaunch._child._bootstrap.main`).
 
@@ -40,6 +42,7 @@ import struct
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ._cmdline import show
 from ._wire import Fork, FunctionJob, ScriptJob, StoreJob
 
 if TYPE_CHECKING:
@@ -78,6 +81,8 @@ def become(req: Fork, fds: list[int], ctx: ChildContext) -> Callable[[], None]:
             if name in got:
                 os.set_inheritable(got[name], False)  # ours, not for what the worker execs
         _fresh_state(job.process_name if isinstance(job, FunctionJob) else None)
+        if not isinstance(job, StoreJob):
+            show(job.orig_argv, req.env)  # ps, pgrep -f, /proc/<pid>/environ
     except BaseException as exc:
         os.write(2, f"aiolaunch: the forked worker could not start: {exc!r}\n".encode())
         os._exit(127)

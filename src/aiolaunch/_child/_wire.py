@@ -91,6 +91,9 @@ class FunctionJob:
     #: the supervisor's ``sys.argv`` and ``sys.path``, as a spawned child gets them
     sys_argv: list[str]
     sys_path: list[str]
+    #: the supervisor's command line (``sys.orig_argv``): what ``ps`` shows, as
+    #: for a child of multiprocessing's ``fork``
+    orig_argv: list[str]
     supervisor_pid: int
     #: ``multiprocessing.current_process().name``
     process_name: str

@@ -256,6 +256,7 @@ async def fork_function(
             error_file=error_file,
             sys_argv=list(sys.argv),
             sys_path=list(sys.path),
+            orig_argv=list(sys.orig_argv),
             supervisor_pid=os.getpid(),
             process_name=f"{name}{local_rank}",
         )
