@@ -210,3 +210,57 @@ def test_cli_workers_show_rank_in_their_environ(mode: str, tmp_path: Path) -> No
         assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} <= set(environ)
         proc.terminate()
         proc.communicate(timeout=60)
+
+
+# -- the data at exit -------------------------------------------------------------------
+HELPER = """
+import sys
+log = open(sys.argv[1] + ".helper", "w")  # a helper module's global
+"""
+HOLDS = """
+import os, sys
+import warm_helper_c2
+
+GLOO = sys.argv[2] == "gloo"
+if GLOO:  # gloo's threads run until the process ends (any DDP job)
+    import torch.distributed as dist
+    dist.init_process_group(
+        "gloo", init_method=f"file://{sys.argv[1]}.rdzv", rank=0, world_size=1
+    )
+
+
+class Log:
+    def __init__(self, path):
+        self.f = open(path, "w")
+
+
+held = Log(sys.argv[1] + ".object")  # an object in __main__
+files = {"f": open(sys.argv[1] + ".dict", "w")}  # a dict in __main__
+bare = open(sys.argv[1] + ".bare", "w")  # __main__'s own name
+for i in range(1000):
+    for f in (warm_helper_c2.log, held.f, files["f"], bare):
+        f.write(f"line {i}\\n")
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gloo", [False, True], ids=["plain", "gloo"])
+async def test_every_line_written_reaches_its_file(
+    mode: str, gloo: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if gloo:
+        pytest.importorskip("torch")
+    write_script(tmp_path, "warm_helper_c2.py", HELPER)
+    script = write_script(tmp_path, "holds.py", HOLDS)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    result = await run_python(
+        mode,
+        tmp_path,
+        {0: (*BOOT, str(script), str(out), "gloo" if gloo else "plain")},
+        preload=["torch"] if gloo else None,
+    )
+    assert not result.is_failed(), (tmp_path / "logs/0/stderr.log").read_text()
+    ways = ("helper", "object", "dict", "bare")
+    last = {way: (tmp_path / f"out.{way}").read_text().splitlines()[-1:] for way in ways}
+    assert last == {way: ["line 999"] for way in ways}

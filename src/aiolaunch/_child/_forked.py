@@ -210,12 +210,13 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
     ``weakref.finalize`` callbacks the zygote made: torch's 174
     ``_del_library`` took 30 ms in a forked worker); then ``__main__`` is
     cleared, so the program's objects are finalized by reference counting
-    (files flushed and closed), and stdio is flushed (a failure there gives
-    status 120, as in CPython).
+    (files flushed and closed); then every file still open is flushed
+    (:func:`_flush_files`: a helper module's, one an object or a cycle
+    holds), and stdio (a failure there gives status 120, as in CPython).
 
     Unless a thread that Python did not start is still running (gloo's, an
-    OpenMP pool's): then ``__main__``'s files are flushed and nothing is
-    destroyed. A destructor may join such a thread with the GIL held while
+    OpenMP pool's): then ``__main__`` is not cleared - every open file is
+    flushed and nothing is destroyed. A destructor may join such a thread with the GIL held while
     the thread waits for the GIL - torch's DDP does, now and then: the
     Reducer's dealloc destroys a ProcessGroupGloo, which joins its threads
     while one drops a finished work's tensors (pytorch#56297). The
@@ -246,14 +247,12 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
         traceback.print_exc()  # the interpreter prints a raising atexit callback too
     main = sys.modules.get("__main__")
     d = getattr(main, "__dict__", None)
-    if isinstance(d, dict):
-        if _foreign_threads():
-            _flush_files(d)
-        else:
-            for first in (True, False):  # CPython: _names first, then the rest
-                for key in list(d):
-                    if key != "__builtins__" and key.startswith("_") == first:
-                        d[key] = None
+    if isinstance(d, dict) and not _foreign_threads():
+        for first in (True, False):  # CPython: _names first, then the rest
+            for key in list(d):
+                if key != "__builtins__" and key.startswith("_") == first:
+                    d[key] = None
+    _flush_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -280,18 +279,30 @@ def _foreign_threads() -> bool:
     return bool(tids - known)
 
 
-def _flush_files(namespace: dict[str, Any]) -> None:
-    """Flush the open files ``namespace`` holds, destroying nothing."""
-    for value in list(namespace.values()):
-        if not isinstance(value, io.IOBase):
+def _flush_files() -> None:
+    """Flush every file object still open, destroying nothing.
+
+    What the interpreter's exit would flush as it tears the modules down and
+    collects the cycles left: files held by a helper module, by an object or
+    a dict, in a cycle. Found among the objects the worker made (the
+    zygote's are frozen: ``gc.get_objects`` does not walk them), by type
+    first (a few hundred types, not every object, go through ``io.IOBase``'s
+    check). An error is ignored, as the interpreter ignores one in a file's
+    finalizer; stdio is left to the caller.
+    """
+    import itertools
+
+    objects = gc.get_objects()
+    kinds = {t for t in set(map(type, objects)) if issubclass(t, io.IOBase)}
+    stdio = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    for f in itertools.compress(objects, map(kinds.__contains__, map(type, objects))):
+        if any(f is s for s in stdio):
             continue
         try:
-            if not value.closed:
-                value.flush()
-        except Exception:  # as a finalizer's error: reported, not raised
-            import traceback
-
-            traceback.print_exc()
+            if not f.closed:
+                f.flush()
+        except Exception:  # ignored, as by a file's finalizer at exit
+            pass
 
 
 def _inherited() -> list[Any]:
