@@ -26,7 +26,8 @@ from _helpers import alive, driver, wait_dead
 from _programs import write_script
 from aiolaunch import Std
 from aiolaunch._warm._preload import Preload
-from aiolaunch._warm._zygote import ZygoteState, close_zygotes, zygote_for
+from aiolaunch._warm._registry import close_zygotes, zygote_for
+from aiolaunch._warm._zygote import ZygoteState
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -545,7 +546,7 @@ async def main():
         name="f", entrypoint=sorted, args={0: ((2, 1),)}, envs={0: {}}, preload=["json"],
     )
     await ctx.wait_ready(timeout=60)
-    z = next(iter(aiolaunch._warm._zygote._ZYGOTES.get().values()))
+    z = next(iter(aiolaunch._warm._registry._ZYGOTES.get().values()))
     for _ in range(500):  # the zygote forks spares once idle
         if z.spares:
             break

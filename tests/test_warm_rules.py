@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiolaunch._child._forked import _exit_code
+from aiolaunch._child._provenance import EnvReads, Provenance, module_files
 from aiolaunch._child._safety import load_time_items
 from aiolaunch._child._wire import (
     Decoder,
@@ -245,7 +246,13 @@ def test_frames_carry_objects_and_fds() -> None:
 
 
 def test_the_decoder_takes_frames_in_any_pieces() -> None:
-    msgs: list[Message] = [Spare(7), Forked(8), Exited(7, 256), Loaded("m", None), Refused("x")]
+    msgs: list[Message] = [
+        Spare(7),
+        Forked(8),
+        Exited(7, 256),
+        Loaded("m", None, Provenance({"/m.py": (1, 2)}, {"X": None})),
+        Refused("x"),
+    ]
     stream = b"".join(bytes(encode(m)) for m in msgs)
     for step in (1, 3, 7, len(stream)):
         decoder = Decoder()
@@ -253,3 +260,54 @@ def test_the_decoder_takes_frames_in_any_pieces() -> None:
         for i in range(0, len(stream), step):
             got += decoder.feed(stream[i : i + step])
         assert got == msgs
+
+
+def test_env_reads_records_reads_by_name_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WARM_R1", "one")
+    monkeypatch.setenv("WARM_R2", "two")
+    monkeypatch.delenv("WARM_ABSENT", raising=False)
+    cls = type(os.environ)
+    before = (cls.__getitem__, cls.__iter__)
+    with EnvReads() as reads:
+        assert os.environ["WARM_R1"] == "one"
+        assert os.getenv("WARM_ABSENT") is None
+        assert "WARM_R2" in os.environ
+        everything = dict(os.environ.items())  # a module that looks at the whole environment
+    assert everything["WARM_R1"] == "one"
+    assert reads.seen == {"WARM_R1": "one", "WARM_ABSENT": None, "WARM_R2": "two"}
+    assert (cls.__getitem__, cls.__iter__) == before  # restored
+    assert os.environ["WARM_R1"] == "one"
+
+
+def test_provenance_sees_a_changed_file_and_a_changed_variable(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("x = 1\n")
+    st = os.stat(path)
+    p = Provenance({str(path): (st.st_mtime_ns, st.st_size)}, {"A": "1", "B": None})
+    assert p.changed_file() is None
+    assert p.changed_variable({"A": "1"}) is None
+    assert p.changed_variable({"A": "2"}) == "A"
+    assert p.changed_variable({"A": "1", "B": "x"}) == "B"
+    assert p.changed_variable({"A": "2"}, ignore=frozenset({"A"})) is None
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert p.changed_file() == str(path)
+    path.unlink()
+    assert p.changed_file() == str(path)
+    both = p | Provenance({"/other.py": (1, 1)}, {"C": "3"})
+    assert set(both.files) == {str(path), "/other.py"} and both.env["C"] == "3"
+
+
+def test_module_files_are_outside_the_installation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "warm_prov_mod_91.py").write_text("y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    importlib.import_module("warm_prov_mod_91")
+    try:
+        files = module_files()
+    finally:
+        sys.modules.pop("warm_prov_mod_91", None)
+    assert str(tmp_path / "warm_prov_mod_91.py") in files
+    assert os.__file__ not in files and pytest.__file__ not in files  # stdlib, site-packages

@@ -17,7 +17,7 @@ import pytest
 import aiolaunch
 from _helpers import driver
 from _programs import write_script
-from aiolaunch._warm._zygote import close_zygotes
+from aiolaunch._warm._registry import close_zygotes
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

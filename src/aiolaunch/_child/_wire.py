@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, TypeAlias
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from ._provenance import Provenance
+
 __all__ = [
     "MAX_FDS",
     "Decoder",
@@ -141,6 +143,8 @@ class Ready:
     hazard: str | None
     #: ``torch.distributed`` was imported (the zygote can host a TCPStore)
     torch_distributed: bool
+    #: the files the imports came from, the variables they read
+    provenance: Provenance
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,8 @@ class Loaded:
 
     module: str
     error: str | None
+    #: what this import added to the zygote's :class:`Ready` provenance
+    provenance: Provenance
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import importlib
 import os
 import select
 import signal
@@ -42,6 +43,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ._proc import open_fds
+from ._provenance import EnvReads, Provenance, module_files
 from ._safety import fork_hazard
 from ._spares import Spares, wait_for_request
 from ._wire import (
@@ -187,18 +189,16 @@ class _Server:
         return None
 
     def _import_later(self) -> None:
-        import importlib
-
         while self.later:
             name = self.later.pop(0)
             error = None
-            with self._served():
+            with self._served(), EnvReads() as reads:
                 try:
                     importlib.import_module(name)
                 except BaseException as exc:
                     error = _import_error(exc)
             gc.freeze()
-            send(self.ctl, Loaded(name, error))
+            send(self.ctl, Loaded(name, error, Provenance(module_files(), reads.seen)))
         self.spares.drop()  # made without the module
 
     @contextlib.contextmanager
@@ -371,16 +371,16 @@ def main() -> None:
 
     from . import _bootstrap, _dump_handler, _error_file, _forked, _function  # noqa: F401
 
-    for name in now:
-        import importlib
-
-        try:
-            importlib.import_module(name)
-        except BaseException as exc:
-            send(ctl, Failed(name, _import_error(exc)))
-            os._exit(1)
+    with EnvReads() as reads:
+        for name in now:
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:
+                send(ctl, Failed(name, _import_error(exc)))
+                os._exit(1)
     gc.freeze()
     server = _Server(ctl, status_fd, lifeline_fd, spares)
-    send(ctl, Ready(os.getpid(), fork_hazard(), "torch.distributed" in sys.modules))
+    provenance = Provenance(module_files(), reads.seen)
+    send(ctl, Ready(os.getpid(), fork_hazard(), "torch.distributed" in sys.modules, provenance))
     job = server.serve(later)
     job()  # in a forked worker: never returns (SystemExit ends the interpreter)

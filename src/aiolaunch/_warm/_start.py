@@ -23,7 +23,10 @@ from .._workers._guardian import GUARDIAN_ENV, guardian
 if TYPE_CHECKING:
     from ._preload import Preload
 
-__all__ = ["start_zygote"]
+__all__ = ["SET_BY_US", "start_zygote"]
+
+#: variables the zygote's environment holds for its own sake, not the workers'
+SET_BY_US = frozenset({GUARDIAN_ENV, "PYTORCH_NVML_BASED_CUDA_CHECK"})
 
 _CODE = "from aiolaunch._child._zygote import main; main()"
 

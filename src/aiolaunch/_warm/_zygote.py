@@ -1,18 +1,17 @@
-"""Warm start, supervisor side: :class:`Zygote`, one running zygote process.
+"""Warm start, supervisor side: :class:`Zygote`, the supervisor's handle on one zygote process.
 
-A zygote (:mod:`._zygote`) imports the preload modules once and forks Python
-workers from that state. One per supervisor process and ``(preload,
-load-time environment)`` (:func:`zygote_for`), started on first use and kept
-for the supervisor's lifetime - as the guardian and multiprocessing's
-forkserver are - so every attempt of an agent and every ``start_processes``
-call with the same preload reuses it. It dies with the supervisor (EOF on
-its control socket; the guardian has its group and token too).
+A zygote (:mod:`aiolaunch._child._zygote`) imports the preload modules once
+and forks Python workers from that state. Which zygote serves which call,
+and for how long, is :mod:`._registry`'s. A zygote dies with the supervisor
+(EOF on its control socket; the guardian has its group and token too).
 
 Exit statuses: the zygote is the workers' parent; it reaps them and reports
-each raw wait status. Each worker also reports its own exit code on the
-status socket just before it ends, which is what the supervisor uses if the
-zygote died first (SIGKILLed mid-run: the workers it forked keep running,
-their exits are seen through pidfds, and a new zygote replaces it).
+each raw wait status. The supervisor sees each exit itself through the
+worker's pidfd and reads the status the kernel keeps for the zygote
+(:mod:`._exits`); each worker also reports its own exit code on the status
+socket just before it ends, which is what the supervisor uses if the zygote
+died first (SIGKILLed mid-run: the workers it forked keep running, and a new
+zygote replaces it).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol
 
-from .._child._safety import load_time_items
 from .._child._wire import (
     Exited,
     Failed,
@@ -37,18 +35,17 @@ from .._child._wire import (
     Refused,
     Spare,
 )
-from .._types import PerProcess
 from .._workers._guardian import current_guardian
 from ._channel import Channel
 from ._exits import SelfReports, zombie_status
 from ._image import Image
-from ._preload import Preload, supported
 from ._start import start_zygote
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from .._child._wire import Job, Message
+    from ._preload import Preload
 
 
 class ForkedWorker(Protocol):
@@ -62,7 +59,7 @@ class ForkedWorker(Protocol):
     def rebind(self) -> None: ...
 
 
-__all__ = ["Zygote", "ZygoteState", "close_zygotes", "zygote_for", "zygote_helpers"]
+__all__ = ["Zygote", "ZygoteState"]
 
 log = logging.getLogger("aiolaunch.warm")
 
@@ -87,6 +84,32 @@ class ZygoteState(enum.Enum):
     #: or :meth:`Zygote.close`): its orphans are watched through their pidfds,
     #: a new zygote starts for later requests (:func:`zygote_for`). Final.
     DEAD = "dead"
+
+
+class _Pending:
+    """The fork requests the zygote has not answered yet: it answers them in order."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[asyncio.Future[int | None], ForkedWorker | None]] = []
+
+    def add(self, fut: asyncio.Future[int | None], worker: ForkedWorker | None) -> None:
+        self._waiting.append((fut, worker))
+
+    def answer(self, pid: int | None) -> ForkedWorker | None:
+        """The oldest request's answer (``None``: refused); its worker.
+
+        Its requester resumes on a later turn of the loop: after the caller
+        bound the worker to ``pid``.
+        """
+        fut, worker = self._waiting.pop(0)
+        if not fut.done():
+            fut.set_result(pid)
+        return worker
+
+    def answer_all(self, pid: int | None) -> None:
+        """The zygote is gone: every request waiting gets ``pid``."""
+        while self._waiting:
+            self.answer(pid)
 
 
 class Zygote:
@@ -115,7 +138,7 @@ class Zygote:
         #: children forked ahead, waiting for a request (long-lived, as the zygote)
         self.spares: set[int] = set()
         self._warned: set[str] = set()
-        self._pending: list[tuple[asyncio.Future[int | None], ForkedWorker | None]] = []
+        self._pending = _Pending()
         self._ready: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.pid, self.pidfd, ctl, status = start_zygote(preload, dict(env), spares)
@@ -173,20 +196,17 @@ class Zygote:
                     worker.exited_with(os.waitstatus_to_exitcode(status))
             case Forked(pid):
                 self.spares.discard(pid)
-                fut, worker = self._pending.pop(0)
+                worker = self._pending.answer(pid)
                 if worker is not None:
                     worker.pid = pid
                     self.workers[pid] = worker
                     worker.forked(self)
-                if not fut.done():
-                    fut.set_result(pid)
             case Refused(reason):
-                fut, _ = self._pending.pop(0)
                 self._unusable(reason)
-                if not fut.done():
-                    fut.set_result(None)
-            case Ready(_pid, hazard, torch_distributed):
+                self._pending.answer(None)
+            case Ready(_pid, hazard, torch_distributed, provenance):
                 self.torch_distributed = torch_distributed
+                self.image.imported(provenance)
                 self.state = ZygoteState.READY
                 if hazard:
                     self._unusable(hazard)
@@ -195,8 +215,10 @@ class Zygote:
                 self.state, self.failed_module = ZygoteState.FAILED, module
                 self.why = f"importing {module!r} failed in the zygote:\n{error}"
                 self._set_ready()
-            case Loaded(module, error) if error:
-                self.warn(f"the zygote could not import {module!r}:\n{error}")
+            case Loaded(module, error, provenance):
+                self.image.imported(provenance)
+                if error:
+                    self.warn(f"the zygote could not import {module!r}:\n{error}")
             case _:
                 pass
 
@@ -257,10 +279,7 @@ class Zygote:
         g = current_guardian()
         if g is not None:
             g.unwatch(self.pid)
-        for fut, _ in self._pending:
-            if not fut.done():
-                fut.set_result(None)
-        self._pending.clear()
+        self._pending.answer_all(None)
         self._set_ready()
         for worker in list(self.workers.values()):
             worker.orphaned()  # watched through its pidfd from now on
@@ -315,7 +334,7 @@ class Zygote:
         async with self.ctl.lock:
             if self.state is not ZygoteState.READY:
                 return None
-            self._pending.append((fut, worker))
+            self._pending.add(fut, worker)
             try:
                 await self.ctl.send(request, list(fds.values()))
             except OSError:
@@ -338,66 +357,3 @@ class Zygote:
             f"<Zygote pid={self.pid} preload={','.join(self.preload.now)} state={self.state.value}"
             f" workers={len(self.workers)}>"
         )
-
-
-_ZYGOTES: PerProcess[dict[tuple[Preload, frozenset[tuple[str, str]]], Zygote]] = PerProcess(dict)
-
-
-def zygote_for(
-    preload: Preload, extra_env: Mapping[str, str] | None = None, *, spares: int = 0
-) -> Zygote | None:
-    """This process's zygote for ``preload`` and the environment ``os.environ | extra_env``.
-
-    ``spares``: a new zygote forks that many children ahead, ready for the
-    first group's workers (its size).
-
-    Started now (without waiting for its imports) if there is none yet.
-    One that died (killed) is replaced, but the workers of the call that
-    finds it dead do not wait for the new one: they start the ordinary way,
-    later ones fork from it once it is ready. ``None`` where zygotes are not
-    supported (not Linux, no pidfds).
-    """
-    if not supported():
-        return None
-    env = {**os.environ, **(extra_env or {})}
-    key = (preload, load_time_items(env))
-    zygotes = _ZYGOTES.get()
-    z = zygotes.get(key)
-    if z is None:
-        z = zygotes[key] = Zygote(preload, env, spares=spares)
-    elif z.state is ZygoteState.DEAD:
-        if not z.workers:  # its orphans still need it (their self-reported statuses)
-            z.close()
-        z = zygotes[key] = Zygote(preload, env, wait=False)
-    return z
-
-
-def _children(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return {int(p) for p in f.read().split()}
-    except (OSError, ValueError):
-        return set()
-
-
-def close_zygotes() -> None:
-    """Stop every zygote of this process (the CLI, once its run is over)."""
-    zygotes = _ZYGOTES.peek()
-    if zygotes:
-        for z in zygotes.values():
-            z.close()
-        zygotes.clear()
-
-
-def zygote_helpers() -> tuple[set[int], set[int]]:
-    """``(pids, fds)`` of this process's zygotes: long-lived by design."""
-    pids: set[int] = set()
-    fds: set[int] = set()
-    for z in (_ZYGOTES.peek() or {}).values():
-        if z.pidfd >= 0:
-            pids.add(z.pid)
-            # Its spares: the children that are no worker (the zygote may have
-            # forked one the supervisor has not heard of yet).
-            pids |= (_children(z.pid) or z.spares) - set(z.workers)
-        fds |= z.fds()
-    return pids, fds

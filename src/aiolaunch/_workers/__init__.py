@@ -21,7 +21,7 @@ def long_lived_helpers() -> tuple[set[int], set[int]]:
     start) and their sockets. Only those already made in this process (a
     forked child has none of its parent's); makes nothing.
     """
-    from .._warm._zygote import zygote_helpers
+    from .._warm._registry import zygote_helpers
     from ._guardian import current_guardian
     from ._lifeline import current_lifeline_fds
 

@@ -207,7 +207,7 @@ class FunctionWorker(WorkerHandle):
 
 
 def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
-    from .._warm._zygote import zygote_helpers
+    from .._warm._registry import zygote_helpers
     from ._guardian import current_guardian
 
     fds = [lifeline_w, *zygote_helpers()[1]]
