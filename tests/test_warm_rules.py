@@ -311,3 +311,42 @@ def test_module_files_are_outside_the_installation(
         sys.modules.pop("warm_prov_mod_91", None)
     assert str(tmp_path / "warm_prov_mod_91.py") in files
     assert os.__file__ not in files and pytest.__file__ not in files  # stdlib, site-packages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+@pytest.mark.parametrize("remap", [True, False], ids=["prctl", "in-place"])
+def test_show_sets_what_proc_shows(remap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a forked child: with PR_SET_MM_MAP both; refused, the command line in place, cut."""
+    from aiolaunch._child import _cmdline
+
+    if not remap:
+        monkeypatch.setattr(_cmdline, "_remap", lambda *a: False)
+    with open(f"/proc/{os.getpid()}/environ", "rb") as f:
+        before = f.read()
+    said_r, said_w = os.pipe()  # child -> parent: show()'s answer
+    done_r, done_w = os.pipe()  # parent -> child: /proc was read
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            ok = _cmdline.show(["python", "-u", "t.py", "x" * 100_000], {"RANK": "3"})
+            os.write(said_w, b"1" if ok else b"0")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(said_r, 1) == (b"1" if remap else b"0")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    finally:
+        os.write(done_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (said_r, said_w, done_r, done_w):
+            os.close(fd)
+    assert cmdline.split(b"\0")[:3] == [b"python", b"-u", b"t.py"]
+    if remap:
+        assert cmdline == b"python\0-u\0t.py\0" + b"x" * 100_000 + b"\0"
+        assert environ == b"RANK=3\0"
+    else:
+        assert environ == before  # the limit: where prctl is refused, the environment stays
