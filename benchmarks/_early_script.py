@@ -1,6 +1,8 @@
 """The early-failure restart benchmark's script (``bench_early_restart.py``).
 
-``_early_script.py DELAY``: a 2-rank gloo job without DDP. In attempt 0 rank
+``_early_script.py DELAY [ddp]``: a 2-rank gloo job (with ``ddp``: a DDP
+model wrapped before the first all_reduce, which imports torch._dynamo
+where the zygote has not yet). In attempt 0 rank
 1 stamps ``fail`` and exits 1 ``DELAY`` seconds after its first all_reduce,
 while rank 0 sleeps; every rank of every attempt stamps ``start`` as the
 script begins and ``first`` right after its first all_reduce. Stamps go to
@@ -28,6 +30,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 dist.init_process_group("gloo")
+if sys.argv[2:] == ["ddp"]:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
 t = torch.ones(16)
 dist.all_reduce(t)
 stamp("first")

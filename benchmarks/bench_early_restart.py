@@ -1,6 +1,6 @@
 """Restart after an early failure: failure -> the next attempt's first all_reduce.
 
-    python benchmarks/bench_early_restart.py [--delays 0,1,10] [--trials 5]
+    python benchmarks/bench_early_restart.py [--delays 0,1,10] [--trials 5] [--ddp]
         [--launcher aiolaunch|aiolaunch-cold|torchrun] [--baseline SRC] [--json OUT]
 
 One trial: ``LAUNCHER --standalone --nproc-per-node 2 --max-restarts 1
@@ -10,6 +10,7 @@ rank 1's ``fail`` stamp -> the later first all_reduce of attempt 1 (and,
 to tell the launcher's part from the workers', -> the later start of
 attempt 1's scripts). A failure in the first second lands while the zygote
 imports its later modules (``torch._dynamo``), one at 10 s long after.
+``--ddp``: the job wraps a DDP model first (warm_restart's job at delay 0).
 
 ``--baseline SRC``: also run the aiolaunch whose ``src`` folder is SRC (e.g.
 ``git archive HEAD~1 src | tar -x -C /tmp/base`` -> ``/tmp/base/src``, put
@@ -37,14 +38,17 @@ from bench_warm import LAUNCHERS, read_stamps, run_launcher  # noqa: E402
 SCRIPT = os.path.join(HERE, "_early_script.py")
 
 
-def trial(launcher: str, delay: float, tmp: str, timeout: float, src: str | None) -> dict:
+def trial(
+    launcher: str, delay: float, tmp: str, timeout: float, src: str | None, ddp: bool
+) -> dict:
     d = tempfile.mkdtemp(dir=tmp)
     stamp = os.path.join(d, "stamps")
     env = dict(os.environ, BENCH_STAMP=stamp)
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     opts = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
-    rc, _t0, tail = run_launcher(launcher, opts, [str(delay)], env, d, timeout, SCRIPT)
+    args = [str(delay), *(["ddp"] if ddp else [])]
+    rc, _t0, tail = run_launcher(launcher, opts, args, env, d, timeout, SCRIPT)
     st = read_stamps(stamp)
     if rc is None:
         return {"ok": False, "error": f"hung (killed after {timeout} s): {tail}"}
@@ -67,6 +71,7 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=5, help="trials per delay and variant")
     p.add_argument("--launcher", default="aiolaunch", choices=sorted(LAUNCHERS))
     p.add_argument("--baseline", metavar="SRC", help="another aiolaunch's src folder")
+    p.add_argument("--ddp", action="store_true", help="wrap a DDP model first")
     p.add_argument("--timeout", type=float, default=120.0, help="a trial's limit (s)")
     p.add_argument("--json", help="write the samples and errors here")
     args = p.parse_args()
@@ -82,7 +87,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-early-") as tmp:
         for i in range(args.trials):
             for variant, delay in cells[i % len(cells) :] + cells[: i % len(cells)]:
-                got = trial(args.launcher, delay, tmp, args.timeout, variants[variant])
+                got = trial(args.launcher, delay, tmp, args.timeout, variants[variant], args.ddp)
                 cell = (variant, delay)
                 if got["ok"]:
                     samples[cell].append(got["turnaround_ms"])

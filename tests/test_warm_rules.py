@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import subprocess
 import sys
 from argparse import Namespace
 from typing import TYPE_CHECKING
@@ -350,3 +351,35 @@ def test_show_sets_what_proc_shows(remap: bool, monkeypatch: pytest.MonkeyPatch)
         assert environ == b"RANK=3\0"
     else:
         assert environ == before  # the limit: where prctl is refused, the environment stays
+
+
+WRITING = """
+import os, subprocess, sys
+from aiolaunch._child._forked import _writing_elsewhere
+
+said = [_writing_elsewhere()]
+r, w = os.pipe()  # a wake-up pipe: both ends ours
+said.append(_writing_elsewhere())
+os.makedirs(sys.argv[1] + "/stacks", exist_ok=True)
+dump = open(sys.argv[1] + "/stacks/1.txt", "ab", buffering=0)  # the stack-dump file
+said.append(_writing_elsewhere())
+os.close(r)  # now only the write end: a reader elsewhere may wait for what it buffers
+said.append(_writing_elsewhere())
+os.close(w)
+log = open(sys.argv[1] + "/log.txt", "w")
+said.append(_writing_elsewhere())
+print(said)
+"""
+
+
+def test_writing_elsewhere_is_what_a_file_object_may_buffer_for(tmp_path: Path) -> None:
+    env = {**os.environ, "AIOLAUNCH_STACKS_DIR": str(tmp_path / "stacks")}
+    out = subprocess.run(
+        [sys.executable, "-c", WRITING, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        stdin=subprocess.DEVNULL,
+    ).stdout
+    assert out == "[False, False, False, True, True]\n"

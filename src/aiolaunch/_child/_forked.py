@@ -212,7 +212,8 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
     cleared, so the program's objects are finalized by reference counting
     (files flushed and closed); then every file still open is flushed
     (:func:`_flush_files`: a helper module's, one an object or a cycle
-    holds), and stdio (a failure there gives status 120, as in CPython).
+    holds; where the process writes to a file or pipe at all), and stdio (a
+    failure there gives status 120, as in CPython).
 
     Unless a thread that Python did not start is still running (gloo's, an
     OpenMP pool's): then ``__main__`` is not cleared - every open file is
@@ -252,7 +253,8 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
             for key in list(d):
                 if key != "__builtins__" and key.startswith("_") == first:
                     d[key] = None
-    _flush_files()
+    if _writing_elsewhere():
+        _flush_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -277,6 +279,51 @@ def _foreign_threads() -> bool:
     known = {threading.get_native_id()}
     known.update(t.native_id for t in threading.enumerate() if t is not me and t.native_id)
     return bool(tids - known)
+
+
+def _writing_elsewhere() -> bool:
+    """Whether a file object of this process may hold data its fd has not seen.
+
+    That is: whether it holds a file, a pipe or a terminal open for writing
+    besides its stdio - not the write end of a pipe whose read end it holds
+    too (a thread pool's wake-up pipe: gloo's), not its stack-dump file
+    (written unbuffered) - or cannot tell. A few system calls per fd: a
+    worker that writes nowhere else (the common restart: gloo's sockets, its
+    log files as fds 1 and 2) skips the walk of its objects, tens of
+    milliseconds once it made a hundred thousand of them (torch._dynamo
+    imported in the worker). Sockets do not count: a file object over one
+    (``socket.makefile``) is flushed only along with others.
+    """
+    import fcntl
+    import stat
+
+    from ._dump_handler import STACKS_DIR_ENV
+    from ._proc import open_fds
+
+    dumps = os.path.join(os.environ.get(STACKS_DIR_ENV) or "\0", "")
+    pipes: dict[tuple[int, int], set[int]] = {}  # pipe -> the access modes of our ends
+    for fd in open_fds():
+        if fd <= 2:
+            continue
+        try:
+            st = os.fstat(fd)
+            access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError:
+            continue  # closed meanwhile (or the listing's own fd)
+        if stat.S_ISFIFO(st.st_mode):
+            pipes.setdefault((st.st_dev, st.st_ino), set()).add(access)
+            continue
+        if access == os.O_RDONLY:
+            continue
+        if stat.S_ISCHR(st.st_mode) and os.isatty(fd):
+            return True
+        if stat.S_ISREG(st.st_mode):
+            try:
+                if not os.readlink(f"/proc/self/fd/{fd}").startswith(dumps):
+                    return True
+            except OSError:
+                return True
+    return any(os.O_RDONLY not in modes for modes in pipes.values())
 
 
 def _flush_files() -> None:
