@@ -8,8 +8,10 @@ preload torch, the others a stdlib module.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
@@ -97,6 +99,27 @@ def test_a_sigterm_as_the_first_rank_runs_stops_the_run(mode: str, tmp_path: Pat
     assert proc.returncode == 143, err  # not -15: the default action
     assert log.read_text() == "aiolaunch: stopped by SIGTERM; all workers were stopped"
     assert (tmp_path / "handled-0").exists()  # the rank's own handler ran
+
+
+async def test_a_signal_caught_as_a_watch_ends_reaches_the_handler_after_it() -> None:
+    """The hand-over from start()'s watch to wait()'s: a signal the loop queued
+    for a watch that has ended since is re-raised, not dropped."""
+    from aiolaunch._signals._watch import watch_signals
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda sig, frame: got.append(sig))
+    try:
+        with watch_signals(lambda sig: None, stop=(signal.SIGUSR2,)) as watch:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            # one turn: the loop reads its wake-up fd and queues the dispatch ...
+            await asyncio.sleep(0)  # allowed: loop turns, the point of the test
+            await asyncio.sleep(0)  # ... which runs on the turn after this one
+        assert watch.received is None  # it ended first
+        await asyncio.sleep(0)  # allowed: the queued dispatch runs
+        await asyncio.sleep(0)  # allowed: the re-raised signal's Python handler runs
+        assert got == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
 
 
 # -- __file__ ---------------------------------------------------------------------------

@@ -72,9 +72,17 @@ async def _start_ranks(
     A worker forked from a zygote runs its script at once, before the caller
     reaches ``wait()``: a stop signal must not meet the default action. One
     received stops the workers started so far (death signal, grace; no
-    further rank starts) and raises ``SignalException``.
+    further rank starts) and raises ``SignalException``. SIGINT is left to
+    the application meanwhile (asyncio.run's handler cancels the start, which
+    SIGKILLs what started; a bare loop's KeyboardInterrupt does the same).
     """
-    watch = signals.watch(state.wakeup.notify, ending.escalate, state.workers, state.name)
+    watch = signals.watch(
+        state.wakeup.notify,
+        ending.escalate,
+        state.workers,
+        state.name,
+        leave=frozenset({signal.SIGINT}),
+    )
     with watch as sig:
         for rank in range(nprocs):
             await start_one(rank)
