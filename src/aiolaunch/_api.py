@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ._errors import MainProcessError, SignalException, WorkerError
 from ._hangs._watchdog import Watchdog
 from ._kinds import MultiprocessContext, SubprocessContext
-from ._live._metrics import closed_on_error, metrics_binder
+from ._live._metrics import MetricsEndpoint, closed_on_error, metrics_binder
 from ._logs import LogWiring
 from ._logs._filters import check_filters
-from ._logs._specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
+from ._logs._specs import LogsDest, LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
@@ -33,7 +33,7 @@ from ._validate import check_port, check_start_inputs, log_dir_error, pickle_pay
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from ._context import PContext
+    from ._context import JobAttempt, PContext
 
 __all__ = ["free_port", "launch", "start_processes"]
 
@@ -49,15 +49,23 @@ class _Starting:
     as a never-awaited coroutine does).
     """
 
-    def __init__(self, make: Callable[[], PContext], name: str) -> None:
+    def __init__(self, make: Callable[[JobAttempt | None], PContext], name: str) -> None:
         self._make = make
         self._name = name
         self._ctx: PContext | None = None
         self._used = False
+        self._job: JobAttempt | None = None
+
+    def in_job(self, job: JobAttempt) -> _Starting:
+        """The group is ``job``'s attempt (the elastic agent's): its restart
+        counts start at the job's, and it shows its metrics on the job's
+        endpoint. Returns this object, still to be awaited."""
+        self._job = job
+        return self
 
     async def _start(self) -> PContext:
         _require_asyncio()  # before the log folder, pipes or any process exist
-        ctx = self._make()
+        ctx = self._make(self._job)
         await ctx.start()
         return ctx
 
@@ -284,14 +292,17 @@ def start_processes(
         default=DEFAULT_SIGNALS_TO_HANDLE,
     )
     only_forwarded = resolve_signals(
-        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default="",
+        forward_signals,
+        what="forward_signals",
+        env=FORWARD_SIGNALS_ENV,
+        default="",
         strict_env=True,  # a typo would let the preemption signal kill the supervisor
-    )  # fmt: skip
+    )
     warm = None
     if preload is not None and preload is not False:
-        from ._warm._preload import resolve_preload
+        from ._warm._preload import resolve_preload, workers_folder
 
-        warm = resolve_preload(preload)
+        warm = resolve_preload(preload, folder=workers_folder(entrypoint, args[0]))
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -304,19 +315,18 @@ def start_processes(
     else:
         args_ = {rank: tuple(str(a) for a in a_) for rank, a_ in args_.items()}
 
-    def make() -> PContext:  # the port first: in use, it fails before any folder or worker
-        with closed_on_error(bind_metrics_port()) as metrics:
-            return build(metrics)
+    def make(job: JobAttempt | None) -> PContext:
+        # The port first: in use, it fails before any folder or worker.
+        with closed_on_error(bind_metrics_port()) as sock:
+            return build(None if sock is None else MetricsEndpoint(sock), job)
 
-    def build(metrics: socket.socket | None) -> PContext:
+    def build(metrics: MetricsEndpoint | None, job: JobAttempt | None) -> PContext:
         if logs_specs is not None:
-            dest = logs_specs.reify(envs_)
+            dest = LogsDest.of(logs_specs.reify(envs_))
         elif log_dir is None:
             folder = make_temp_dir(f"aiolaunch_{name}_")  # the guardian knows it too
             try:
-                dest = plain_logs_dest(
-                    folder, envs_, redirects, tee, background=True, flat_errors=True
-                )
+                dest = plain_logs_dest(folder, envs_, redirects, tee, flat_errors=True)
             except BaseException:
                 prune_empty_dirs([folder])
                 raise
@@ -328,7 +338,7 @@ def start_processes(
             except OSError as exc:
                 # e.g. a read-only or virtual filesystem that access() misses (root)
                 raise log_dir_error("log_dir", folder, exc) from exc
-            dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
+            dest = plain_logs_dest(folder, envs_, redirects, tee)
         common: dict[str, Any] = {
             "name": name,
             "entrypoint": entrypoint,
@@ -349,6 +359,7 @@ def start_processes(
             "watchdog": watchdog,
             "signal_plan": SignalPlan(stop_signals, only_forwarded, float(shutdown_timeout)),
             "metrics": metrics,
+            "job": job,
             "zygote": None,
         }
         if warm is not None:
@@ -356,14 +367,9 @@ def start_processes(
             from ._warm._registry import zygote_for
 
             common["zygote"] = zygote_for(warm, shared_load_env(envs_), spares=nprocs)
-        try:
-            if isinstance(entrypoint, str):
-                return SubprocessContext(**common)
-            return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
-        except BaseException:
-            if (rank_dirs := getattr(dest, "rank_dirs", None)) is not None:
-                rank_dirs.close()  # no folder appears once the call failed
-            raise
+        if isinstance(entrypoint, str):
+            return SubprocessContext(**common)
+        return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
 
     return _Starting(make, name)
 

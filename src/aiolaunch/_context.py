@@ -4,94 +4,74 @@
 has one job and one owner:
 
 - ``_group.GroupState``: the group's state (workers, exits, restarts, forced
-  failures) and its one wake-up (``Wakeup``);
+  failures, attach sessions) and its one wake-up (``Wakeup``);
+- ``_launch.RankLauncher``: starting each incarnation of a rank, through the
+  kind's ``Spawner`` (``_kinds``);
 - ``_ending.GroupEnding``: the one way a group ends (outcome, then aftermath);
-- ``_logs.LogWiring``: the streams; ``_ready.Readiness``: the probes;
-  ``_restart.Restarts``: the restart policies; ``_forensics.Forensics``:
-  stacks, watchdog, status and the control socket; ``_events.EventBus``.
+- the observers (``_observer.GroupObserver``), each told of the group's
+  moments and acting only through its commands: ``_hangs.HangObserver``
+  (stacks, watchdog, stragglers, report), ``_live.LiveObserver`` (control
+  socket, metrics, attach), ``_ready.Readiness`` (the probes),
+  ``_restart.Restarts`` (the restart policies);
+- ``_logs.LogWiring``: the streams; ``_logs.GroupFolder``: the group's
+  folder; ``_events.EventBus``: the events.
 
 Exit flow: a worker exits -> its handle's exit callback runs on the loop ->
-``GroupState.gone`` (or a restart) notifies the wake-up -> ``wait()`` checks
-``GroupState.decided()`` and ends the group through ``GroupEnding.begin``.
-No step polls.
+the launcher hands it to the restart policies, or ``GroupState.gone``
+notifies the wake-up -> ``wait()`` checks ``GroupState.decided()`` and ends
+the group through ``GroupEnding.begin``. No step polls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import signal
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._cancel import shielded
 from ._deadline import StopDeadline
 from ._ending import GroupEnding
 from ._errors import fd_limit_error
-from ._events import Event, EventBus, LogLines, worker_exited, worker_started
+from ._events import Event, EventBus, LogLines, WorkerRestarting
 from ._group import GroupState
-from ._hangs._forensics import Forensics
-from ._live._metrics import url_of
+from ._hangs._observer import HangObserver
+from ._launch import RankLauncher
+from ._live._observer import LiveObserver
+from ._live._status import worker_statuses
+from ._logs._folder import GroupFolder
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._validate import check_seconds, check_signal
-from ._workers._proc import new_context_token
+from ._workers._processes import new_context_token
 
 if TYPE_CHECKING:
-    import socket
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Callable
 
     from ._hangs._watchdog import Watchdog
+    from ._launch import Spawner
+    from ._live._metrics import MetricsEndpoint
     from ._live._status import WorkerStatus
     from ._logs import LogWiring
     from ._results import RunProcsResult
     from ._signals._plan import SignalPlan
-    from ._workers._handle import WorkerHandle
 
-__all__ = ["PContext"]
-
-# Right after the last rank's spawn: that worker runs on this process's CPU
-# (a vfork child execs where its parent ran, and the parent wakes there too);
-# yielding gives it the CPU now, not after the bookkeeping that follows here
-# and in the caller (wait()'s set-up): on a 2-core host its first instruction
-# came ~0.3 ms sooner (#26), and yielding before its own bookkeeping rather
-# than after it, 7% sooner again at N=1 and 4 (100 trials a side,
-# 2026-11-27). Not after every spawn: that slowed N=4 and 64.
-_sched_yield = getattr(os, "sched_yield", lambda: None)
+__all__ = ["JobAttempt", "PContext"]
 
 
-async def _start_ranks(
-    nprocs: int,
-    start_one: Callable[[int], Awaitable[None]],
-    signals: SignalPlan,
-    ending: GroupEnding,
-    state: GroupState,
-) -> None:
-    """Start ranks ``0..nprocs-1`` in order, watching the group's stop signals as ``wait()`` does.
+@dataclass(frozen=True)
+class JobAttempt:
+    """What a group knows of the job it is one attempt of (the elastic agent's):
+    how many times the job restarted before it (``restarts``: every rank's
+    restart count starts there, and its first events say each rank restarts),
+    the delay before it, and the job's metrics endpoint (``None``: none; it
+    outlives the group)."""
 
-    A worker forked from a zygote runs its script at once, before the caller
-    reaches ``wait()``: a stop signal must not meet the default action. One
-    received stops the workers started so far (death signal, grace; no
-    further rank starts) and raises ``SignalException``. SIGINT is left to
-    the application meanwhile (asyncio.run's handler cancels the start, which
-    SIGKILLs what started; a bare loop's KeyboardInterrupt does the same).
-    """
-    watch = signals.watch(
-        state.wakeup.notify,
-        ending.escalate,
-        state.workers,
-        state.name,
-        leave=frozenset({signal.SIGINT}),
-    )
-    with watch as sig:
-        for rank in range(nprocs):
-            await start_one(rank)
-            if sig.received is not None:
-                break
-        # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land here.
-        await asyncio.sleep(0)  # allowed: one loop turn, not a wait
-        if sig.received is not None:
-            await sig.stop_group(ending.sent, ending.begin(sig.received, signals.shutdown_timeout))
+    restarts: int = 0
+    delay: float = 0.0
+    metrics: MetricsEndpoint | None = None
 
 
 class PContext:
@@ -116,10 +96,12 @@ class PContext:
         logs: LogWiring,
         start_method: str,
         signal_plan: SignalPlan,
+        spawner: Spawner,
         ready: dict[int, ReadinessProbe] | None = None,
         restart: dict[int, RestartPolicy] | None = None,
         watchdog: Watchdog | None = None,
-        metrics: socket.socket | None = None,
+        metrics: MetricsEndpoint | None = None,
+        job: JobAttempt | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -133,37 +115,71 @@ class PContext:
         # torch's attributes: the files of the duplicate filters, or None.
         self.filtered_stdout = logs.filtered_file("stdout")
         self.filtered_stderr = logs.filtered_file("stderr")
-        self._logs = logs
         self._signals = signal_plan
-        self._state = GroupState(name, self.nprocs)
-        self._bus = EventBus()
-        self._restarts = Restarts(
-            restart or {}, self._state, bus=self._bus, drain=logs.drain_rank, start=self._start_one
+        self._logs = logs
+        job = job or JobAttempt()
+        self._state = state = GroupState(name, self.nprocs, restarts=job.restarts)
+        self._bus = bus = EventBus()
+        if job.restarts:  # the ranks of this attempt are the job's ranks restarted
+            for rank in range(self.nprocs):
+                bus.emit(
+                    WorkerRestarting(
+                        rank=rank, time=time.monotonic(), attempt=job.restarts, delay=job.delay
+                    )
+                )
+        owns_metrics = job.metrics is None
+        if job.metrics is not None:
+            metrics = job.metrics
+        folder = GroupFolder(logs.dest.root, self.error_files)
+        restarts = Restarts(restart or {}, state, bus=bus)
+        self._readiness = Readiness(state, ready or {}, bus=bus, error_files=self.error_files)
+        self._hangs = HangObserver(
+            state,
+            watchdog,
+            folder,
+            last_output=logs.last_output,
+            stderrs=self.stderrs,
+            emit=bus.emit,
+            restartable=restarts.has_policy,
+            unread=logs.unread,
         )
-        self._readiness = Readiness(
-            self._state, ready or {}, bus=self._bus, error_files=self.error_files
+        live = LiveObserver(
+            state,
+            folder,
+            metrics,
+            owns_metrics=owns_metrics,
+            status=self.status,
+            dump=self._hangs.dump,
+            events=bus.iterate,
         )
-        self._forensics = Forensics(
-            self._state, watchdog, logs=logs, bus=self._bus, restartable=self._restarts.has_policy,
-            metrics=metrics,
-        )  # fmt: skip
         #: ``http://127.0.0.1:PORT/metrics`` with ``start_processes(metrics_port=)``, else None
-        self.metrics_url = None if metrics is None else url_of(metrics)
+        self.metrics_url = None if metrics is None else metrics.url
+        observers = (self._hangs, live, self._readiness, restarts)
         self._ending = GroupEnding(
-            self._state,
+            state,
             logs=logs,
-            forensics=self._forensics,
-            observers=(self._readiness, self._restarts),
-            bus=self._bus,
+            observers=observers,
+            folder=folder,
+            bus=bus,
             # The group's folder: a supervisor killed by SIGKILL leaves it there.
-            deadline=StopDeadline(self._forensics.private_dir, signal_plan.shutdown_timeout),
+            deadline=StopDeadline(folder.private_dir, signal_plan.shutdown_timeout),
             token=new_context_token(),
+        )
+        self._launcher = RankLauncher(
+            state,
+            spawner,
+            logs=logs,
+            bus=bus,
+            envs=envs,
+            observers=observers,
+            restarts=restarts,
+            group_env=self._ending.env,
         )
         # The line consumers of the log pipeline: probes, LogLine events, progress.
         self._readiness.lines_wanted = logs.lines.subscribe(self._readiness)
-        self._bus.lines_wanted = logs.lines.subscribe(LogLines(self._bus))
-        if self._forensics.progress_lines is not None:
-            logs.lines.subscribe(self._forensics.progress_lines)
+        bus.lines_wanted = logs.lines.subscribe(LogLines(bus))
+        if self._hangs.progress_lines is not None:
+            logs.lines.subscribe(self._hangs.progress_lines)
 
     # -- start ------------------------------------------------------------
     async def start(self) -> None:
@@ -176,40 +192,14 @@ class PContext:
         """
         ending = self._ending
         try:
-            await _start_ranks(self.nprocs, self._start_one, self._signals, ending, self._state)
-            self._forensics.start(self._ending.deadline.make)
+            await ending.start_watched(self.nprocs, self._launcher.start, self._signals)
+            ending.group_started()
         except BaseException as exc:
             await shielded(self._ending.begin(signal.SIGKILL, 0.0))
             await self._ending.finished()
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise fd_limit_error(exc, len(self._state.pids()), self.nprocs) from exc
             raise
-
-    async def _start_one(self, rank: int) -> None:
-        # Streams are read from the block's end on (after started()); closed if the spawn fails.
-        async with self._logs.open(rank) as streams:
-            handle = await self._spawn(rank, streams.stdout, streams.stderr)
-            if rank == self.nprocs - 1:
-                _sched_yield()  # the last worker runs now (see _sched_yield)
-            self._state.started(handle)
-            self._bus.emit(worker_started(handle))
-            self._readiness.started(rank, handle)
-            handle.on_exit = self._on_exit
-            if not handle.alive:  # it exited while we were still wiring it up
-                self._on_exit(handle)
-
-    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
-        raise NotImplementedError
-
-    def _env(self, rank: int) -> dict[str, str]:
-        # Later layers win: the user's, then the restart count, then ours.
-        env = {**self.envs[rank], **self._restarts.env(rank), **self._forensics.env()}
-        return env | self._ending.env()
-
-    def _on_exit(self, handle: WorkerHandle) -> None:
-        self._bus.emit(worker_exited(handle))
-        if not self._restarts.after_exit(handle):  # its last incarnation: no restart follows
-            self._state.gone(handle.local_rank)
 
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of every started worker."""
@@ -221,7 +211,7 @@ class PContext:
         Reads ``/proc`` of each live worker (a few microseconds each); CPU %
         is measured over at least the last half second (or since the start).
         """
-        return self._forensics.status()
+        return worker_statuses(self._state, self._hangs)
 
     async def dump_stacks(
         self, ranks: list[int] | None = None, timeout: float = 5.0
@@ -239,7 +229,7 @@ class PContext:
         :raises ValueError: an unknown rank, or ``timeout`` not a finite
             number of seconds > 0.
         """
-        return await self._forensics.dump_stacks(ranks, timeout)
+        return await self._hangs.dump_stacks(ranks, timeout)
 
     def events(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
         """Iterate over the group's lifecycle events, in order, until it stops.

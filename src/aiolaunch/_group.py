@@ -82,16 +82,21 @@ class GroupState:
     :attr:`wakeup`. All methods run on the loop thread.
     """
 
-    def __init__(self, name: str, nprocs: int) -> None:
+    def __init__(self, name: str, nprocs: int, *, restarts: int = 0) -> None:
         self.name = name
         self.nprocs = nprocs
+        #: how many times the job restarted before this group (its agent's attempt):
+        #: every rank's count starts there
+        self.job_restarts = restarts
         #: notified on every change (see :class:`Wakeup` for the waiting rule)
         self.wakeup = Wakeup()
         self._workers: dict[int, WorkerHandle] = {}
         self._exit_order: list[int] = []
         self._restarting: dict[int, int] = {}  # rank -> restarts planned, not finished
-        self._attempts = dict.fromkeys(range(nprocs), 0)
+        self._attempts = dict.fromkeys(range(nprocs), restarts)  # restarts started, per rank
+        self._planned = dict.fromkeys(range(nprocs), restarts)  # restarts planned, per rank
         self._forced: dict[int, ForcedFailure] = {}
+        self._attached: set[int] = set()
         self._ending = False
 
     # -- queries -------------------------------------------------------------
@@ -124,8 +129,14 @@ class GroupState:
         return bool(self._restarting)
 
     def attempts(self, rank: int) -> int:
-        """How many times ``rank`` was restarted (its current incarnation's number)."""
+        """How many times ``rank`` was restarted (its current incarnation's number),
+        the job's restarts before this group included (:attr:`job_restarts`)."""
         return self._attempts[rank]
+
+    def attached(self, rank: int) -> bool:
+        """Whether an ``aiolaunch attach`` session holds ``rank`` now (its main
+        thread waits at a pdb prompt: the watchdog leaves it alone)."""
+        return rank in self._attached
 
     @property
     def ending(self) -> bool:
@@ -178,10 +189,14 @@ class GroupState:
         self._exit_order.append(rank)
         self.wakeup.notify()
 
-    def restart_planned(self, rank: int) -> None:
-        """A restart of ``rank`` was planned: it counts as neither exited nor ready."""
+    def restart_planned(self, rank: int) -> int:
+        """A restart of ``rank`` was planned: it counts as neither exited nor
+        ready. Returns the plan's number (1 for the rank's first restart; a
+        plan the group's end cancels keeps its number)."""
         self._restarting[rank] = self._restarting.get(rank, 0) + 1
+        self._planned[rank] += 1
         self.wakeup.notify()
+        return self._planned[rank]
 
     def next_attempt(self, rank: int) -> int:
         """A planned restart of ``rank`` starts its next incarnation now: its number."""
@@ -196,6 +211,15 @@ class GroupState:
         else:
             self._restarting.pop(rank, None)
         self.wakeup.notify()
+
+    def attach_begun(self, rank: int) -> None:
+        """An ``aiolaunch attach`` session opens on ``rank``. No waiter depends
+        on it: nothing is notified."""
+        self._attached.add(rank)
+
+    def attach_ended(self, rank: int) -> None:
+        """The attach session on ``rank`` ended."""
+        self._attached.discard(rank)
 
     def end_begun(self) -> None:
         """The group's end has begun (``GroupEnding.begin``)."""
@@ -217,7 +241,7 @@ class GroupState:
         w = self._workers.get(rank)
         if w is None or not w.alive:
             return False
-        w.failure_reason = reason
+        w.fail(reason)
         w.signal_tree(sig)
         return True
 

@@ -1,7 +1,8 @@
 """The two kinds of group: how a rank's worker is spawned.
 
-:class:`SubprocessContext` runs a binary, :class:`MultiprocessContext` a
-Python function; everything else about the group is :class:`PContext`'s.
+:class:`SubprocessContext` runs a binary (:class:`BinarySpawner`),
+:class:`MultiprocessContext` a Python function (:class:`FunctionSpawner`);
+everything else about the group is :class:`PContext`'s.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from ._child._bootstrap import BOOTSTRAP
 from ._compat import environ_data
 from ._context import PContext
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ._warm._zygote import Zygote
     from ._workers._handle import WorkerHandle
 
-__all__ = ["MultiprocessContext", "SubprocessContext"]
+__all__ = ["BinarySpawner", "FunctionSpawner", "MultiprocessContext", "SubprocessContext"]
 
 
 class SubprocessContext(PContext):
@@ -35,22 +39,49 @@ class SubprocessContext(PContext):
     """
 
     def __init__(self, *, zygote: Zygote | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            spawner=BinarySpawner(kwargs["entrypoint"], kwargs["args"], zygote), **kwargs
+        )
+
+
+class BinarySpawner:
+    """Spawns a binary worker: the command line ``entrypoint args[rank]...``
+    (forked from ``zygote`` instead where it is a Python command line)."""
+
+    def __init__(
+        self, entrypoint: str, args: dict[int, tuple[Any, ...]], zygote: Zygote | None
+    ) -> None:
+        self._entrypoint = entrypoint
+        self._args = args
         self._zygote = zygote
 
-    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
+    async def spawn(
+        self, rank: int, env: dict[str, str], stdout: int | None, stderr: int | None
+    ) -> WorkerHandle:
+        """The worker of ``rank``: the supervisor's environment plus ``env``."""
         from ._workers._binary import spawn_binary
 
-        assert isinstance(self.entrypoint, str)
-        env = {**_environ_snapshot(), **self._env(rank)}
-        argv = [self.entrypoint, *(str(a) for a in self.args[rank])]
+        env = {**_environ_snapshot(), **env}
+        argv = [self._entrypoint, *(str(a) for a in self._args[rank])]
         if self._zygote is not None:
             from ._warm._forks import spawn_script
 
             forked = await spawn_script(self._zygote, rank, argv, env, stdout, stderr)
             if forked is not None:
+                forked.records_exceptions = True  # the zygote runs it through the bootstrap
                 return forked
-        return await spawn_binary(rank, argv, env, stdout, stderr)
+        handle = await spawn_binary(rank, argv, env, stdout, stderr)
+        handle.records_exceptions = runs_bootstrap(argv)
+        return handle
+
+
+def runs_bootstrap(argv: list[str]) -> bool:
+    """Whether ``argv`` runs Python through aiolaunch's bootstrap (the CLI's
+    command line), which records the program's uncaught exception."""
+    rest = argv[1:]
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    return rest[:2] == ["-m", BOOTSTRAP]
 
 
 _environ_cache: tuple[dict[Any, Any], dict[str, str]] | None = None
@@ -94,12 +125,43 @@ class MultiprocessContext(PContext):
         zygote: Zygote | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        spawner = FunctionSpawner(
+            name=kwargs["name"],
+            start_method=kwargs["start_method"],
+            fn_bytes=fn_bytes,
+            args_bytes=args_bytes,
+            error_files=kwargs["logs"].dest.error_files,
+            zygote=zygote,
+        )
+        super().__init__(spawner=spawner, **kwargs)
+
+
+class FunctionSpawner:
+    """Spawns a function worker: ``multiprocessing`` with ``start_method``
+    (forked from ``zygote`` instead where there is one); the function and each
+    rank's args arrive pickled."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        start_method: str,
+        fn_bytes: bytes,
+        args_bytes: dict[int, bytes],
+        error_files: Mapping[int, str],
+        zygote: Zygote | None,
+    ) -> None:
+        self._name = name
+        self._start_method = start_method
         self._fn_bytes = fn_bytes
         self._args_bytes = args_bytes
+        self._error_files = dict(error_files)
         self._zygote = zygote
 
-    async def _spawn(self, rank: int, stdout: int | None, stderr: int | None) -> WorkerHandle:
+    async def spawn(
+        self, rank: int, env: dict[str, str], stdout: int | None, stderr: int | None
+    ) -> WorkerHandle:
+        """The worker of ``rank``; ``env`` is applied before the function is unpickled."""
         from ._workers._function import spawn_function
 
         if self._zygote is not None:
@@ -108,24 +170,24 @@ class MultiprocessContext(PContext):
             forked = await fork_function(
                 self._zygote,
                 local_rank=rank,
-                name=self.name,
+                name=self._name,
                 fn=self._fn_bytes,
                 args=self._args_bytes[rank],
-                env=self._env(rank),
+                env=env,
                 stdout=stdout,
                 stderr=stderr,
-                error_file=self.error_files.get(rank, ""),
+                error_file=self._error_files.get(rank, ""),
             )
             if forked is not None:
                 return forked
         return await spawn_function(
             local_rank=rank,
-            name=self.name,
-            start_method=self.start_method,
+            name=self._name,
+            start_method=self._start_method,
             fn=self._fn_bytes,
             args=self._args_bytes[rank],
-            env=self._env(rank),
+            env=env,
             stdout=stdout,
             stderr=stderr,
-            error_file=self.error_files.get(rank, ""),
+            error_file=self._error_files.get(rank, ""),
         )

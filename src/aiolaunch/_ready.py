@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from ._cancel import move_on_after
 from ._errors import ChildFailedError
 from ._events import WorkerReady
+from ._observer import GroupObserver
 from ._results import not_ready_failure
 from ._validate import check_port
 
@@ -203,7 +204,7 @@ class _Lines:
         return await self._queue.get()
 
 
-class Readiness:
+class Readiness(GroupObserver):
     """The readiness of one group's ranks.
 
     Per rank: an event set once the current incarnation is ready (at start
@@ -261,10 +262,11 @@ class Readiness:
         self.feed(rank, text)
 
     # -- lifecycle ----------------------------------------------------------
-    def started(self, rank: int, handle: WorkerHandle) -> None:
-        """A new incarnation of ``rank`` runs: ready now without a probe, else
+    def worker_started(self, handle: WorkerHandle) -> None:
+        """A new incarnation of its rank runs: ready now without a probe, else
         start its probe, raced against ``handle``'s exit (an earlier
         incarnation's readiness no longer counts)."""
+        rank = handle.local_rank
         self.reset(rank)
         probe = self._probes.get(rank)
         if probe is None:
@@ -283,9 +285,6 @@ class Readiness:
         task = self._tasks.pop(rank, None)
         if task is not None:
             task.cancel()
-
-    def is_ready(self, rank: int) -> bool:
-        return self._ready[rank].is_set()
 
     async def aclose(self) -> None:
         """The group is ending: stop every probe (waiters fail: ``state.ending``)."""

@@ -15,10 +15,11 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ._cancel import shielded
 from ._events import WorkerRestarting
+from ._observer import GroupObserver
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from ._group import GroupState
     from ._workers._handle import WorkerHandle
 
-__all__ = ["RestartPolicy", "RestartTracker", "Restarts"]
+__all__ = ["RankStarter", "RestartPolicy", "RestartTracker", "Restarts"]
 
 _MODES = ("never", "on-failure", "always")
 
@@ -90,10 +91,13 @@ class RestartPolicy:
 
 @dataclass
 class RestartTracker:
-    """The restart history of one worker."""
+    """The restart budget of one worker: the restarts within its window.
+
+    How many times the rank was restarted is the group's state
+    (:meth:`GroupState.attempts`), not kept here.
+    """
 
     policy: RestartPolicy
-    attempts: int = 0
     recent: deque[float] = field(default_factory=deque)
     #: the last exit wanted a restart but the budget was spent
     spent: bool = False
@@ -112,24 +116,32 @@ class RestartTracker:
         if self.policy.jitter:
             delay *= random.uniform(1 - self.policy.jitter, 1 + self.policy.jitter)
         self.recent.append(now)
-        self.attempts += 1
         return delay
 
 
-class Restarts:
+class RankStarter(Protocol):
+    """How a restart reaches its group: the two steps between one incarnation
+    of a rank and the next (the context's :class:`~aiolaunch._launch.RankLauncher`)."""
+
+    async def drain(self, rank: int) -> None:
+        """Finish the old incarnation's streams: its bytes precede the new one's."""
+
+    async def start(self, rank: int) -> None:
+        """Spawn and wire up ``rank``'s next incarnation."""
+
+
+class Restarts(GroupObserver):
     """The per-worker restarts of one group.
 
     Holds each rank's :class:`RestartTracker` and one lock per rank, so that
     restarts of a rank run one at a time, in the order the exits happened.
     What the group must know - which ranks are restarting, how often each was
     restarted, which exited for good - it tells the group's state
-    (:class:`~aiolaunch._group.GroupState`).
+    (:class:`~aiolaunch._group.GroupState`); a restart starts the rank again
+    through the :class:`RankStarter` that reported the exit.
 
     :param state: the group.
     :param bus: where :class:`WorkerRestarting` events go.
-    :param drain: finishes a rank's old incarnation's pipes (its bytes
-        precede the new one's).
-    :param start: spawns and wires up a rank's next incarnation.
     """
 
     def __init__(
@@ -138,37 +150,33 @@ class Restarts:
         state: GroupState,
         *,
         bus: EventBus,
-        drain: Callable[[int], Awaitable[None]],
-        start: Callable[[int], Awaitable[None]],
     ) -> None:
         self._trackers = {r: RestartTracker(p) for r, p in policies.items()}
         self._state = state
         self._locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._bus = bus
-        self._drain = drain
-        self._start = start
 
     def has_policy(self, rank: int) -> bool:
         """Whether ``rank`` has a restart policy."""
         return rank in self._trackers
 
     def env(self, rank: int) -> dict[str, str]:
-        """What a restartable rank's environment adds: its restart count."""
+        """What a restartable rank's environment gets: its restart count."""
         if rank not in self._trackers:
             return {}
         return {"AIOLAUNCH_RESTART_COUNT": str(self._state.attempts(rank))}
 
-    def after_exit(self, handle: WorkerHandle) -> bool:
-        """An incarnation exited: restart it if it exited on its own (not
-        stopped by the supervisor), the group is not ending, its policy wants
-        a restart and the budget allows it.
+    def after_exit(self, handle: WorkerHandle, starter: RankStarter) -> bool:
+        """An incarnation exited: restart it through ``starter`` if it exited
+        on its own (not stopped by the supervisor), the group is not ending,
+        its policy wants a restart and the budget allows it.
 
         :returns: whether a restart follows (:meth:`respawn`, in a task, after
             the rank's earlier restarts; the rank is restarting meanwhile). If
-            not, a spent budget sets ``handle.failure_reason`` even for exit
-            code 0: ``"always"`` promises a service that keeps running, so an
-            exit it cannot restart any more fails the group.
+            not, a spent budget fails ``handle`` even for exit code 0:
+            ``"always"`` promises a service that keeps running, so an exit it
+            cannot restart any more fails the group.
         """
         rank = handle.local_rank
         tracker = self._trackers.get(rank)
@@ -179,17 +187,15 @@ class Restarts:
         if delay is None:
             spent = self.budget_spent(rank)
             if spent is not None and not failed:
-                handle.failure_reason = spent
+                handle.fail(spent)
             return False
-        self._state.restart_planned(rank)
+        attempt = self._state.restart_planned(rank)
         self._bus.emit(
-            WorkerRestarting(
-                rank=rank, time=time.monotonic(), attempt=tracker.attempts, delay=delay
-            )
+            WorkerRestarting(rank=rank, time=time.monotonic(), attempt=attempt, delay=delay)
         )
         # A new incarnation that exits while it is still being wired up
         # queues its own restart behind this one.
-        task = asyncio.ensure_future(self._run(rank, lambda: self.respawn(handle, delay)))
+        task = asyncio.ensure_future(self._run(rank, lambda: self.respawn(handle, delay, starter)))
         self._tasks.add(task)
         # A done callback, not a ``finally``: it runs even for a task cancelled
         # before its first step (aclose() at once after an exit).
@@ -200,7 +206,7 @@ class Restarts:
         self._tasks.discard(task)
         self._state.restart_finished(rank)
 
-    async def respawn(self, old: WorkerHandle, delay: float) -> None:
+    async def respawn(self, old: WorkerHandle, delay: float, starter: RankStarter) -> None:
         """Start the next incarnation of ``old``'s rank after ``delay`` seconds.
 
         First the old incarnation's pipes are drained and it is released;
@@ -209,7 +215,7 @@ class Restarts:
         """
         rank = old.local_rank
         # Shielded: a cancelled drain would lose bytes and fds.
-        await shielded(self._drain(rank))
+        await shielded(starter.drain(rank))
         old.release()
         await asyncio.sleep(delay)  # allowed: the policy's backoff
         if self._state.ending:
@@ -217,9 +223,9 @@ class Restarts:
         self._state.next_attempt(rank)
         try:
             # Shielded: once a process is spawned its pipes must be wired.
-            await shielded(self._start(rank))
+            await shielded(starter.start(rank))
         except Exception:
-            old.failure_reason = old.failure_reason or "restart failed"
+            old.fail("restart failed")
             self._state.gone(rank)
             raise
 

@@ -236,7 +236,7 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
     CPython does not promise that objects still alive at exit - cycles
     included - are finalized.
     """
-    from .._compat import exit_steps
+    from ._compat import exit_steps
 
     for fin in inherited:
         fin.atexit = False  # the zygote's state: it goes with the process, as its modules
@@ -298,7 +298,7 @@ def _writing_elsewhere() -> bool:
     import stat
 
     from ._dump_handler import STACKS_DIR_ENV
-    from ._proc import open_fds
+    from ._proc import fd_path, open_fds
 
     dumps = os.path.join(os.environ.get(STACKS_DIR_ENV) or "\0", "")
     pipes: dict[tuple[int, int], set[int]] = {}  # pipe -> the access modes of our ends
@@ -318,10 +318,8 @@ def _writing_elsewhere() -> bool:
         if stat.S_ISCHR(st.st_mode) and os.isatty(fd):
             return True
         if stat.S_ISREG(st.st_mode):
-            try:
-                if not os.readlink(f"/proc/self/fd/{fd}").startswith(dumps):
-                    return True
-            except OSError:
+            path = fd_path(fd)
+            if path is None or not path.startswith(dumps):
                 return True
     return any(os.O_RDONLY not in modes for modes in pipes.values())
 
@@ -354,7 +352,7 @@ def _flush_files() -> None:
 
 def _inherited() -> list[Any]:
     """The ``weakref.finalize`` objects the worker got from the zygote."""
-    from .._compat import exit_finalizers
+    from ._compat import exit_finalizers
 
     return exit_finalizers()
 

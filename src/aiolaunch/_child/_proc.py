@@ -1,6 +1,6 @@
 """``/proc/self``, read from inside a worker or the zygote: the worker side's one door to it.
 
-Five readings, each a few system calls; every one has a fallback where there
+Six readings, each a few system calls; every one has a fallback where there
 is no procfs (macOS), stated in its docstring. Standard library only, like
 everything in this folder.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["library_loaded", "memory_layout", "open_fds", "start_time", "thread_ids"]
+__all__ = ["fd_path", "library_loaded", "memory_layout", "open_fds", "start_time", "thread_ids"]
 
 
 def start_time() -> str:
@@ -77,3 +77,12 @@ def open_fds() -> list[int]:
         return [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:  # pragma: no cover - no procfs
         return list(range(256))
+
+
+def fd_path(fd: int) -> str | None:
+    """What this process's open ``fd`` names (a path, ``pipe:[N]``...); ``None``
+    where it cannot be read (closed, or no procfs)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None

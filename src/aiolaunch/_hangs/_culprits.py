@@ -38,9 +38,14 @@ def ranks_text(ranks: Iterable[int]) -> str:
 
 
 def too_early(
-    stalls: list[Stall], verdict: StackReport, live: Iterable[int], detector: StallDetector,
-    *, age: float, stall_after: float,
-) -> bool:  # fmt: skip
+    stalls: list[Stall],
+    verdict: StackReport,
+    live: Iterable[int],
+    detector: StallDetector,
+    *,
+    age: float,
+    stall_after: float,
+) -> bool:
     """Whether to wait for the story: no odd one out yet, some ``live`` rank
     (not paused) neither stalled nor spins, and the first stall of this
     episode is younger (``age``) than ``stall_after``."""
@@ -53,9 +58,15 @@ def too_early(
 
 
 def odd_ones(
-    stalls: list[Stall], verdict: StackReport, pids: Mapping[int, int], files: Mapping[int, str],
-    detector: StallDetector, *, period: float, now: float,
-) -> list[Stall]:  # fmt: skip
+    stalls: list[Stall],
+    verdict: StackReport,
+    pids: Mapping[int, int],
+    files: Mapping[int, str],
+    detector: StallDetector,
+    *,
+    period: float,
+    now: float,
+) -> list[Stall]:
     """The ranks that fail: the stalled odd ones out; else a new :class:`Stall`
     for each live odd one out (``pids``: live ranks) saying what it does; else
     every stalled rank. New stalls are the caller's to record."""

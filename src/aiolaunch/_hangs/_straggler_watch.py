@@ -128,16 +128,21 @@ class StragglerWatch:
         for s in self.stat.add(waits):
             self._emit(
                 WorkerStraggling(
-                    rank=s.rank, time=time.monotonic(), wait_share=s.wait_share,
+                    rank=s.rank,
+                    time=time.monotonic(),
+                    wait_share=s.wait_share,
                     peers_wait_share=s.peers_wait_share,
                 )
-            )  # fmt: skip
+            )
             logger.warning(
                 "aiolaunch: rank %d of %r is a straggler: it waited in collectives in %.0f%% of "
                 "its last %d stack samples, its peers in %.0f%% (they wait for it)",
-                s.rank, self._state.name, 100 * s.wait_share, s.samples,
+                s.rank,
+                self._state.name,
+                100 * s.wait_share,
+                s.samples,
                 100 * s.peers_wait_share,
-            )  # fmt: skip
+            )
 
 
 #: kernel functions a process waits in on a socket (``/proc/<pid>/wchan``)

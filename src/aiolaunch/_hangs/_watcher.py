@@ -2,7 +2,7 @@
 
 The one place that samples on a period: hangs have no event. Once per
 :attr:`Watchdog.period` the :class:`StallWatcher` reads each live rank's
-``/proc`` (:class:`~aiolaunch._hangs._watchdog.Sampler`), samples the stacks of the
+``/proc`` (:class:`~aiolaunch._hangs._activity.Sampler`), samples the stacks of the
 ranks whose main thread burns CPU without output and runs now
 (:class:`~aiolaunch._hangs._stack_sampler.StackSampler`: the ones that may spin), and
 hands each sample to the pure rule (:class:`~aiolaunch._hangs._stall.StallDetector`).
@@ -46,9 +46,10 @@ if TYPE_CHECKING:
 
     from .._events import Event
     from .._group import GroupState
+    from ._activity import Sampler
     from ._dumper import StackDumper
     from ._stack_sampler import StackSampler
-    from ._watchdog import Sampler, Watchdog
+    from ._watchdog import Watchdog
 
 __all__ = ["StallWatcher"]
 
@@ -71,8 +72,6 @@ class StallWatcher:
     :param emit: where :class:`WorkerStalled` goes (the event bus).
     :param restartable: whether a rank has a restart policy.
     :param write_report: writes the report now; returns its paths or ``None``.
-    :param paused: whether a rank is left alone now (an ``aiolaunch attach``
-        session holds it: it waits at a pdb prompt, which is no hang).
     """
 
     def __init__(
@@ -86,7 +85,6 @@ class StallWatcher:
         emit: Callable[[Event], None],
         restartable: Callable[[int], bool],
         write_report: Callable[[], tuple[str, str] | None],
-        paused: Callable[[int], bool] = lambda rank: False,
     ) -> None:
         self.watchdog = watchdog
         self._progress = re.compile(watchdog.progress) if watchdog.progress else None
@@ -101,7 +99,6 @@ class StallWatcher:
         self._emit = emit
         self._restartable = restartable
         self._write_report = write_report
-        self._paused = paused
         self._last_progress: dict[int, float] = {}
         self._since = time.monotonic()
         self._steps: dict[int, StepRate] = {}
@@ -185,7 +182,7 @@ class StallWatcher:
             pids: dict[int, int] = {}
             for w in self._state.workers():
                 rank = w.local_rank
-                if not w.alive or self._state.restarting(rank) or self._paused(rank):
+                if not w.alive or self._state.restarting(rank) or self._state.attached(rank):
                     self.detector.forget(rank)
                     self._stacks.forget(w.pid)
                     continue
@@ -253,15 +250,18 @@ class StallWatcher:
             logger.warning(
                 "aiolaunch: %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
                 "Report: %s",
-                ranks_text(s.rank for s in newly), self._state.name, newly[0].reason, verdict,
+                ranks_text(s.rank for s in newly),
+                self._state.name,
+                newly[0].reason,
+                verdict,
                 paths[1] if paths else "(not written)",
-            )  # fmt: skip
+            )
         if wd.action == "observe":
             self._episode = None
             return
         now = time.monotonic()
         pids = {w.local_rank: w.pid for w in self._state.workers() if w.alive}
-        live = [r for r in pids if not self._paused(r)]
+        live = [r for r in pids if not self._state.attached(r)]
         age = now - self._episode
         if too_early(stalls, verdict, live, self.detector, age=age, stall_after=wd.stall_after):
             self._pending = pending  # judged again with the next sample

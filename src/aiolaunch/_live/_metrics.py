@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ __all__ = [
     "GROUP_METRICS",
     "STATES",
     "WORKER_METRICS",
+    "MetricsEndpoint",
     "MetricsServer",
     "bind_metrics",
     "closed_on_error",
@@ -45,8 +47,15 @@ __all__ = [
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: every state a rank can be in (``aiolaunch_worker_state`` has one sample each)
 STATES = (
-    "starting", "running", "sleeping", "disk-sleep", "stopped", "stalled", "restarting", "exited",
-)  # fmt: skip
+    "starting",
+    "running",
+    "sleeping",
+    "disk-sleep",
+    "stopped",
+    "stalled",
+    "restarting",
+    "exited",
+)
 
 #: name, type, help, the status field it reads (per rank)
 WORKER_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -178,21 +187,16 @@ def _group_lines(snapshot: Mapping[str, Any], workers: Sequence[Mapping[str, Any
 
 def _process_values() -> dict[str, list[tuple[str, float]]]:
     """The supervisor's own ``process_*`` samples (Linux ``/proc``; none elsewhere)."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        with open("/proc/stat", "rb") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        fds = len(os.listdir("/proc/self/fd"))
-    except (OSError, StopIteration, IndexError, ValueError):
+    from .._workers._proc import boot_time, open_fds, read_stat
+
+    stat, btime, fds = read_stat("self"), boot_time(), open_fds()
+    if stat is None or btime is None or fds is None:
         return {}
-    # fields[0] is the state (field 3): utime is field 14, starttime 22, rss 24
-    cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
     return {
-        "process_cpu_seconds_total": [("", cpu)],
-        "process_resident_memory_bytes": [("", int(fields[21]) * _PAGE)],
-        "process_open_fds": [("", fds)],
-        "process_start_time_seconds": [("", btime + int(fields[19]) / _CLK_TCK)],
+        "process_cpu_seconds_total": [("", (stat.utime + stat.stime) / _CLK_TCK)],
+        "process_resident_memory_bytes": [("", stat.rss_pages * _PAGE)],
+        "process_open_fds": [("", len(fds))],
+        "process_start_time_seconds": [("", btime + stat.starttime / _CLK_TCK)],
     }
 
 
@@ -277,12 +281,12 @@ class MetricsServer:
         self,
         server: asyncio.AbstractServer,
         sock: socket.socket,
-        conns: set[asyncio.Task[None]],
+        conns: dict[asyncio.Task[None], asyncio.StreamWriter],
     ) -> None:
         self._server = server
         host, port = sock.getsockname()[:2]
         self.address: tuple[str, int] = (host, port)
-        # The connection tasks, added and removed by serve() (see start()).
+        # The connections (task, writer), added and removed by serve() (see start()).
         self._conns = conns
 
     @property
@@ -293,16 +297,16 @@ class MetricsServer:
     @classmethod
     async def start(cls, sock: socket.socket, collect: Callable[[], str]) -> MetricsServer:
         """Serve on ``sock`` (from :func:`bind_metrics`; the server owns it from here)."""
-        conns: set[asyncio.Task[None]] = set()
+        conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            conns.add(task)
+            conns[task] = writer
             try:
                 await _http(reader, writer, collect)
             finally:
-                conns.discard(task)
+                conns.pop(task, None)
                 writer.close()
 
         try:
@@ -313,10 +317,17 @@ class MetricsServer:
         return cls(server, sock, conns)
 
     def close(self) -> None:
-        """Stop listening and end open connections. Idempotent."""
+        """Stop listening and end open connections. Idempotent.
+
+        A connection ends by its transport's abort: its task sees the stream
+        end and returns. Not by cancelling the task: asyncio's server (3.10,
+        3.11) asks a cancelled connection task for its exception, and the
+        loop then logs a traceback to stderr for every connection open at
+        the end of a group (every keep-alive scraper, at every restart).
+        """
         self._server.close()
-        for task in self._conns:
-            task.cancel()
+        for writer in self._conns.values():
+            writer.transport.abort()
 
     async def aclose(self) -> None:
         """:meth:`close`, then wait for the connections' tasks to end."""
@@ -326,13 +337,84 @@ class MetricsServer:
             await asyncio.gather(*conns, return_exceptions=True)
 
 
+class MetricsEndpoint:
+    """A ``/metrics`` address that may outlive the groups it shows.
+
+    The bound socket, served from the first time :meth:`serve` is awaited
+    (on that loop) until :meth:`aclose`; a scrape renders what :meth:`show`
+    set last, or ``idle()`` while nothing is shown. A group started with
+    ``start_processes(metrics_port=)`` owns one and closes it with itself;
+    the elastic agent owns one for its whole run, so that the address a
+    scraper is pointed at lives as long as the job: each attempt's group
+    shows itself while it runs, and between attempts the job's own samples
+    are served (a port taken by someone else between two attempts can no
+    longer end the job).
+
+    :param sock: a socket from :func:`bind_metrics`; owned from here on.
+    :param idle: the text while no group is shown (default: no sample).
+    """
+
+    def __init__(self, sock: socket.socket, idle: Callable[[], str] = lambda: "") -> None:
+        self._sock: socket.socket | None = sock
+        #: ``http://host:port/metrics``
+        self.url = url_of(sock)
+        self._idle = idle
+        self._render = idle
+        self._server: MetricsServer | None = None
+
+    @property
+    def serving(self) -> bool:
+        """Whether scrapes are answered now."""
+        return self._server is not None
+
+    async def serve(self) -> None:
+        """Answer scrapes from now on (idempotent). A failure is logged, never
+        raised: a metrics endpoint must never stop a job."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            self._server = await MetricsServer.start(sock, lambda: self._render())
+        except OSError as exc:
+            logging.getLogger("aiolaunch").warning("aiolaunch: no metrics server: %s", exc)
+
+    def show(self, render: Callable[[], str]) -> Callable[[], None]:
+        """Serve ``render()`` until the returned call (idempotent) takes it back."""
+        self._render = render
+
+        def unshow() -> None:
+            if self._render is render:
+                self._render = self._idle
+
+        return unshow
+
+    def close(self) -> None:
+        """Stop listening and end open scrapes (also an endpoint never served). Idempotent."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._server is not None:
+            self._server.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, then wait for the scrapes' tasks to end."""
+        self.close()
+        server, self._server = self._server, None
+        if server is not None:
+            await server.aclose()
+
+
 async def _http(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, collect: Callable[[], str]
 ) -> None:
     with contextlib.suppress(
-        ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-        asyncio.TimeoutError, TimeoutError, ValueError,
-    ):  # fmt: skip
+        ConnectionError,
+        asyncio.IncompleteReadError,
+        asyncio.LimitOverrunError,
+        asyncio.TimeoutError,
+        TimeoutError,
+        ValueError,
+    ):
         while True:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IDLE_S)
             lines = head.decode("latin-1").split("\r\n")

@@ -1,7 +1,8 @@
 """What ``ctx.status()`` and ``aiolaunch status`` show: one :class:`WorkerStatus` per rank.
 
-Built on demand from the group's state and a ``/proc`` reading of each live
-worker (:class:`~aiolaunch._hangs._watchdog.Sampler`); nothing is kept here.
+Built on demand from the group's state and what the hang forensics see of
+each live worker (:class:`RankMarks`: a ``/proc`` reading, the watchdog's
+flags); nothing is kept here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .._group import GroupState
-    from .._hangs._watchdog import Sampler
+    from .._hangs._activity import RankActivity
 
 __all__ = ["RankMarks", "WorkerStatus", "worker_statuses"]
 
@@ -77,7 +78,12 @@ class WorkerStatus:
 
 
 class RankMarks(Protocol):
-    """What the watchdog and the attach sessions add to a rank's row."""
+    """What the hang forensics add to a rank's row
+    (:class:`~aiolaunch._hangs._observer.HangObserver`)."""
+
+    def reading(self, rank: int, pid: int, now: float) -> RankActivity | None:
+        """``rank``'s ``/proc`` reading now (CPU % over at least the last half
+        second); ``None`` once its process is gone."""
 
     def stalled(self, rank: int) -> bool:
         """Whether the watchdog flags ``rank`` now."""
@@ -91,14 +97,10 @@ class RankMarks(Protocol):
     def straggling(self, rank: int) -> bool:
         """Whether ``rank`` is flagged as a straggler now."""
 
-    def attached(self, rank: int) -> bool:
-        """Whether an ``aiolaunch attach`` session holds ``rank`` now."""
 
-
-def worker_statuses(state: GroupState, sampler: Sampler, marks: RankMarks) -> list[WorkerStatus]:
-    """Every rank of ``state`` now; live ranks are read through ``sampler``
-    (CPU % over at least the last half second), ``marks`` adds the watchdog's
-    and the attach sessions' view."""
+def worker_statuses(state: GroupState, marks: RankMarks) -> list[WorkerStatus]:
+    """Every rank of ``state`` now: ``marks`` reads the live ones and adds the
+    watchdog's view; the group's state says which are attached."""
     now = time.monotonic()
     out: list[WorkerStatus] = []
     for rank in range(state.nprocs):
@@ -116,7 +118,7 @@ def worker_statuses(state: GroupState, sampler: Sampler, marks: RankMarks) -> li
         if state.restarting(rank):
             out.append(WorkerStatus(rank, w.pid, "restarting", restarts, None, 0.0, 0, **extra))
             continue
-        act = sampler.reading(rank, w.pid, now) if w.alive else None
+        act = marks.reading(rank, w.pid, now) if w.alive else None
         if act is None:
             out.append(
                 WorkerStatus(rank, w.pid, "exited", restarts, None, 0.0, 0, w.returncode, **extra)
@@ -131,11 +133,19 @@ def worker_statuses(state: GroupState, sampler: Sampler, marks: RankMarks) -> li
         age = None if act.last_output is None else round(now - act.last_output, 3)
         out.append(
             WorkerStatus(
-                rank, w.pid, name, restarts, age, round(act.cpu_percent, 1), act.rss,
-                cpu_s=act.cpu_s, straggling=marks.straggling(rank),
-                attached=marks.attached(rank), **extra,
+                rank,
+                w.pid,
+                name,
+                restarts,
+                age,
+                round(act.cpu_percent, 1),
+                act.rss,
+                cpu_s=act.cpu_s,
+                straggling=marks.straggling(rank),
+                attached=state.attached(rank),
+                **extra,
             )
-        )  # fmt: skip
+        )
     return out
 
 

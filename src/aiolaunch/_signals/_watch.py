@@ -36,10 +36,8 @@ import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from .._cancel import shielded
-from .._errors import SignalException
 from ._compat import (
     add_loop_signal_handler,
     call_handle_soon,
@@ -55,7 +53,7 @@ from ._compat import (
 if TYPE_CHECKING:
     from .._workers._handle import WorkerHandle
 
-__all__ = ["FORWARDED_SIGNALS", "STOP_SIGNALS", "SignalWatch", "forward_signal", "watch_signals"]
+__all__ = ["STOP_SIGNALS", "SignalWatch", "forward_signal", "watch_signals"]
 
 logger = logging.getLogger("aiolaunch")
 
@@ -65,8 +63,6 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (
     signal.SIGHUP,
     signal.SIGQUIT,
 )
-# The historical name: the default stop signals.
-FORWARDED_SIGNALS = STOP_SIGNALS
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 _SignalCallback = Callable[[signal.Signals], None]
@@ -107,23 +103,13 @@ class SignalWatch:
         if self.hub is not None:
             self.hub.acknowledge(self)
 
-    async def stop_group(self, sent: asyncio.Event, end: asyncio.Future[Any]) -> NoReturn:
-        """Act on :attr:`received`, whose shutdown ``end`` already began.
-
-        Once the death signal went out (``sent``, or ``end`` finished first)
-        the application's own handler runs (:meth:`signalled` - also when the
-        caller was cancelled meanwhile); then ``end`` is awaited, shielded, and
-        :class:`SignalException` raised.
-        """
+    def take(self) -> signal.Signals:
+        """The stop signal received, now acted on by the waiter (one left
+        untaken is re-delivered to the process when the watch ends)."""
         sig = self.received
         assert sig is not None
         self.consumed = True
-        try:
-            await shielded(_first_of(sent, end))
-        finally:
-            self.signalled()
-        await shielded(end)
-        raise SignalException(f"Process {os.getpid()} got signal: {sig.value}", sigval=sig)
+        return sig
 
     def deliver(self, sig: signal.Signals) -> None:
         """The hub received ``sig``: record it or pass it on (see the callbacks)."""
@@ -135,15 +121,6 @@ class SignalWatch:
             self._on_signal(sig)
         elif self._on_repeat is not None:
             self._on_repeat(sig)
-
-
-async def _first_of(event: asyncio.Event, end: asyncio.Future[Any]) -> None:
-    # Whichever comes first: the event is set, or ``end`` finished.
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter, end}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
 
 
 def forward_signal(workers: Iterable[WorkerHandle], sig: signal.Signals, name: str) -> None:

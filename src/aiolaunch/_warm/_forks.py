@@ -21,9 +21,11 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from .._child._bootstrap import BOOTSTRAP
 from .._child._wire import FunctionJob, ScriptJob, StoreJob
+from .._workers._fds import close_fd
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
-from .._workers._handle import WorkerHandle, close_fd
+from .._workers._handle import WorkerHandle
 from ._zygote import ZygoteState
 
 if TYPE_CHECKING:
@@ -31,8 +33,6 @@ if TYPE_CHECKING:
     from ._zygote import Zygote
 
 __all__ = ["ZygoteWorker", "fork_function", "script_form", "spawn_script", "start_store"]
-
-BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 class ZygoteWorker(WorkerHandle):
@@ -114,7 +114,7 @@ class ZygoteWorker(WorkerHandle):
         rc = zygote.orphan_exited(self.pid)
         if rc is None:
             rc = 255
-            self.failure_reason = (
+            self.fail(
                 f"local rank {self.local_rank} (pid {self.pid}) exited with an unknown "
                 f"status: the zygote that forked it (pid {self._zygote_pid}) died first"
             )

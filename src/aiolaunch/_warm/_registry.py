@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from .._child._safety import load_time_items
 from .._types import PerProcess
+from .._workers import keep_for_life
+from .._workers._proc import children
 from ._preload import Preload, supported
 from ._zygote import Zygote, ZygoteState
 
@@ -86,14 +88,6 @@ def _sweep() -> None:
         z.close()
 
 
-def _children(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return {int(p) for p in f.read().split()}
-    except (OSError, ValueError):
-        return set()
-
-
 def close_zygotes() -> None:
     """Stop every zygote of this process (the CLI, once its run is over)."""
     zygotes, retired = _ZYGOTES.peek(), _RETIRED.peek()
@@ -114,6 +108,9 @@ def zygote_helpers() -> tuple[set[int], set[int]]:
             pids.add(z.pid)
             # Its spares: the children that are no worker (the zygote may have
             # forked one the supervisor has not heard of yet).
-            pids |= (_children(z.pid) or z.spares) - set(z.workers)
+            pids |= (set(children(z.pid)) or z.spares) - set(z.workers)
         fds |= z.fds()
     return pids, fds
+
+
+keep_for_life(zygote_helpers)

@@ -51,6 +51,8 @@ def start_zygote(
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if here not in sys.path[1:]:  # aiolaunch was put on sys.path, not in the environment
         code = f"import sys; sys.path.insert(0, {here!r}); {_CODE}"
+    if preload.folder:  # the workers' sys.path[0] (`python -c` has the current folder)
+        code = f"import sys; sys.path[0] = {preload.folder!r}; {code}"
     now, later = ",".join(preload.now), ",".join(preload.later)
     argv = [sys.executable, "-c", code, "3", "4", "5", now, later, str(spares)]
     with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:

@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._proc import signal_tree
+from ._processes import signal_tree
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -21,8 +20,12 @@ class WorkerHandle:
     """
 
     #: the worker writes its own Python exception to its error file (function
-    #: workers): a failure without one died without a Python exception
+    #: workers, scripts run by the bootstrap): a failure without one died
+    #: without a Python exception
     records_exceptions = False
+    #: its error file (``$TORCHELASTIC_ERROR_FILE``; ``""``: none): written
+    #: since it started, it was failing on its own when stopped (terminate())
+    error_file = ""
 
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
@@ -33,8 +36,7 @@ class WorkerHandle:
         self.stopped_by_us = False
         #: function workers: the value sent back before exit
         self.return_value: Any = None
-        #: function workers: why a clean exit still counts as a failure
-        self.failure_reason: str | None = None
+        self._failure_reason: str | None = None
         self.on_exit: Callable[[WorkerHandle], None] | None = None
         #: restart count of this rank when this process was started
         self.attempt = 0
@@ -44,6 +46,20 @@ class WorkerHandle:
     @property
     def alive(self) -> bool:
         return self.returncode is None
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Why this incarnation's exit counts as a failure whatever its exit code
+        (:meth:`fail`); ``None``: its exit code decides."""
+        return self._failure_reason
+
+    def fail(self, reason: str) -> None:
+        """Record that this incarnation failed, and why: a clean exit still
+        counts as a failure (a function worker that sent no result, a spent
+        restart budget, a stall, a restart that could not start). The first
+        reason wins: it names the cause, later ones its consequences."""
+        if self._failure_reason is None:
+            self._failure_reason = reason
 
     def set_exited(self, returncode: int) -> None:
         """Record the exit (called once by the spawner's exit reader; later calls
@@ -66,11 +82,3 @@ class WorkerHandle:
     def __repr__(self) -> str:
         state = "running" if self.alive else f"exited({self.returncode})"
         return f"<{type(self).__name__} rank={self.local_rank} pid={self.pid} {state}>"
-
-
-def close_fd(fd: int | None) -> None:
-    if fd is not None and fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
