@@ -71,10 +71,19 @@ def kill_job(p: subprocess.Popen[bytes], stamp: str) -> None:
 
 
 def run_launcher(
-    variant: str, opts: list[str], args: list[str], env: dict[str, str], cwd: str, timeout: float
+    variant: str,
+    opts: list[str],
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    timeout: float,
+    script: str = SCRIPT,
 ) -> tuple[int | None, float, str]:
-    """Run one job; ``(exit status or None if it hung, t0 (monotonic), stderr tail)``."""
-    argv = [*LAUNCHERS[variant], *opts, SCRIPT, *args]
+    """Run one job of ``script``: ``(exit status or None if it hung, t0, stderr tail)``.
+
+    ``t0``: ``time.monotonic()`` just before the launcher started.
+    """
+    argv = [*LAUNCHERS[variant], *opts, script, *args]
     err_path = os.path.join(cwd, "launcher.err")
     with open(err_path, "wb") as err:
         t0 = time.monotonic()

@@ -26,7 +26,8 @@ from _helpers import alive, driver, wait_dead
 from _programs import write_script
 from aiolaunch import Std
 from aiolaunch._warm._preload import Preload
-from aiolaunch._warm._zygote import close_zygotes, zygote_for
+from aiolaunch._warm._registry import close_zygotes, zygote_for
+from aiolaunch._warm._zygote import ZygoteState
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -446,7 +447,7 @@ async def test_zygote_killed_mid_run_takes_nothing_along(
         await ctx.wait_ready(timeout=60)
         pids = ctx.pids()
         z = zygote_for(JSON)
-        assert z is not None and z.state == "ready"
+        assert z is not None and z.state is ZygoteState.READY
         zpid = z.pid
         os.kill(zpid, signal.SIGKILL)
         wait_dead(zpid)
@@ -571,7 +572,7 @@ async def main():
         name="f", entrypoint=sorted, args={0: ((2, 1),)}, envs={0: {}}, preload=["json"],
     )
     await ctx.wait_ready(timeout=60)
-    z = next(iter(aiolaunch._warm._zygote._ZYGOTES.get().values()))
+    z = next(iter(aiolaunch._warm._registry._ZYGOTES.get().values()))
     for _ in range(500):  # the zygote forks spares once idle
         if z.spares:
             break

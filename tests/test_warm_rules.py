@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import subprocess
 import sys
 from argparse import Namespace
 from typing import TYPE_CHECKING
@@ -13,7 +15,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiolaunch._child._forked import _exit_code
-from aiolaunch._child._zygote import load_time_items, recv_frame, send_frame
+from aiolaunch._child._provenance import EnvReads, Provenance, module_files
+from aiolaunch._child._safety import load_time_items
+from aiolaunch._child._wire import (
+    Decoder,
+    Exited,
+    Fork,
+    Forked,
+    FunctionJob,
+    Later,
+    Loaded,
+    Message,
+    Refused,
+    Spare,
+    encode,
+    receive,
+    send,
+)
 from aiolaunch._cli._config import _IMPORTS_TORCH, _imports_torch
 from aiolaunch._warm._forks import script_form
 from aiolaunch._warm._preload import Preload, resolve_preload, shared_load_env
@@ -132,12 +150,12 @@ def test_script_form(argv: list[str], form: dict[str, object] | None) -> None:
     if form is None:
         assert got is None
     else:
-        assert got == {**form, "orig_argv": argv}
+        assert got is not None and dataclasses.asdict(got) == {**form, "orig_argv": argv}
 
 
 def test_pythonunbuffered_is_minus_u() -> None:
     form = script_form([PY, "t.py"], {"PYTHONUNBUFFERED": "1"})
-    assert form is not None and form["unbuffered"]
+    assert form is not None and form.unbuffered
 
 
 @pytest.mark.parametrize(
@@ -147,6 +165,12 @@ def test_pythonunbuffered_is_minus_u() -> None:
         (b"import os, torch.distributed as dist\n", True),
         (b"    from torch import nn\n", True),
         (b"import os\nimport torch.nn\n", True),
+        (b"import numpy as np, torch\n", True),
+        (b"import numpy as np, torch as t\n", True),
+        (b"import os; import torch\n", True),
+        (b"x = 1; from torch import nn\n", True),
+        (b"import numpy as np, torchvision\n", False),
+        (b"import torch_xla\n", False),
         (b"import torchvision\n", False),
         (b"from torchvision import models\n", False),
         (b"# import torch\n", False),
@@ -188,12 +212,23 @@ def test_frames_carry_objects_and_fds() -> None:
     a, b = socket.socketpair()
     r, w = os.pipe()
     try:
-        big = {"op": "fork", "blob": b"x" * (1 << 20)}  # larger than the socket buffer
+        job = FunctionJob(
+            rank=0,
+            fn=b"x" * (1 << 20),
+            args=b"",
+            error_file="",
+            sys_argv=[],
+            sys_path=[],
+            orig_argv=[],
+            supervisor_pid=1,
+            process_name="w0",
+        )
+        big = Fork(job, ("result",), {"X": "1"}, "/", ())  # larger than the socket buffer
         import threading
 
-        sender = threading.Thread(target=send_frame, args=(a, big, [w]))
+        sender = threading.Thread(target=send, args=(a, big, [w]))
         sender.start()
-        got = recv_frame(b)
+        got = receive(b)
         sender.join()
         assert got is not None
         obj, fds = got
@@ -201,9 +236,150 @@ def test_frames_carry_objects_and_fds() -> None:
         os.write(fds[0], b"!")
         assert os.read(r, 1) == b"!"
         os.close(fds[0])
+        send(a, Later())
+        assert receive(b) == (Later(), [])
         a.close()
-        assert recv_frame(b) is None  # EOF
+        assert receive(b) is None  # EOF
     finally:
         b.close()
         os.close(r)
         os.close(w)
+
+
+def test_the_decoder_takes_frames_in_any_pieces() -> None:
+    msgs: list[Message] = [
+        Spare(7),
+        Forked(8),
+        Exited(7, 256),
+        Loaded("m", None, Provenance({"/m.py": (1, 2)}, {"X": None})),
+        Refused("x"),
+    ]
+    stream = b"".join(bytes(encode(m)) for m in msgs)
+    for step in (1, 3, 7, len(stream)):
+        decoder = Decoder()
+        got: list[Message] = []
+        for i in range(0, len(stream), step):
+            got += decoder.feed(stream[i : i + step])
+        assert got == msgs
+
+
+def test_env_reads_records_reads_by_name_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WARM_R1", "one")
+    monkeypatch.setenv("WARM_R2", "two")
+    monkeypatch.delenv("WARM_ABSENT", raising=False)
+    cls = type(os.environ)
+    before = (cls.__getitem__, cls.__iter__)
+    with EnvReads() as reads:
+        assert os.environ["WARM_R1"] == "one"
+        assert os.getenv("WARM_ABSENT") is None
+        assert "WARM_R2" in os.environ
+        everything = dict(os.environ.items())  # a module that looks at the whole environment
+    assert everything["WARM_R1"] == "one"
+    assert reads.seen == {"WARM_R1": "one", "WARM_ABSENT": None, "WARM_R2": "two"}
+    assert (cls.__getitem__, cls.__iter__) == before  # restored
+    assert os.environ["WARM_R1"] == "one"
+
+
+def test_provenance_sees_a_changed_file_and_a_changed_variable(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("x = 1\n")
+    st = os.stat(path)
+    p = Provenance({str(path): (st.st_mtime_ns, st.st_size)}, {"A": "1", "B": None})
+    assert p.changed_file() is None
+    assert p.changed_variable({"A": "1"}) is None
+    assert p.changed_variable({"A": "2"}) == "A"
+    assert p.changed_variable({"A": "1", "B": "x"}) == "B"
+    assert p.changed_variable({"A": "2"}, ignore=frozenset({"A"})) is None
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert p.changed_file() == str(path)
+    path.unlink()
+    assert p.changed_file() == str(path)
+    both = p | Provenance({"/other.py": (1, 1)}, {"C": "3"})
+    assert set(both.files) == {str(path), "/other.py"} and both.env["C"] == "3"
+
+
+def test_module_files_are_outside_the_installation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "warm_prov_mod_91.py").write_text("y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    importlib.import_module("warm_prov_mod_91")
+    try:
+        files = module_files()
+    finally:
+        sys.modules.pop("warm_prov_mod_91", None)
+    assert str(tmp_path / "warm_prov_mod_91.py") in files
+    assert os.__file__ not in files and pytest.__file__ not in files  # stdlib, site-packages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+@pytest.mark.parametrize("remap", [True, False], ids=["prctl", "in-place"])
+def test_show_sets_what_proc_shows(remap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a forked child: with PR_SET_MM_MAP both; refused, the command line in place, cut."""
+    from aiolaunch._child import _cmdline
+
+    if not remap:
+        monkeypatch.setattr(_cmdline, "_remap", lambda *a: False)
+    with open(f"/proc/{os.getpid()}/environ", "rb") as f:
+        before = f.read()
+    said_r, said_w = os.pipe()  # child -> parent: show()'s answer
+    done_r, done_w = os.pipe()  # parent -> child: /proc was read
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            ok = _cmdline.show(["python", "-u", "t.py", "x" * 100_000], {"RANK": "3"})
+            os.write(said_w, b"1" if ok else b"0")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(said_r, 1) == (b"1" if remap else b"0")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    finally:
+        os.write(done_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (said_r, said_w, done_r, done_w):
+            os.close(fd)
+    assert cmdline.split(b"\0")[:3] == [b"python", b"-u", b"t.py"]
+    if remap:
+        assert cmdline == b"python\0-u\0t.py\0" + b"x" * 100_000 + b"\0"
+        assert environ == b"RANK=3\0"
+    else:
+        assert environ == before  # the limit: where prctl is refused, the environment stays
+
+
+WRITING = """
+import os, subprocess, sys
+from aiolaunch._child._forked import _writing_elsewhere
+
+said = [_writing_elsewhere()]
+r, w = os.pipe()  # a wake-up pipe: both ends ours
+said.append(_writing_elsewhere())
+os.makedirs(sys.argv[1] + "/stacks", exist_ok=True)
+dump = open(sys.argv[1] + "/stacks/1.txt", "ab", buffering=0)  # the stack-dump file
+said.append(_writing_elsewhere())
+os.close(r)  # now only the write end: a reader elsewhere may wait for what it buffers
+said.append(_writing_elsewhere())
+os.close(w)
+log = open(sys.argv[1] + "/log.txt", "w")
+said.append(_writing_elsewhere())
+print(said)
+"""
+
+
+def test_writing_elsewhere_is_what_a_file_object_may_buffer_for(tmp_path: Path) -> None:
+    env = {**os.environ, "AIOLAUNCH_STACKS_DIR": str(tmp_path / "stacks")}
+    out = subprocess.run(
+        [sys.executable, "-c", WRITING, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        stdin=subprocess.DEVNULL,
+    ).stdout
+    assert out == "[False, False, False, True, True]\n"

@@ -364,7 +364,7 @@ def start_processes(
         }
         if warm is not None:
             from ._warm._preload import shared_load_env
-            from ._warm._zygote import zygote_for
+            from ._warm._registry import zygote_for
 
             common["zygote"] = zygote_for(warm, shared_load_env(envs_), spares=nprocs)
         if isinstance(entrypoint, str):

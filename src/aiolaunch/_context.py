@@ -187,19 +187,18 @@ class PContext:
 
         A failure part-way SIGKILLs the workers already started, then raises; running out
         of fds raises an ``OSError`` saying how many ranks started and how to raise the limit.
+        A stop signal meanwhile is the group's, as in :meth:`wait`: the workers started
+        so far are stopped, then :class:`SignalException` is raised.
         """
-        rank = 0
+        ending = self._ending
         try:
-            for rank in range(self.nprocs):
-                await self._launcher.start(rank)
-            # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land in this try.
-            await asyncio.sleep(0)  # allowed: one loop turn, not a wait
-            self._ending.group_started()
+            await ending.start_watched(self.nprocs, self._launcher.start, self._signals)
+            ending.group_started()
         except BaseException as exc:
             await shielded(self._ending.begin(signal.SIGKILL, 0.0))
             await self._ending.finished()
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise fd_limit_error(exc, rank, self.nprocs) from exc
+                raise fd_limit_error(exc, len(self._state.pids()), self.nprocs) from exc
             raise
 
     def pids(self) -> dict[int, int]:

@@ -40,7 +40,7 @@ from ._terminate import Escalation, sweep_tagged, terminate
 from ._workers._processes import CONTEXT_ENV
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from ._deadline import StopDeadline
     from ._events import EventBus
@@ -185,6 +185,38 @@ class GroupEnding:
                     continue
                 async with move_on_after(remaining):
                     await state.wakeup.changed(seen)
+
+    async def start_watched(
+        self, nprocs: int, start_one: Callable[[int], Awaitable[None]], signals: SignalPlan
+    ) -> None:
+        """``PContext.start()``: start ranks ``0..nprocs-1`` in order, watching the
+        group's stop signals as :meth:`wait` does.
+
+        A worker forked from a zygote runs its script at once, before the
+        caller reaches ``wait()``: a stop signal must not meet the default
+        action. One received stops the workers started so far (death signal,
+        grace; no further rank starts) and raises ``SignalException``. SIGINT
+        is left to the application meanwhile (asyncio.run's handler cancels the
+        start, which SIGKILLs what started; a bare loop's KeyboardInterrupt
+        does the same).
+        """
+        state = self._state
+        stops = signals.watch(
+            state.wakeup.notify,
+            self.escalate,
+            state.workers,
+            state.name,
+            leave=frozenset({signal.SIGINT}),
+        )
+        with stops as watch:
+            for rank in range(nprocs):
+                await start_one(rank)
+                if watch.received is not None:
+                    break
+            # The spawns may never yield: a cancellation meanwhile (Ctrl-C) must land here.
+            await asyncio.sleep(0)  # allowed: one loop turn, not a wait
+            if watch.received is not None:
+                await self._stop_on_signal(watch, signals.shutdown_timeout)
 
     async def _stop_on_signal(self, watch: SignalWatch, grace: float) -> NoReturn:
         """End the group for the stop signal ``watch`` received, then raise

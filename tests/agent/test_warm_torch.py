@@ -17,7 +17,7 @@ import pytest
 import aiolaunch
 from _helpers import driver
 from _programs import write_script
-from aiolaunch._warm._zygote import close_zygotes
+from aiolaunch._warm._registry import close_zygotes
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -170,7 +170,8 @@ def test_cli_default_is_on_only_for_a_script_that_imports_torch(tmp_path: Path) 
     code = "import os, sys\nprint('torch' in sys.modules, os.getppid(), flush=True)\n"
     plain = write_script(tmp_path, "plain.py", code)
     uses = write_script(tmp_path, "uses.py", code + "import torch\n")
-    for script, forked in ((plain, False), (uses, True)):
+    listed = write_script(tmp_path, "listed.py", code + "import numpy as np, torch\n")
+    for script, forked in ((plain, False), (uses, True), (listed, True)):
         with driver([*AIOLAUNCH, "--nproc-per-node", "2", "--tee", "3", str(script)]) as proc:
             out, err = proc.communicate(timeout=280)
         assert proc.returncode == 0, err

@@ -93,6 +93,7 @@ def _run_script(path: str) -> None:
             f"[Errno {exc.errno}] {exc.strerror}\n"
         )
         raise SystemExit(2) from None
+    path = os.path.abspath(path)  # as python makes __file__ and the tracebacks' paths
     with f:
         code = compile(f.read(), path, "exec")
     main = type(sys)("__main__")

@@ -17,9 +17,11 @@ start-up, a forked one gets here, in this order:
    and ``sys.stdin``/``stdout``/``stderr`` built as CPython builds them
    (``-u``: unbuffered, write-through);
 5. fresh per-process state: the garbage collector on, numpy's global random
-   state reseeded (``random`` reseeds itself at fork), a new multiprocessing
-   authkey;
-6. ``sys.argv``, ``sys.orig_argv``, ``sys.path[0]`` and ``__main__`` as
+   state and torch's default (CPU) generator reseeded from the OS (``random``
+   reseeds itself at fork), a new multiprocessing authkey;
+6. its command line and environment as ``ps`` and ``/proc/<pid>/environ``
+   show them: the worker's own (:mod:`._cmdline`);
+7. ``sys.argv``, ``sys.orig_argv``, ``sys.path[0]`` and ``__main__`` as
    ``python [-u] -m aiolaunch._child._bootstrap script.py ARGS`` would set them
    (:func:`aiolaunch._child._bootstrap.main`).
 
@@ -39,6 +41,9 @@ import signal
 import struct
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from ._cmdline import show
+from ._wire import Fork, FunctionJob, ScriptJob, StoreJob
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,32 +65,34 @@ class ChildContext:
         self.signals = signals
 
 
-def become(req: dict[str, Any], fds: list[int], ctx: ChildContext) -> Callable[[], None]:
+def become(req: Fork, fds: list[int], ctx: ChildContext) -> Callable[[], None]:
     """Set this freshly forked process up as ``req`` asks; return its job."""
-    got = dict(zip(req["fds"], fds, strict=True))
-    job = req["job"]
+    got = dict(zip(req.fds, fds, strict=True))
+    job = req.job
     try:
-        if job != "function":
+        if not isinstance(job, FunctionJob):
             os.setsid()
-        _signals(ctx.signals, set(req["ignored"]))
+        _signals(ctx.signals, set(req.ignored))
         os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
+        os.environ.update(req.env)
+        os.chdir(req.cwd)
         _std_fds(got)
         for name in ("result", "listen", "stop"):
             if name in got:
                 os.set_inheritable(got[name], False)  # ours, not for what the worker execs
-        _fresh_state(req.get("process_name"))
+        _fresh_state(job.process_name if isinstance(job, FunctionJob) else None)
+        if not isinstance(job, StoreJob):
+            show(job.orig_argv, req.env)  # ps, pgrep -f, /proc/<pid>/environ
     except BaseException as exc:
         os.write(2, f"aiolaunch: the forked worker could not start: {exc!r}\n".encode())
         os._exit(127)
-    if job == "script":
+    if isinstance(job, ScriptJob):
         os.close(ctx.lifeline_fd)
-        return lambda: _run_script(req, ctx)
-    if job == "function":
-        return lambda: _run_function(req, got, ctx)
+        return lambda: _run_script(job, ctx)
+    if isinstance(job, FunctionJob):
+        return lambda: _run_function(job, req.env, got, ctx)
     os.close(ctx.lifeline_fd)
-    return lambda: _run_store(req, got)
+    return lambda: _run_store(job, got)
 
 
 def _signals(zygote: dict[int, Any], ignored: set[int]) -> None:
@@ -125,9 +132,16 @@ def _std_fds(got: dict[str, int]) -> None:
 
 def _fresh_state(process_name: str | None) -> None:
     gc.enable()
+    # Global generators a spawned worker seeds from the OS at import (``random``
+    # reseeds itself at fork); torch's CUDA generators start from a fixed seed
+    # in every process, so they are left alone, as torch.seed() would not.
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:
-        nprandom.seed()  # a spawned worker seeds it from the OS at import
+        nprandom.seed()
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        generator.seed()  # torch.initial_seed(), unseeded torch.rand, samplers' seeds
     import multiprocessing.process as mpp
 
     me = mpp.current_process()
@@ -196,12 +210,14 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
     ``weakref.finalize`` callbacks the zygote made: torch's 174
     ``_del_library`` took 30 ms in a forked worker); then ``__main__`` is
     cleared, so the program's objects are finalized by reference counting
-    (files flushed and closed), and stdio is flushed (a failure there gives
-    status 120, as in CPython).
+    (files flushed and closed); then every file still open is flushed
+    (:func:`_flush_files`: a helper module's, one an object or a cycle
+    holds; where the process writes to a file or pipe at all), and stdio (a
+    failure there gives status 120, as in CPython).
 
     Unless a thread that Python did not start is still running (gloo's, an
-    OpenMP pool's): then ``__main__``'s files are flushed and nothing is
-    destroyed. A destructor may join such a thread with the GIL held while
+    OpenMP pool's): then ``__main__`` is not cleared - every open file is
+    flushed and nothing is destroyed. A destructor may join such a thread with the GIL held while
     the thread waits for the GIL - torch's DDP does, now and then: the
     Reducer's dealloc destroys a ProcessGroupGloo, which joins its threads
     while one drops a finished work's tensors (pytorch#56297). The
@@ -232,14 +248,13 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
         traceback.print_exc()  # the interpreter prints a raising atexit callback too
     main = sys.modules.get("__main__")
     d = getattr(main, "__dict__", None)
-    if isinstance(d, dict):
-        if _foreign_threads():
-            _flush_files(d)
-        else:
-            for first in (True, False):  # CPython: _names first, then the rest
-                for key in list(d):
-                    if key != "__builtins__" and key.startswith("_") == first:
-                        d[key] = None
+    if isinstance(d, dict) and not _foreign_threads():
+        for first in (True, False):  # CPython: _names first, then the rest
+            for key in list(d):
+                if key != "__builtins__" and key.startswith("_") == first:
+                    d[key] = None
+    if _writing_elsewhere():
+        _flush_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -266,18 +281,73 @@ def _foreign_threads() -> bool:
     return bool(tids - known)
 
 
-def _flush_files(namespace: dict[str, Any]) -> None:
-    """Flush the open files ``namespace`` holds, destroying nothing."""
-    for value in list(namespace.values()):
-        if not isinstance(value, io.IOBase):
+def _writing_elsewhere() -> bool:
+    """Whether a file object of this process may hold data its fd has not seen.
+
+    That is: whether it holds a file, a pipe or a terminal open for writing
+    besides its stdio - not the write end of a pipe whose read end it holds
+    too (a thread pool's wake-up pipe: gloo's), not its stack-dump file
+    (written unbuffered) - or cannot tell. A few system calls per fd: a
+    worker that writes nowhere else (the common restart: gloo's sockets, its
+    log files as fds 1 and 2) skips the walk of its objects, tens of
+    milliseconds once it made a hundred thousand of them (torch._dynamo
+    imported in the worker). Sockets do not count: a file object over one
+    (``socket.makefile``) is flushed only along with others.
+    """
+    import fcntl
+    import stat
+
+    from ._dump_handler import STACKS_DIR_ENV
+    from ._proc import fd_path, open_fds
+
+    dumps = os.path.join(os.environ.get(STACKS_DIR_ENV) or "\0", "")
+    pipes: dict[tuple[int, int], set[int]] = {}  # pipe -> the access modes of our ends
+    for fd in open_fds():
+        if fd <= 2:
             continue
         try:
-            if not value.closed:
-                value.flush()
-        except Exception:  # as a finalizer's error: reported, not raised
-            import traceback
+            st = os.fstat(fd)
+            access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError:
+            continue  # closed meanwhile (or the listing's own fd)
+        if stat.S_ISFIFO(st.st_mode):
+            pipes.setdefault((st.st_dev, st.st_ino), set()).add(access)
+            continue
+        if access == os.O_RDONLY:
+            continue
+        if stat.S_ISCHR(st.st_mode) and os.isatty(fd):
+            return True
+        if stat.S_ISREG(st.st_mode):
+            path = fd_path(fd)
+            if path is None or not path.startswith(dumps):
+                return True
+    return any(os.O_RDONLY not in modes for modes in pipes.values())
 
-            traceback.print_exc()
+
+def _flush_files() -> None:
+    """Flush every file object still open, destroying nothing.
+
+    What the interpreter's exit would flush as it tears the modules down and
+    collects the cycles left: files held by a helper module, by an object or
+    a dict, in a cycle. Found among the objects the worker made (the
+    zygote's are frozen: ``gc.get_objects`` does not walk them), by type
+    first (a few hundred types, not every object, go through ``io.IOBase``'s
+    check). An error is ignored, as the interpreter ignores one in a file's
+    finalizer; stdio is left to the caller.
+    """
+    import itertools
+
+    objects = gc.get_objects()
+    kinds = {t for t in set(map(type, objects)) if issubclass(t, io.IOBase)}
+    stdio = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    for f in itertools.compress(objects, map(kinds.__contains__, map(type, objects))):
+        if any(f is s for s in stdio):
+            continue
+        try:
+            if not f.closed:
+                f.flush()
+        except Exception:  # ignored, as by a file's finalizer at exit
+            pass
 
 
 def _inherited() -> list[Any]:
@@ -287,16 +357,16 @@ def _inherited() -> list[Any]:
     return exit_finalizers()
 
 
-def _run_script(req: dict[str, Any], ctx: ChildContext) -> None:
+def _run_script(job: ScriptJob, ctx: ChildContext) -> None:
     from . import _bootstrap
 
     inherited = _inherited()
-    _stdio(req["unbuffered"])
-    sys.orig_argv = list(req["orig_argv"])
+    _stdio(job.unbuffered)
+    sys.orig_argv = list(job.orig_argv)
     if sys.path:
         sys.path[0] = os.getcwd()  # `python -m`; the bootstrap puts a script's folder there
     try:
-        _bootstrap.main(list(req["argv"]), dumps=req["bootstrap"])
+        _bootstrap.main(list(job.argv), dumps=job.bootstrap)
     except SystemExit as exc:
         _end(ctx.status_fd, _exit_code(exc), inherited)
     except KeyboardInterrupt:
@@ -304,25 +374,27 @@ def _run_script(req: dict[str, Any], ctx: ChildContext) -> None:
         raise
 
 
-def _run_function(req: dict[str, Any], got: dict[str, int], ctx: ChildContext) -> None:
+def _run_function(
+    job: FunctionJob, env: dict[str, str], got: dict[str, int], ctx: ChildContext
+) -> None:
     from ._function import ChildSpec, PassFd, run_worker
 
-    sys.argv = list(req["sys_argv"])
-    sys.path[:] = list(req["sys_path"])
+    sys.argv = list(job.sys_argv)
+    sys.path[:] = list(job.sys_path)
     _stdio(False)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - as multiprocessing's children
     spec = ChildSpec(
-        local_rank=req["rank"],
-        fn=req["fn"],
-        args=req["args"],
-        env=req["env"],
+        local_rank=job.rank,
+        fn=job.fn,
+        args=job.args,
+        env=env,
         stdout=None,
         stderr=None,
         result=PassFd(got["result"]),
         lifeline=PassFd(ctx.lifeline_fd),
         close_after_fork=(),
-        error_file=req["error_file"],
-        supervisor_pid=req["supervisor_pid"],
+        error_file=job.error_file,
+        supervisor_pid=job.supervisor_pid,
         check_parent=False,
     )
     inherited = _inherited()
@@ -333,18 +405,18 @@ def _run_function(req: dict[str, Any], got: dict[str, int], ctx: ChildContext) -
     _end(ctx.status_fd, 0, inherited)
 
 
-def _run_store(req: dict[str, Any], got: dict[str, int]) -> None:
+def _run_store(job: StoreJob, got: dict[str, int]) -> None:
     """Host the attempt's TCPStore on the supervisor's listening socket until told to stop."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     store = TCPStore(
-        req["host"],
-        req["port"],
+        job.host,
+        job.port,
         None,
         True,
-        timeout=timedelta(seconds=req["timeout"]),
+        timeout=timedelta(seconds=job.timeout),
         wait_for_workers=False,
         master_listen_fd=got["listen"],
         use_libuv=True,

@@ -1,6 +1,6 @@
 """``/proc/self``, read from inside a worker or the zygote: the worker side's one door to it.
 
-Four readings, each a few system calls; every one has a fallback where there
+Six readings, each a few system calls; every one has a fallback where there
 is no procfs (macOS), stated in its docstring. Standard library only, like
 everything in this folder.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["library_loaded", "open_fds", "start_time", "thread_ids"]
+__all__ = ["fd_path", "library_loaded", "memory_layout", "open_fds", "start_time", "thread_ids"]
 
 
 def start_time() -> str:
@@ -21,6 +21,35 @@ def start_time() -> str:
         raw = f.read()
     # "pid (comm) state ...": comm may hold spaces or ')', so split after the last ')'.
     return raw[raw.rfind(b")") + 2 :].split()[19].decode()
+
+
+#: the address-space fields of /proc/self/stat, by their number in proc(5)
+_LAYOUT = {
+    "start_code": 26,
+    "end_code": 27,
+    "start_stack": 28,
+    "start_data": 45,
+    "end_data": 46,
+    "start_brk": 47,
+    "arg_start": 48,
+    "arg_end": 49,
+    "env_start": 50,
+    "env_end": 51,
+}
+
+
+def memory_layout() -> dict[str, int] | None:
+    """This process's code, data, stack, argument and environment addresses
+    (``start_code``... ``env_end``); ``None`` without procfs or before Linux 3.5."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            raw = f.read()
+    except OSError:  # pragma: no cover - no procfs
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()  # fields[0] is field 3 (state)
+    if len(fields) < 49:  # pragma: no cover - Linux < 3.5
+        return None
+    return {name: int(fields[n - 3]) for name, n in _LAYOUT.items()}
 
 
 def thread_ids() -> set[int] | None:
@@ -48,3 +77,12 @@ def open_fds() -> list[int]:
         return [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:  # pragma: no cover - no procfs
         return list(range(256))
+
+
+def fd_path(fd: int) -> str | None:
+    """What this process's open ``fd`` names (a path, ``pipe:[N]``...); ``None``
+    where it cannot be read (closed, or no procfs)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None

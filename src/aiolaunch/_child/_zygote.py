@@ -10,18 +10,20 @@ workers all started: ``later``), it imports the modules of ``LATER``
 (torch's lazily imported parts: a restart then skips them too), then forks
 spare children that wait for the next requests (:class:`_Server`).
 
-What it must never do, and checks before every fork (:func:`fork_hazard`):
-run a second thread (an OpenMP pool: the first parallel op of a forked child
-would hang) or initialise CUDA (a CUDA context never survives a fork). It
-runs no op itself; a preload module that does either at import time makes it
-refuse to fork, and the supervisor starts those workers the ordinary way.
+What it must never do, and checks before every fork
+(:func:`._safety.fork_hazard`): run a second thread (an OpenMP pool: the
+first parallel op of a forked child would hang) or initialise CUDA (a CUDA
+context never survives a fork). It runs no op itself; a preload module that
+does either at import time makes it refuse to fork, and the supervisor
+starts those workers the ordinary way.
 
-The wire format (:func:`send_frame` / :func:`recv_frame`): a 4-byte length
-and a pickled dict; the supervisor's requests carry their fds as SCM_RIGHTS.
-Replies: ``ready``, ``failed`` (a preload import), ``loaded`` (a later
-import), ``forked``/``refused`` (one per request, in order), ``spare`` (a
-child forked ahead) and ``exited`` (a child's raw wait status; the zygote is
-the parent and reaps it).
+Its messages, and their one codec, are :mod:`._wire`'s: requests
+:class:`~._wire.Fork` and :class:`~._wire.Later`; replies
+:class:`~._wire.Ready`, :class:`~._wire.Failed` (a preload import),
+:class:`~._wire.Loaded` (a later import), :class:`~._wire.Forked` /
+:class:`~._wire.Refused` (one per request, in order), :class:`~._wire.Spare`
+(a child forked ahead) and :class:`~._wire.Exited` (a child's raw wait
+status; the zygote is the parent and reaps it).
 
 Imports only the standard library and aiolaunch's light modules: the
 workers inherit every module it holds.
@@ -29,151 +31,43 @@ workers inherit every module it holds.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
+import importlib
 import os
-import pickle
 import select
 import signal
 import socket
-import struct
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ._proc import library_loaded, open_fds, thread_ids
+from ._proc import open_fds
+from ._provenance import EnvReads, Provenance, module_files
+from ._safety import fork_hazard
+from ._spares import Spares, wait_for_request
+from ._wire import (
+    Exited,
+    Failed,
+    Fork,
+    Forked,
+    FunctionJob,
+    Later,
+    Loaded,
+    Ready,
+    Refused,
+    Spare,
+    receive,
+    send,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Iterator
 
-__all__ = [
-    "LOAD_TIME_NAMES",
-    "LOAD_TIME_PREFIXES",
-    "fork_hazard",
-    "load_time_items",
-    "main",
-    "recv_frame",
-    "send_frame",
-]
+__all__ = ["main"]
 
-_HEADER = struct.Struct("!I")
-#: most fds one request carries (stdin, stdout, stderr, and one job fd)
-MAX_FDS = 8
 #: idle time (seconds) after a request before a LATER import or a spare fork
 IDLE = 0.1
-#: the most spares a zygote keeps
-MAX_SPARES = 16
-
-#: Environment variables read when the interpreter starts or a preloaded
-#: library loads (the interpreter's, glibc's, OpenMP's, BLAS's, torch's). A
-#: worker is forked only if its environment agrees with the zygote's on all
-#: of them; else it is started the ordinary way, where they take effect.
-LOAD_TIME_PREFIXES = (
-    "PYTHON",
-    "LD_",
-    "MALLOC_",
-    "GLIBC_",
-    "LC_",
-    "OMP_",
-    "GOMP_",
-    "KMP_",
-    "MKL_",
-    "OPENBLAS_",
-    "GOTO_",
-    "TORCH_",
-    "PYTORCH_",
-    "TORCHDYNAMO_",
-    "TORCHINDUCTOR_",
-)
-LOAD_TIME_NAMES = frozenset({"LANG", "LANGUAGE"})
-
-
-def load_time_items(env: Mapping[str, str]) -> frozenset[tuple[str, str]]:
-    """The ``(name, value)`` pairs of ``env`` that are read at load time."""
-    return frozenset(
-        (k, v) for k, v in env.items() if k in LOAD_TIME_NAMES or k.startswith(LOAD_TIME_PREFIXES)
-    )
-
-
-# -- frames -------------------------------------------------------------------
-def send_frame(sock: socket.socket, obj: object, fds: Iterable[int] = ()) -> None:
-    """Send one frame (blocking); ``fds`` travel with its first byte."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    frame = memoryview(_HEADER.pack(len(data)) + data)
-    fds = list(fds)
-    sent = socket.send_fds(sock, [frame], fds) if fds else sock.send(frame)
-    while sent < len(frame):
-        sent += sock.send(frame[sent:])
-
-
-def recv_frame(sock: socket.socket) -> tuple[Any, list[int]] | None:
-    """Receive one frame (blocking): ``(obj, fds)``, or ``None`` at EOF."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
-    if not head:
-        return None
-    while len(head) < _HEADER.size:
-        more = sock.recv(_HEADER.size - len(head))
-        if not more:
-            return None
-        head += more
-    (size,) = _HEADER.unpack(head)
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if not n:
-            return None
-        got += n
-    return pickle.loads(buf), fds
-
-
-# -- fork safety ----------------------------------------------------------------
-def _threads() -> int:
-    tids = thread_ids()
-    if tids is None:  # pragma: no cover - no procfs
-        import threading
-
-        return threading.active_count()
-    return len(tids)
-
-
-def _probe_fork() -> None:
-    # A fork runs the pthread_atfork handlers: OpenBLAS (imported by numpy,
-    # which torch imports) stops its thread pool there and starts it again
-    # only at its next call, which the zygote never makes.
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child exits at once
-        os._exit(0)
-    os.waitpid(pid, 0)
-
-
-def _cuda_loaded() -> bool:
-    cuda = sys.modules.get("torch.cuda")
-    if cuda is not None:
-        try:
-            if cuda.is_initialized():
-                return True
-        except Exception:  # pragma: no cover - a broken torch
-            return True
-    # The CUDA driver is loaded by the first CUDA call, not by torch's
-    # import; torch.cuda.is_available() loads it unless
-    # PYTORCH_NVML_BASED_CUDA_CHECK=1 (set in the zygote's environment).
-    return library_loaded(b"/libcuda.so")
-
-
-def fork_hazard() -> str | None:
-    """Why a fork of this process now could give a broken child; ``None``: safe."""
-    n = _threads()
-    if n > 1:
-        _probe_fork()
-        n = _threads()
-        if n > 1:
-            return (
-                f"{n} threads run in the zygote (a preloaded module started a thread "
-                "or ran a parallel op at import)"
-            )
-    if _cuda_loaded():
-        return "CUDA was initialised in the zygote (a preloaded module touched the GPU)"
-    return None
 
 
 # -- the process ------------------------------------------------------------------
@@ -219,12 +113,18 @@ def _signal_state() -> dict[int, Any]:
 class _Server:
     """The zygote's request loop. :meth:`serve` returns only in a forked child.
 
-    *Spares*: once idle, the zygote forks (while it is safe to) as many
-    children as the largest burst of requests so far (at most
-    :data:`MAX_SPARES`); each waits on a socket of its own for its request.
-    A restart then hands its ranks to spares instead of forking them one
-    after the other (a fork of a torch-sized process takes 10-25 ms). Spares
-    made before a LATER import are dropped: they lack the module.
+    *Spares* (:mod:`._spares`): once idle, the zygote forks (while it is
+    safe to) children that wait for the next requests.
+
+    *LATER imports* take a second or more (torch._dynamo) and cannot be
+    interrupted, and a fork in the middle of one would give a child with
+    half-run modules. So the spares are forked first, and while a module
+    imports, the control socket raises SIGIO (``O_ASYNC``), whose handler
+    runs between the import's bytecodes (:meth:`_serve_importing`): a
+    request is handed to a spare at once - a failure in the first seconds
+    restarts as fast as a later one - or, with no spare left, forked once
+    the import is done. Spares that outlive the import are dropped then:
+    they lack the module.
     """
 
     def __init__(
@@ -235,27 +135,22 @@ class _Server:
         self.lifeline_fd = lifeline_fd
         self.signals = _signal_state()
         self.children: dict[int, int] = {}  # pidfd -> pid
-        self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
-        # spares to keep: the largest burst so far (at first, the group size
-        # the supervisor expects: they are forked at once, ahead of its requests)
-        self.want = min(spares, MAX_SPARES)
-        self.burst = 0  # requests since the zygote was last idle
+        # at first, as many as the group size the supervisor expects: forked
+        # at once, ahead of its requests
+        self.spares = Spares(spares)
         self.later: list[str] = []
+        self.later_asked = False  # the supervisor said its workers all started
         self.poll = select.poll()
         self.poll.register(ctl, select.POLLIN)
         self.forked = False
+        # requests that came during an import with no spare left: forked after it
+        self.deferred: list[tuple[Fork, list[int]]] = []
+        self._serving = False  # in _serve_importing (a signal handler: no re-entry)
 
     def serve(self, later: list[str]) -> Callable[[], None]:
         self.later = later
         while True:
-            short = len(self.spares) < self.want
-            if short and not self.forked:
-                timeout: int | None = 0  # the first group's spares: now, requests first
-            elif self.forked and (self.later or short):
-                timeout = int(IDLE * 1000)
-            else:
-                timeout = None
-            events = self.poll.poll(timeout)
+            events = self.poll.poll(self._timeout())
             if not events:
                 job = self._idle()
                 if job is not None:
@@ -263,63 +158,118 @@ class _Server:
                 continue
             for fd, _ in events:
                 if fd == self.ctl.fileno():
-                    got = recv_frame(self.ctl)
+                    got = receive(self.ctl)
                     if got is None:
                         os._exit(0)  # the supervisor closed the zygote, or died
-                    if got[0].get("op") == "later":  # the workers started: import now
-                        self._import_later()
+                    msg, fds = got
+                    if isinstance(msg, Later):  # the workers started: import now
+                        self.later_asked = True
                         continue
-                    job = self._request(*got)
+                    job = self._request(msg, fds)
                     if job is not None:
                         return job
                 else:
                     self._reap(fd)
 
+    def _timeout(self) -> int | None:
+        """How long the loop waits for a request before :meth:`_idle` (ms; ``None``: for ever)."""
+        if self.later and self.later_asked:
+            return 0  # the spares, then the import: now, requests first
+        if not self.forked:
+            return 0 if self.spares.short else None  # the first group's: now, requests first
+        return int(IDLE * 1000) if self.later or self.spares.short else None
+
     def _idle(self) -> Callable[[], None] | None:
-        self.burst = 0
-        if self.later and self.forked:
+        self.spares.idle()
+        if self.spares.short:
+            return self._spare()  # before a LATER import too: they serve the requests meanwhile
+        if self.later and (self.forked or self.later_asked):
             self._import_later()
-            return None
-        return self._spare()
+            return self._run_deferred()
+        return None
 
     def _import_later(self) -> None:
-        import importlib
-
         while self.later:
             name = self.later.pop(0)
             error = None
-            try:
-                importlib.import_module(name)
-            except BaseException as exc:
-                error = _import_error(exc)
+            with self._served(), EnvReads() as reads:
+                try:
+                    importlib.import_module(name)
+                except BaseException as exc:
+                    error = _import_error(exc)
             gc.freeze()
-            send_frame(self.ctl, {"op": "loaded", "module": name, "error": error})
-        for pid, sock in self.spares:  # made without the module
-            sock.close()
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # pragma: no cover
-                pass
-        self.spares.clear()
+            send(self.ctl, Loaded(name, error, Provenance(module_files(), reads.seen)))
+        self.spares.drop()  # made without the module
+
+    @contextlib.contextmanager
+    def _served(self) -> Iterator[None]:
+        """Serve the control socket from SIGIO while the body runs (an import)."""
+        fd = self.ctl.fileno()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        old = signal.signal(signal.SIGIO, self._serve_importing)
+        signal.siginterrupt(signal.SIGIO, False)  # SA_RESTART: the import's own calls go on
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
+        try:
+            self._serve_importing()  # what came before the signal was armed
+            yield
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)  # no SIGIO from here on (its default kills)
+            signal.signal(signal.SIGIO, old)
+
+    def _serve_importing(self, *_: object) -> None:
+        """During an import: hand each request that waits to a spare, or defer it.
+
+        A signal handler: it runs between two bytecodes of the import, in the
+        main thread. It never forks, never imports, never raises (into the
+        import), and is not re-entered; a request that comes while it runs
+        is read by its next turn of the loop.
+        """
+        if self._serving:
+            return
+        try:
+            while select.select([self.ctl], [], [], 0)[0]:
+                self._serving = True
+                try:
+                    got = receive(self.ctl)
+                    if got is None:
+                        os._exit(0)  # the supervisor closed the zygote, or died
+                    msg, fds = got
+                    if isinstance(msg, Later):
+                        continue  # importing already
+                    if not isinstance(msg, Fork):
+                        _close(fds)
+                        continue
+                    self.spares.counted()
+                    if self.deferred or not self._handed(msg, fds):
+                        self.deferred.append((msg, fds))  # in order, after the import
+                finally:
+                    self._serving = False
+        except BaseException:  # pragma: no cover - the socket broke: the supervisor is gone
+            os._exit(0)
+
+    def _run_deferred(self) -> Callable[[], None] | None:
+        while self.deferred:
+            req, fds = self.deferred.pop(0)
+            job = self._place(req, fds)
+            if job is not None:
+                return job
+        return None
 
     def _spare(self) -> Callable[[], None] | None:
         if fork_hazard() is not None:
-            self.want = 0  # the next request is refused, with the reason
+            self.spares.stop()  # the next request is refused, with the reason
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:
             ours.close()
             self._forget()
-            got = recv_frame(theirs)  # blocks until it is handed a worker
-            if got is None:
-                os._exit(0)  # dropped, or the zygote is gone
-            theirs.close()
-            return self._become(*got)
+            return self._become(*wait_for_request(theirs))
         theirs.close()
         self._watch(pid)
-        self.spares.append((pid, ours))
-        send_frame(self.ctl, {"op": "spare", "pid": pid})
+        self.spares.add(pid, ours)
+        send(self.ctl, Spare(pid))
         return None
 
     def _reap(self, pidfd: int) -> None:
@@ -333,71 +283,76 @@ class _Server:
         self.poll.unregister(pidfd)
         os.close(pidfd)
         del self.children[pidfd]
-        send_frame(self.ctl, {"op": "exited", "pid": pid, "status": status})
+        send(self.ctl, Exited(pid, status))
 
     def _watch(self, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = pid
         self.poll.register(pidfd, select.POLLIN)
 
-    def _request(self, req: dict[str, Any], fds: list[int]) -> Callable[[], None] | None:
-        if req.get("op") != "fork":
-            for fd in fds:
-                os.close(fd)
+    def _request(self, req: object, fds: list[int]) -> Callable[[], None] | None:
+        if not isinstance(req, Fork):
+            _close(fds)
             return None
-        self.burst += 1
-        self.want = min(max(self.want, self.burst), MAX_SPARES)
-        pid = self._hand_to_spare(req, fds)
+        self.spares.counted()
+        return self._place(req, fds)
+
+    def _place(self, req: Fork, fds: list[int]) -> Callable[[], None] | None:
+        """Hand ``req`` to a spare, or fork it; the job in the forked child."""
+        if self._handed(req, fds):
+            return None
+        hazard = fork_hazard()
+        if hazard is not None:
+            _close(fds)
+            send(self.ctl, Refused(hazard))
+            return None
+        pid = os.fork()
+        if pid == 0:
+            self._forget()
+            return self._become(req, fds)
+        self._watch(pid)
+        self._answer(req, pid, fds)
+        return None
+
+    def _handed(self, req: Fork, fds: list[int]) -> bool:
+        """Hand ``req`` to a spare (checked for safety when it was forked), if one is left."""
+        pid = self.spares.hand(req, fds)
         if pid is None:
-            hazard = fork_hazard()
-            if hazard is not None:
-                for fd in fds:
-                    os.close(fd)
-                send_frame(self.ctl, {"op": "refused", "reason": hazard})
-                return None
-            pid = os.fork()
-            if pid == 0:
-                self._forget()
-                return self._become(req, fds)
-            self._watch(pid)
+            return False
+        self._answer(req, pid, fds)
+        return True
+
+    def _answer(self, req: Fork, pid: int, fds: list[int]) -> None:
         self.forked = True
-        if req["job"] == "function":
+        if isinstance(req.job, FunctionJob):
             try:
                 os.setpgid(pid, pid)  # as the child will: no window where it shares ours
             except OSError:
                 pass
-        for fd in fds:
-            os.close(fd)
-        send_frame(self.ctl, {"op": "forked", "pid": pid})
-        return None
-
-    def _hand_to_spare(self, req: dict[str, Any], fds: list[int]) -> int | None:
-        while self.spares:
-            pid, sock = self.spares.pop(0)
-            try:
-                send_frame(sock, req, fds)  # checked for safety when it was forked
-            except OSError:
-                continue  # it died: the next one, or a fork
-            finally:
-                sock.close()
-            return pid
-        return None
+        _close(fds)
+        send(self.ctl, Forked(pid))
 
     def _forget(self) -> None:
         """In a new child: close what only the zygote may hold."""
         for pidfd in self.children:
             os.close(pidfd)
-        for _, sock in self.spares:
-            sock.close()
+        self.spares.forget()
+        for _, fds in self.deferred:
+            _close(fds)
         self.ctl.close()
 
-    def _become(self, req: dict[str, Any], fds: list[int]) -> Callable[[], None]:
+    def _become(self, req: Fork, fds: list[int]) -> Callable[[], None]:
         from ._forked import ChildContext, become
 
         ctx = ChildContext(
             status_fd=self.status_fd, lifeline_fd=self.lifeline_fd, signals=self.signals
         )
         return become(req, fds, ctx)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def main() -> None:
@@ -416,24 +371,16 @@ def main() -> None:
 
     from . import _bootstrap, _dump_handler, _error_file, _forked, _function  # noqa: F401
 
-    for name in now:
-        import importlib
-
-        try:
-            importlib.import_module(name)
-        except BaseException as exc:
-            send_frame(ctl, {"op": "failed", "module": name, "error": _import_error(exc)})
-            os._exit(1)
+    with EnvReads() as reads:
+        for name in now:
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:
+                send(ctl, Failed(name, _import_error(exc)))
+                os._exit(1)
     gc.freeze()
     server = _Server(ctl, status_fd, lifeline_fd, spares)
-    send_frame(
-        ctl,
-        {
-            "op": "ready",
-            "pid": os.getpid(),
-            "hazard": fork_hazard(),
-            "torch_distributed": "torch.distributed" in sys.modules,
-        },
-    )
+    provenance = Provenance(module_files(), reads.seen)
+    send(ctl, Ready(os.getpid(), fork_hazard(), "torch.distributed" in sys.modules, provenance))
     job = server.serve(later)
     job()  # in a forked worker: never returns (SystemExit ends the interpreter)

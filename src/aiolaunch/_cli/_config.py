@@ -402,8 +402,12 @@ def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
     return resolve_preload(True)
 
 
+#: ``import torch``, ``import numpy as np, torch``, ``from torch import nn``, at
+#: the start of a line or after a ``;``
 _IMPORTS_TORCH = re.compile(
-    rb"^[ \t]*(?:import[ \t]+(?:[\w.]+[ \t]*,[ \t]*)*torch\b|from[ \t]+torch\b)", re.M
+    rb"(?:^|;)[ \t]*(?:import[ \t]+(?:[\w.]+(?:[ \t]+as[ \t]+\w+)?[ \t]*,[ \t]*)*torch\b"
+    rb"|from[ \t]+torch\b)",
+    re.M,
 )
 
 

@@ -65,7 +65,7 @@ def _prestart(args: argparse.Namespace) -> bool:
         return False
     if got is None:
         return False
-    from .._warm._zygote import zygote_for
+    from .._warm._registry import zygote_for
     from ..agent._env import shared_env
 
     preload, nproc = got
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(cfg)
     finally:
         if warm:  # the run is over: its zygote too
-            from .._warm._zygote import close_zygotes
+            from .._warm._registry import close_zygotes
 
             close_zygotes()
 

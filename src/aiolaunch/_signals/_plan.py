@@ -146,13 +146,16 @@ class SignalPlan:
         escalate: Callable[[str], None],
         workers: Callable[[], Iterable[WorkerHandle]],
         name: str,
+        *,
+        leave: frozenset[signal.Signals] = frozenset(),
     ) -> contextlib.AbstractContextManager[SignalWatch]:
         """:func:`watch_signals` for one group's ``wait()``: a stop signal calls
         ``wake()``, a second one ``escalate(why)``; a forwarded signal goes to
-        every worker of ``workers()``."""
+        every worker of ``workers()``. Stop signals in ``leave`` are left to
+        whatever handles them now."""
         return watch_signals(
             lambda sig: wake(),
-            stop=self.stop,
+            stop=self.stop - leave,
             forward=self.forward,
             on_repeat=lambda sig: escalate(f"second {sig.name}"),
             on_forward=lambda sig: forward_signal(workers(), sig, name),

@@ -231,6 +231,12 @@ class _Hub:
                         self._chain(pending.sig)
 
     def _dispatch(self, sig: signal.Signals) -> None:
+        if sig not in self.slots:
+            # Caught while watched, dispatched after the last watcher left (the
+            # loop had queued it): the handler installed now takes it - the next
+            # waiter's (start() hands over to wait()), or the one restored.
+            signal.raise_signal(sig)
+            return
         fresh: list[SignalWatch] = []
         for watch in list(self.watches):
             if sig in watch.stop and watch.received is None:

@@ -1,43 +1,42 @@
 """The supervisor's end of a zygote's control socket, on the running event loop.
 
-Frames are a 4-byte length and a pickle (the zygote's side: ``_zygote.py``
-``send_frame``/``recv_frame``); a request's fds travel with its first byte.
+Frames are :mod:`aiolaunch._child._wire`'s (the codec the zygote uses too); a
+request's fds travel with its first byte.
 """
 
 from __future__ import annotations
 
 import asyncio
-import pickle
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._child._wire import Decoder, encode
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["Channel", "frame"]
+    from .._child._wire import Message, Request
 
-
-def frame(obj: object) -> memoryview:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return memoryview(len(data).to_bytes(4, "big") + data)
+__all__ = ["Channel"]
 
 
 class Channel:
     """The supervisor's end of a zygote's control socket, on the running loop.
 
-    Frames in (``on_message``, in order; ``on_eof`` once) and out (:meth:`send`,
-    one at a time, fds with the first byte). Rebound when the loop changes
-    (another ``asyncio.run``); unread frames wait in the socket meanwhile.
+    Replies in (``on_message``, in order; ``on_eof`` once) and requests out
+    (:meth:`send`, one at a time, fds with the first byte). Rebound when the
+    loop changes (another ``asyncio.run``); unread frames wait in the socket
+    meanwhile.
     """
 
-    def __init__(self, sock: socket.socket, on_message: Callable[[Any], None]) -> None:
+    def __init__(self, sock: socket.socket, on_message: Callable[[Message], None]) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.on_message = on_message
         self.on_eof: Callable[[], None] = lambda: None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lock: asyncio.Lock | None = None
-        self._buf = bytearray()
+        self._decoder = Decoder()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -65,18 +64,13 @@ class Channel:
             self.unbind()
             self.on_eof()
             return
-        self._buf += data
-        while len(self._buf) >= 4:
-            size = int.from_bytes(self._buf[:4], "big")
-            if len(self._buf) < 4 + size:
-                break
-            msg = pickle.loads(self._buf[4 : 4 + size])
-            del self._buf[: 4 + size]
+        for msg in self._decoder.feed(data):
             self.on_message(msg)
 
-    async def send(self, frame: memoryview, fds: list[int]) -> None:
+    async def send(self, msg: Request, fds: list[int]) -> None:
         """Write one whole frame (the caller holds :attr:`lock`)."""
         assert self.loop is not None
+        frame = encode(msg)
         sent = 0
         while sent < len(frame):
             try:

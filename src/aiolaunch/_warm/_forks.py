@@ -19,12 +19,14 @@ import contextlib
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._child._bootstrap import BOOTSTRAP
+from .._child._wire import FunctionJob, ScriptJob, StoreJob
 from .._workers._fds import close_fd
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
 from .._workers._handle import WorkerHandle
+from ._zygote import ZygoteState
 
 if TYPE_CHECKING:
     from .._workers._function import ResultReader
@@ -34,7 +36,13 @@ __all__ = ["ZygoteWorker", "fork_function", "script_form", "spawn_script", "star
 
 
 class ZygoteWorker(WorkerHandle):
-    """A worker forked from a zygote (whose child it is: the zygote reports its exit)."""
+    """A worker forked from a zygote (whose child it is: the zygote reaps it).
+
+    Its exit is seen through a pidfd the supervisor holds, as a spawned
+    worker's: at once, whatever the zygote is doing. Its status comes from
+    the zygote (:meth:`Zygote.exit_seen`, or its report), or from the
+    worker's own report once the zygote died first.
+    """
 
     def __init__(
         self, local_rank: int, *, result: ResultReader | None = None, session: bool = True
@@ -44,9 +52,8 @@ class ZygoteWorker(WorkerHandle):
         self.records_exceptions = result is not None
         self._session = session  # leads its own session: watched by the guardian
         self._zygote_pid = 0
-        # Opened at the fork: read only if the zygote dies before the worker.
         self._pidfd: int | None = None
-        self._watching = False
+        self._watching: asyncio.AbstractEventLoop | None = None  # the loop reading the pidfd
         self._result = result
         self._zygote: Zygote | None = None
 
@@ -60,6 +67,7 @@ class ZygoteWorker(WorkerHandle):
             g = guardian()
             if g is not None:
                 g.watch(self.pid)
+        self.rebind()
 
     def exited_with(self, rc: int) -> None:
         """The exit status, as the zygote (or the worker itself) reported it."""
@@ -72,24 +80,38 @@ class ZygoteWorker(WorkerHandle):
         self._close_pidfd()
 
     def orphaned(self) -> None:
-        """The zygote died first: see the exit through the pidfd from now on."""
+        """The zygote died first: the exit's status is the worker's own report now."""
         if self.alive:
             self.rebind()
 
     def rebind(self) -> None:
-        """(Re)register the pidfd reader on the running loop, once orphaned."""
-        zygote = self._zygote
-        if zygote is None or zygote.state != "dead" or self._pidfd is None:
+        """Read the pidfd on the running loop (again, after another loop's)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # Zygote.close() outside a loop: no one waits for this exit
             return
-        if self._watching:
+        if self._pidfd is None or self._watching is loop or not self.alive:
             return
-        self._watching = True
-        asyncio.get_running_loop().add_reader(self._pidfd, self._on_orphan_exit)
+        self._unwatch()
+        self._watching = loop
+        loop.add_reader(self._pidfd, self._on_exit)
 
-    def _on_orphan_exit(self) -> None:
-        assert self._zygote is not None
-        self._zygote.workers.pop(self.pid, None)
-        rc = self._zygote.reported.pop(self.pid, None)
+    def _unwatch(self) -> None:
+        loop, self._watching = self._watching, None
+        if loop is not None and self._pidfd is not None and not loop.is_closed():
+            loop.remove_reader(self._pidfd)
+
+    def _on_exit(self) -> None:
+        zygote = self._zygote
+        assert zygote is not None and self._pidfd is not None
+        if zygote.state is not ZygoteState.DEAD:
+            rc = zygote.exit_seen(self.pid, self._pidfd)
+            if rc is None:
+                self._unwatch()  # reaped already: the zygote's report is on its way
+            else:
+                self.exited_with(rc)
+            return
+        rc = zygote.orphan_exited(self.pid)
         if rc is None:
             rc = 255
             self.fail(
@@ -99,13 +121,8 @@ class ZygoteWorker(WorkerHandle):
         self.exited_with(rc)
 
     def _close_pidfd(self) -> None:
+        self._unwatch()
         fd, self._pidfd = self._pidfd, None
-        if fd is None:
-            return
-        if self._watching:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(fd)
-            self._watching = False
         close_fd(fd)
 
     def release(self) -> None:
@@ -147,14 +164,13 @@ def _std_fds(stdout: int | None, stderr: int | None) -> dict[str, int]:
     return fds
 
 
-def _common(env: dict[str, str]) -> dict[str, Any]:
+def _tagged(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the guardian's token, as a spawned worker gets it."""
     g = guardian()
-    if g is not None:
-        env = {**env, GUARDIAN_ENV: g.token}
-    return {"env": env, "cwd": os.getcwd(), "ignored": _ignored_signals()}
+    return env if g is None else {**env, GUARDIAN_ENV: g.token}
 
 
-def script_form(argv: list[str], env: dict[str, str]) -> dict[str, Any] | None:
+def script_form(argv: list[str], env: dict[str, str]) -> ScriptJob | None:
     """How the zygote runs the Python command line ``argv``; ``None``: it cannot.
 
     Accepted: ``python [-u] -m aiolaunch._child._bootstrap [-m] TARGET ARGS`` (the
@@ -176,7 +192,7 @@ def script_form(argv: list[str], env: dict[str, str]) -> dict[str, Any] | None:
         rest = rest[2:]
     if not rest or (rest[0].startswith("-") and rest[0] != "-m") or rest == ["-m"]:
         return None
-    return {"argv": rest, "unbuffered": unbuffered, "bootstrap": bootstrap, "orig_argv": argv}
+    return ScriptJob(argv=rest, unbuffered=unbuffered, bootstrap=bootstrap, orig_argv=argv)
 
 
 async def spawn_script(
@@ -196,9 +212,8 @@ async def spawn_script(
         zygote.warn(f"rank {local_rank} starts the ordinary way: {why}")
         return None
     handle = ZygoteWorker(local_rank)
-    pid = await zygote.fork(
-        {"job": "script", **_common(env), **form}, _std_fds(stdout, stderr), handle
-    )
+    fds = _std_fds(stdout, stderr)
+    pid = await zygote.fork(form, fds, _tagged(env), _ignored_signals(), handle)
     return handle if pid is not None else None
 
 
@@ -234,20 +249,19 @@ async def fork_function(
         await loop.connect_read_pipe(lambda: reader, pipe)  # the transport owns result_r
         cleanup_on_fail.callback(reader.close)
         handle = ZygoteWorker(local_rank, result=reader, session=False)
-        req = {
-            "job": "function",
-            **_common(full),
-            "rank": local_rank,
-            "fn": fn,
-            "args": args,
-            "error_file": error_file,
-            "sys_argv": list(sys.argv),
-            "sys_path": list(sys.path),
-            "supervisor_pid": os.getpid(),
-            "process_name": f"{name}{local_rank}",
-        }
+        job = FunctionJob(
+            rank=local_rank,
+            fn=fn,
+            args=args,
+            error_file=error_file,
+            sys_argv=list(sys.argv),
+            sys_path=list(sys.path),
+            orig_argv=list(sys.orig_argv),
+            supervisor_pid=os.getpid(),
+            process_name=f"{name}{local_rank}",
+        )
         fds = {**_std_fds(stdout, stderr), "result": result_w}
-        if await zygote.fork(req, fds, handle) is None:
+        if await zygote.fork(job, fds, _tagged(full), _ignored_signals(), handle) is None:
             return None
         cleanup_on_fail.pop_all()
     return handle
@@ -267,9 +281,9 @@ async def start_store(
         null = os.open(os.devnull, os.O_RDONLY)
         always_cleanup.callback(close_fd, null)
         fds = {**_std_fds(None, None), "stdin": null, "listen": listen_fd, "stop": stop_r}
-        req = {"job": "store", **_common(dict(os.environ)), "host": host, "port": port}
-        req["timeout"] = timeout
-        if await zygote.fork(req, fds, handle) is None:
+        job = StoreJob(host=host, port=port, timeout=timeout)
+        env = _tagged(dict(os.environ))
+        if await zygote.fork(job, fds, env, _ignored_signals(), handle) is None:
             return None
         cleanup_on_fail.pop_all()
     return handle, stop_w

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._child._bootstrap import BOOTSTRAP
-from .._child._zygote import load_time_items
+from .._child._safety import load_time_items
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

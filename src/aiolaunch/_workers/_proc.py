@@ -127,6 +127,9 @@ class ProcStat(NamedTuple):
     #: proc(5) calls them obsolete, they are still there); -1 when not known
     sigignore: int = -1
     sigcatch: int = -1
+    #: a zombie's raw wait status (what ``waitpid`` will give its parent); -1
+    #: when not known (the field is 0 for a live process, or one we may not trace)
+    exit_status: int = -1
 
     @property
     def alive(self) -> bool:
@@ -191,6 +194,8 @@ def parse_stat(raw: bytes) -> ProcStat | None:
             if len(fields) >= 32
             else {}
         )
+        if len(fields) >= 50:  # Linux >= 3.5
+            more["exit_status"] = int(fields[49])
         return ProcStat(
             comm=raw[lpar + 1 : rpar].decode(errors="replace"),
             state=fields[0].decode(errors="replace"),

@@ -107,7 +107,7 @@ class WarmStart:
         """The zygote the agent's workers fork from (the one ``start_processes`` finds)."""
         if self.preload is None:
             return None
-        from .._warm._zygote import zygote_for
+        from .._warm._registry import zygote_for
 
         return zygote_for(self.preload, shared_env(self._nproc, os.environ))
 
