@@ -12,7 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiolaunch._hangs._collective import VERDICTS, CollectiveVerdict, RankView, judge
+from aiolaunch._hangs._collectives import Look
 from aiolaunch._hangs._records import members, parse_record, torch_dump, write_dumps
+from aiolaunch._hangs._stall import Stall
+from aiolaunch._hangs._waits import weigh
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -280,3 +283,65 @@ def test_whoever_skips_is_the_one_named(world: int, data: st.DataObject) -> None
     assert v.ranks == (culprit,) and v.seq == done + 1
     assert v.waiting == tuple(r for r in range(world) if r != culprit)
     assert v.verdict in VERDICTS
+
+
+# -- waits versus work (the stall rule's flags, weighed against the records) ----------
+
+
+def _look(recs: dict[int, Record], views: dict[int, RankView], world: int) -> Look:
+    groups = members(recs, world)
+    return Look(judge(recs, views, world, groups), recs, {g: g for g in views}, groups)
+
+
+def _stall(rank: int) -> Stall:
+    return Stall(rank, 100 + rank, 5.0, "no output and no CPU for 5.0s (stall_after=5s)")
+
+
+def test_a_wait_on_a_working_rank_is_no_stall_a_wait_on_an_idle_one_is() -> None:
+    # Ranks 1-3 wait in all_reduce #5 (entered 6 s ago); rank 0 is elsewhere.
+    recs = records({0: dump(*steps(4)), **{r: waiting_at_5(r) for r in (1, 2, 3)}})
+    look = _look(recs, alive(4), 4)
+    stalls = [_stall(r) for r in (1, 2, 3)]
+    wall = 1.0 + 6.0 + 0.009  # entries were made at 1 s (+9 us)
+    w = weigh(stalls, look, working={0}.__contains__, busy={0}.__contains__, wall=wall,
+              stall_after=5.0)  # fmt: skip
+    assert (w.stalls, w.excused) == ([], [1, 2, 3])
+    assert w.waits == {"all_reduce #5 of default_pg for rank 0": [1, 2, 3]}
+    assert w.roles[2] == "waits in all_reduce #5 of default_pg for rank 0 (working)"
+    # Rank 0 idle (no CPU): the stall stands, its reason names the verdict.
+    w = weigh(stalls, look, working=lambda r: False, busy=lambda r: False, wall=wall,
+              stall_after=5.0)  # fmt: skip
+    assert w.excused == [] and [s.rank for s in w.stalls] == [1, 2, 3]
+    assert w.stalls[0].reason.endswith(
+        "; collectives: rank 0 never entered all_reduce #5 of default_pg, in which ranks 1-3 wait"
+    )
+
+
+def test_computing_between_collectives_is_no_stall_until_peers_waited_the_stall_time() -> None:
+    recs = records({0: dump(*steps(4)), **{r: waiting_at_5(r) for r in (1, 2, 3)}})
+    look = _look(recs, {**alive(4), 0: RankView(busy=True)}, 4)
+    spin = [_stall(0)]  # rank 0 spins at the same frames: flagged by the rule
+    early = weigh(spin, look, working=lambda r: False, busy={0}.__contains__, wall=1.0 + 2.0,
+                  stall_after=5.0)  # fmt: skip
+    assert (early.stalls, early.excused) == ([], [0])
+    late = weigh(spin, look, working=lambda r: False, busy={0}.__contains__, wall=1.0 + 6.0,
+                 stall_after=5.0)  # fmt: skip
+    assert [s.rank for s in late.stalls] == [0] and late.excused == []
+    assert "rank 0 computes outside any collective" in late.stalls[0].reason
+    # Nobody waits: working between collectives, whatever its frames; idle stands.
+    quiet = records({r: dump(*steps(4)) for r in range(4)})
+    look = _look(quiet, alive(4), 4)
+    busy = weigh(spin, look, working=lambda r: False, busy={0}.__contains__, wall=100.0,
+                 stall_after=5.0)  # fmt: skip
+    assert busy.excused == [0] and busy.roles == {0: None}
+    idle = weigh(spin, look, working=lambda r: False, busy=lambda r: False, wall=100.0,
+                 stall_after=5.0)  # fmt: skip
+    assert [s.rank for s in idle.stalls] == [0]
+
+
+def test_a_rank_without_a_record_keeps_the_rule() -> None:
+    recs = records({r: waiting_at_5(r) for r in (1, 2, 3)})
+    look = _look(recs, alive(4), 4)
+    s = _stall(0)
+    w = weigh([s], look, working=lambda r: True, busy=lambda r: True, wall=100.0, stall_after=5.0)
+    assert w.stalls == [s]

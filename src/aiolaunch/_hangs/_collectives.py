@@ -68,6 +68,10 @@ class Look:
     groups: dict[Group, frozenset[int]] = field(default_factory=dict)
     pulled: dict[int, Pulled] = field(default_factory=dict)
     seconds: float = 0.0
+    #: the ranks pending at each collective (global)
+    _at: dict[tuple[str, str, int], set[int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def global_rank(self, local: int) -> int | None:
         """The global rank of local rank ``local``."""
@@ -76,22 +80,28 @@ class Look:
                 return g
         return None
 
+    def __post_init__(self) -> None:
+        for g, rec in self.records.items():
+            p = rec.pending()
+            if p is not None:
+                self._at.setdefault(p.key, set()).add(g)
+
     def absent(self, entry: Entry) -> list[int]:
         """The members of ``entry``'s group that are not pending in it (global)."""
-        there = {
-            g
-            for g, rec in self.records.items()
-            if (p := rec.pending()) is not None and p.key == entry.key
-        }
+        there = self._at.get(entry.key, set())
         return sorted(self.groups.get(entry.group, frozenset()) - there)
 
-    def awaited(self, rank: int) -> bool:
-        """Whether some rank waits in a collective that ``rank`` (global) has not entered."""
+    def waited_for(self, rank: int, wall: float) -> float | None:
+        """How long (s, by the wall clock ``wall``) the longest-waiting rank has
+        waited in a collective that ``rank`` (global) has not entered; ``None``
+        if nobody waits for it."""
+        longest: float | None = None
         for rec in self.records.values():
             p = rec.pending()
             if p is not None and rank in self.absent(p):
-                return True
-        return False
+                waited = wall - p.created_ns / 1e9
+                longest = waited if longest is None else max(longest, waited)
+        return longest
 
 
 class Collectives:

@@ -85,7 +85,7 @@ class LatenessStat:
 
     def __init__(
         self, *, window_s: float = 60.0, max_collectives: int = 400, min_collectives: int = 20,
-        min_lateness: float = 0.01, ratio: float = 3.0, last_share: float = 0.75,
+        min_lateness: float = 0.01, ratio: float = 1.5, last_share: float = 0.75,
         persist: int = 3, clear: float = 0.5, keep_pulls: int = 20,
     ) -> None:  # fmt: skip
         self.window_s, self.max_collectives = window_s, max_collectives

@@ -7,12 +7,13 @@ from one *working* while others wait for it. The records can
 flagged:
 
 - inside a collective (a pending entry), waiting for members that all
-  *work* (output, CPU with a moving stack, within the last two samples): a
+  *work* (CPU, and output or a moving stack within the last two samples): a
   wait on a working rank - a rank 0 evaluating or checkpointing while the
   others wait in the next collective. Not a stall; reported once.
-- in no collective, nobody waiting for it, its main thread using the CPU:
-  working between collectives, whatever its frames (a one-line compute loop
-  looks like a spin). Not a stall.
+- in no collective, its main thread using the CPU, and nobody waiting for it
+  for ``stall_after`` yet: working between collectives, whatever its frames
+  (a one-line compute loop looks like a spin). Not a stall. Once peers have
+  waited for it that long and its stack stopped moving, it is (``in_compute``).
 - otherwise the stall stands, its reason naming the collectives' verdict: a
   rank waiting for a member that is idle, spinning at the same frames, dead
   or waiting elsewhere; a rank others wait for, whose stack stopped; an idle
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,14 +65,17 @@ class Weighed:
 
 
 def weigh(
-    newly: list[Stall], look: Look, *, working: Callable[[int], bool], busy: Callable[[int], bool]
-) -> Weighed:
+    newly: list[Stall], look: Look, *, working: Callable[[int], bool],
+    busy: Callable[[int], bool], wall: float, stall_after: float,
+) -> Weighed:  # fmt: skip
     """Weigh ``newly`` (stalls of local ranks) against ``look``.
 
     :param working: whether a live local rank works now (output, or CPU with
         a moving stack, lately).
     :param busy: whether a local rank's main thread used the CPU in the last
         interval.
+    :param wall: the wall clock now (``time.time()``: the records' clock).
+    :param stall_after: the watchdog's stall time.
     """
     out = Weighed([])
     for s in newly:
@@ -89,7 +94,7 @@ def weigh(
                 out.waits.setdefault(what, []).append(s.rank)
                 out.roles[s.rank] = f"waits in {what} (working)"
                 continue
-        elif not look.awaited(g) and busy(s.rank):
+        elif busy(s.rank) and (look.waited_for(g, wall) or 0.0) < stall_after:
             out.excused.append(s.rank)
             out.roles[s.rank] = None
             continue
@@ -121,16 +126,19 @@ class Weigher:
         self.collective: CollectiveVerdict | None = None
 
     def working(self, rank: int, now: float) -> bool:
-        """Whether live local ``rank`` works now: active within the last two
-        samples, and not spinning at the same frames."""
+        """Whether live local ``rank`` works now: its main thread used the CPU
+        in the last interval, and it was active (output, or CPU with a moving
+        stack) within the last two samples. One sample at the frames of the one
+        before is no spin (a recursion comes back to the same depth); output
+        without CPU is no work (a rank printing "waiting for data")."""
         w = self._state.worker(rank)
         idle = self._detector.idle(rank, now)
         return (
             w is not None
             and w.alive
+            and self._detector.busy(rank)
             and idle is not None
             and idle < 2 * self._period + 0.5
-            and not self._detector.spinning(rank)
         )
 
     async def weigh(self, newly: list[Stall], now: float) -> list[Stall]:
@@ -143,7 +151,10 @@ class Weigher:
         look = self.look = await c.look(self._detector.busy)
         if look is None:
             return newly
-        w = weigh(newly, look, working=lambda r: self.working(r, now), busy=self._detector.busy)
+        w = weigh(
+            newly, look, working=lambda r: self.working(r, now), busy=self._detector.busy,
+            wall=time.time(), stall_after=self._detector.stall_after,
+        )  # fmt: skip
         for rank in w.excused:
             self._detector.excuse(rank, now)
             c.set_role(rank, w.roles.get(rank))
