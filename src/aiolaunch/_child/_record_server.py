@@ -63,6 +63,7 @@ __all__ = [
     "COLLECTIVES_ENV",
     "INFO_SUFFIX",
     "LAST_SUFFIX",
+    "NO_COLLECTIVES_ENV",
     "OFF_SUFFIX",
     "RECORD_ENTRIES",
     "arm",
@@ -73,6 +74,9 @@ __all__ = [
 
 #: Set to ``"1"`` by the supervisor (a group with a watchdog): arm the server.
 COLLECTIVES_ENV = "AIOLAUNCH_COLLECTIVES"
+#: Set to ``"1"`` by the user (the rank's environment): never arm - its hangs
+#: and stragglers are judged by its stacks, as without torch.
+NO_COLLECTIVES_ENV = "AIOLAUNCH_NO_COLLECTIVES"
 #: The entries torch keeps where the user did not say (see the module docstring).
 RECORD_ENTRIES = 128
 #: The variables that size the record; one set by the user is left alone.
@@ -115,12 +119,13 @@ _armed = _Server()
 
 
 def watch() -> None:
-    """Arm once ``torch`` is imported, when the supervisor asks (:data:`COLLECTIVES_ENV`).
+    """Arm once ``torch`` is imported, when the supervisor asks (:data:`COLLECTIVES_ENV`)
+    and the user did not say no (:data:`NO_COLLECTIVES_ENV`).
 
     Called by the bootstraps before the program runs; cheap (an import hook at
     most). Never raises.
     """
-    if os.environ.get(COLLECTIVES_ENV) != "1":
+    if os.environ.get(COLLECTIVES_ENV) != "1" or os.environ.get(NO_COLLECTIVES_ENV) == "1":
         return
     directory = os.environ.get(STACKS_DIR_ENV)
     if not directory:
@@ -191,6 +196,7 @@ def arm(directory: str) -> bool:
     if reason is None:
         return True
     try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         _write(info_path(directory, os.getpid(), OFF_SUFFIX), reason)
     except OSError:
         pass

@@ -17,12 +17,14 @@ sliding window (the last :attr:`~LatenessStat.window_s` seconds, at most
 1. at least ``min_collectives`` collectives in the window;
 2. it was the last to arrive at ``last_share`` (three quarters) of them;
 3. its median lateness is at least ``min_lateness`` (10 ms: below that, one
-   host's scheduling noise) and ``ratio`` (3) times the highest 90th
-   percentile of a peer's lateness: under balanced jitter every rank is late
-   now and then by the same amounts, so one rank's *median* three times above
-   every other rank's *90th percentile* does not happen by chance (a step's
-   bucket all-reduces repeat one arrival order: the condition is on
-   magnitudes, not on counts of collectives that are not independent).
+   host's scheduling noise) and ``ratio`` (1.5) times the highest third
+   quartile of a peer's lateness: under balanced jitter every rank is late
+   now and then by the same amounts, so one rank's *median* half as much
+   again above every other rank's *third quartile* does not happen by
+   chance (a step's bucket all-reduces repeat one arrival order: the
+   condition is on magnitudes, not on counts of collectives that are not
+   independent), while a loaded host's long tail of late arrivals (a rank
+   not scheduled in time) leaves the quartile where it is.
 
 Once named, a rank stays named (one event) until its median lateness falls
 under ``clear`` (half) of what it was named with, or it is last at under
@@ -165,7 +167,7 @@ class LatenessStat:
             if late[last] > 0:
                 lasts[last] = lasts.get(last, 0) + 1
         shares = {r: lasts.get(r, 0) / len(vs) for r, vs in per.items()}
-        p90 = sorted(((_quantile(vs, 0.9), r) for r, vs in per.items()), reverse=True)
+        q3 = sorted(((_quantile(vs, 0.75), r) for r, vs in per.items()), reverse=True)
         out: list[Late] = []
         for rank in sorted(per):
             values = per[rank]
@@ -174,8 +176,8 @@ class LatenessStat:
             share = shares[rank]
             peers = [r for r in per if r != rank]
             peers_share = sum(shares[r] for r in peers) / len(peers) if peers else 0.0
-            # the highest 90th percentile among its peers (the top one, unless it is its own)
-            peers_p90 = next((q for q, r in p90 if r != rank), 0.0)
+            # the highest third quartile among its peers (the top one, unless it is its own)
+            peers_q3 = next((q for q, r in q3 if r != rank), 0.0)
             named = self.named.get(rank)
             if named is not None and (median < self.clear * named.lateness_s or share < 0.5):
                 del self.named[rank]
@@ -184,7 +186,7 @@ class LatenessStat:
                 or not peers
                 or share < self.last_share
                 or median < self.min_lateness
-                or median < self.ratio * peers_p90
+                or median < self.ratio * peers_q3
             ):
                 self._streak[rank] = 0
                 continue
