@@ -345,3 +345,20 @@ def test_a_rank_without_a_record_keeps_the_rule() -> None:
     s = _stall(0)
     w = weigh([s], look, working=lambda r: True, busy=lambda r: True, wall=100.0, stall_after=5.0)
     assert w.stalls == [s]
+
+
+def test_status_and_top_show_what_the_records_say() -> None:
+    from aiolaunch._cli._client import format_status
+    from aiolaunch._cli._top_view import TopState, screen
+
+    base = {"pid": 7, "restarts": 0, "last_output_s": 1.0, "cpu_percent": 0.0, "rss": 1 << 20}
+    workers = [
+        {**base, "rank": 0, "state": "sleeping", "collective": "waits in all_reduce #5 of default_pg"},
+        {**base, "rank": 1, "state": "straggling", "straggling": True, "lateness_s": 0.102},
+    ]  # fmt: skip
+    text = format_status(workers)
+    assert "rank 0: waits in all_reduce #5 of default_pg" in text
+    assert "rank 1: 0.102s late at collectives (median)" in text
+    lines = [line for line, _ in screen({"name": "g", "workers": workers}, TopState(), 160, 10)]
+    assert any("STRAGGLING +0.102s" in line for line in lines), lines
+    assert any("waits in all_reduce #5 of default_pg" in line for line in lines), lines

@@ -304,8 +304,8 @@ def test_the_rank_side_leaves_the_users_settings_and_its_stderr_alone(tmp_path: 
         assert proc.stderr == "", proc.stderr
         runs.append((json.loads(proc.stdout), d))
     (first, d0), (second, _) = runs
-    assert first["size"] == "128" and second["size"] == "7"
-    assert first["info"]["entries"] == "128" and second["info"]["entries"] == "7"
+    assert first["size"] == "64" and second["size"] == "7"
+    assert first["info"]["entries"] == "64" and second["info"]["entries"] == "7"
     pid = first["info"]["pid"]
     assert {f"fr-{pid}.json", f"fr-{pid}.sock"} <= set(first["files"])
     assert (d0 / f"fr-{pid}.last").exists()  # its last words, written at exit

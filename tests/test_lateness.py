@@ -1,6 +1,6 @@
 """Stragglers by lateness, pure (no processes): simulated data-parallel training
 whose ranks arrive at each step's bucket all-reduces as DDP makes them, pulled
-once a second as the watchdog pulls the records (the last 128 entries)."""
+once a second as the watchdog pulls the records (the last 64 entries)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from aiolaunch._hangs._lateness import Late, LatenessStat
 def simulate(
     ranks: int, seconds: float, seed: int, *, straggler: int | None = None, delay: float = 0.1,
     jitter: float = 0.1, step: float = 0.3, buckets: int = 3, pull: float = 1.0,
-    keep: int = 128,
+    keep: int = 64,
 ) -> tuple[LatenessStat, list[tuple[float, Late]]]:  # fmt: skip
     """Training for ``seconds``: every rank's step takes ``step`` ± ``jitter``
     (relative), ``straggler``'s ``delay`` more, spent inside its backward

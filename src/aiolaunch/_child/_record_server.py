@@ -78,7 +78,7 @@ COLLECTIVES_ENV = "AIOLAUNCH_COLLECTIVES"
 #: and stragglers are judged by its stacks, as without torch.
 NO_COLLECTIVES_ENV = "AIOLAUNCH_NO_COLLECTIVES"
 #: The entries torch keeps where the user did not say (see the module docstring).
-RECORD_ENTRIES = 128
+RECORD_ENTRIES = 64
 #: The variables that size the record; one set by the user is left alone.
 BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 #: ``fr-<pid>`` + this: the rank's record is served (JSON: what the supervisor needs).

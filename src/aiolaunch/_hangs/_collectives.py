@@ -156,7 +156,8 @@ class Collectives:
             for w in self._state.workers()
             if w.alive and w.pid and not self._state.restarting(w.local_rank)
         }
-        pulled = await pull_records(self._stacks_dir, pids, timeout)
+        known = {pid: info for pid, info in self._info.values() if pid in pids.values()}
+        pulled = await pull_records(self._stacks_dir, pids, timeout, known)
         for rank, p in pulled.items():
             if p.info:
                 self._info[rank] = (p.pid, p.info)

@@ -137,11 +137,14 @@ async def _request(directory: str, name: str, handler: str) -> bytes:
     return body
 
 
-async def _pull(directory: str, rank: int, pid: int) -> Pulled:
+async def _pull(directory: str, rank: int, pid: int, known: dict[str, Any] | None) -> Pulled:
     t0 = time.monotonic()
-    status, info, note = read_info(directory, pid)
-    if status != "ok":
-        return Pulled(rank, pid, status, note=note)
+    if known is None:
+        status, info, note = read_info(directory, pid)
+        if status != "ok":
+            return Pulled(rank, pid, status, note=note)
+    else:
+        info = known
     name = str(info.get("socket") or "")
     handlers = ["fr_trace_json"]
     if info.get("nccl"):
@@ -154,14 +157,24 @@ async def _pull(directory: str, rank: int, pid: int) -> Pulled:
 
 
 async def pull_records(
-    directory: str, pids: Mapping[int, int], timeout: float = PULL_TIMEOUT
+    directory: str,
+    pids: Mapping[int, int],
+    timeout: float = PULL_TIMEOUT,
+    known: Mapping[int, dict[str, Any]] | None = None,
 ) -> dict[int, Pulled]:
     """Every rank's record at once: ``{local rank: Pulled}`` for each of ``pids``
     (``{local rank: pid}``), within ``timeout`` seconds in all.
 
+    :param known: ``{pid: description}`` read before (by an earlier pull of
+        the same process): not read again.
+
     *Cancellation*: the requests in flight are cancelled with the caller.
     """
-    tasks = {rank: asyncio.ensure_future(_pull(directory, rank, pid)) for rank, pid in pids.items()}
+    known = known or {}
+    tasks = {
+        rank: asyncio.ensure_future(_pull(directory, rank, pid, known.get(pid)))
+        for rank, pid in pids.items()
+    }
     if tasks:
         await asyncio.wait(tasks.values(), timeout=timeout)
     out: dict[int, Pulled] = {}

@@ -153,13 +153,10 @@ class Record:
 
 
 def _sizes(value: object) -> tuple[tuple[int, ...], ...]:
+    # torch writes lists of lists of ints; anything else is no size at all
     if not isinstance(value, list):
         return ()
-    out = []
-    for s in value:
-        if isinstance(s, list):
-            out.append(tuple(int(d) for d in s if isinstance(d, int)))
-    return tuple(out)
+    return tuple(tuple(s) for s in value if isinstance(s, list))
 
 
 def _entry(raw: Mapping[str, Any]) -> Entry | None:
