@@ -90,7 +90,7 @@ async def collect(tmp: str, ranks: list[int], trials: int) -> dict[str, Any]:
             await ctx.wait_ready(timeout=600)
             c = ctx._hangs.collectives
             assert c is not None
-            await asyncio.sleep(1.0)  # allowed: let the last ones block
+            await asyncio.sleep(5.0)  # allowed: the last ones block, the zygote settles
             times, sizes = [], 0
             for _ in range(trials):
                 t0 = time.perf_counter()
