@@ -23,6 +23,7 @@ import pytest
 import aiolaunch
 from _helpers import together, wait_lines
 from aiolaunch import Std, Watchdog, WorkerStalled, WorkerStraggling
+from test_collective_verdict import torchfrtrace
 
 pytestmark = pytest.mark.torch
 pytest.importorskip("torch.distributed")
@@ -149,9 +150,7 @@ EXPECTED = {
 }
 
 
-async def test_the_collectives_name_who_holds_the_others_up(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+async def test_the_collectives_name_who_holds_the_others_up(tmp_path: Path) -> None:
     modes = list(EXPECTED)
     runs = await together(*(_cli(tmp_path, m, HANG, m) for m in modes))
     for mode, (rc, out, log_dir) in zip(modes, runs, strict=True):
@@ -176,11 +175,8 @@ async def test_the_collectives_name_who_holds_the_others_up(
             assert report["root_cause"]["rank"] == culprits[0], (mode, report["root_cause"])
             assert f"collectives: {c['text']}" in report["root_cause"]["message"], mode
     # torch's own analyzer reads a folder (the pg_config gloo leaves empty is filled).
-    fr_trace = pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
-    capsys.readouterr()
-    fr_trace.main([_report(runs[0][2])["collective"]["dumps"]])
-    seen = capsys.readouterr()
-    assert "missing ranks: {3}" in seen.out + seen.err
+    seen = torchfrtrace(Path(_report(runs[0][2])["collective"]["dumps"]))
+    assert "missing ranks: {3}" in seen
 
 
 async def test_working_ranks_are_never_killed(tmp_path: Path) -> None:
