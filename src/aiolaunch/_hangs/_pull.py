@@ -161,7 +161,10 @@ async def _pull(directory: str, rank: int, pid: int, known: dict[str, Any] | Non
     if info.get("nccl"):
         handlers.append("dump_nccl_trace_json")
     try:
-        dumps = await asyncio.gather(*(_request(directory, name, h) for h in handlers))
+        if len(handlers) == 1:  # one task less per rank
+            dumps = [await _request(directory, name, handlers[0])]
+        else:
+            dumps = await asyncio.gather(*(_request(directory, name, h) for h in handlers))
     except OSError as exc:
         return Pulled(rank, pid, "failed", info, note=str(exc) or type(exc).__name__)
     return Pulled(rank, pid, "ok", info, tuple(dumps), seconds=time.monotonic() - t0)

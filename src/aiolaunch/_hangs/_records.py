@@ -60,19 +60,18 @@ Group = tuple[str, str]
 
 
 class Entry(NamedTuple):
-    """One collective a rank entered (a named tuple: a pull makes 64 per rank).
+    """One collective a rank entered (a named tuple: a pull makes 64 per rank,
+    and only the few a verdict names need their sizes: read from ``raw``).
 
     :param pg: the process group's name (``"0"``, ``"1"``...).
     :param desc: its description (``"default_pg"``, ``new_group(group_desc=)``).
     :param backend: ``"gloo"``, ``"nccl"``...
     :param seq: ``collective_seq_id`` (``p2p_seq_id`` for a send or recv).
     :param op: the operation (``"all_reduce"``, ``"send 0->1"``...).
-    :param in_sizes: the input tensors' sizes.
-    :param out_sizes: the output tensors' sizes.
-    :param dtypes: the input dtypes.
     :param created_ns: when the rank called it (the wall clock, ns).
     :param done: retired (returned, or failed) or completed.
     :param p2p: a send or recv (paired, not every member's).
+    :param raw: the entry as torch dumped it.
     """
 
     pg: str
@@ -80,12 +79,10 @@ class Entry(NamedTuple):
     backend: str
     seq: int
     op: str
-    in_sizes: tuple[tuple[int, ...], ...] = ()
-    out_sizes: tuple[tuple[int, ...], ...] = ()
-    dtypes: tuple[str, ...] = ()
     created_ns: int = 0
     done: bool = False
     p2p: bool = False
+    raw: Mapping[str, Any] = {}
 
     @property
     def group(self) -> Group:
@@ -109,8 +106,11 @@ class Entry(NamedTuple):
 
     @property
     def shapes(self) -> list[list[int]]:
-        """The input sizes, as JSON lists."""
-        return [list(s) for s in self.in_sizes]
+        """The input tensors' sizes, as JSON lists (``[]`` where torch wrote none)."""
+        sizes = self.raw.get("input_sizes")
+        if not isinstance(sizes, list):
+            return []
+        return [list(s) for s in sizes if isinstance(s, list)]
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,9 @@ class Record:
 
     def last(self, group: Group) -> Entry | None:
         """The latest entry of ``group``, or ``None``."""
-        for e in reversed(self.entries):
-            if e.group == group:
-                return e
+        for i in range(len(self.entries) - 1, -1, -1):
+            if self.entries[i].group == group:
+                return self.entries[i]
         return None
 
     def groups(self) -> set[Group]:
@@ -151,37 +151,25 @@ class Record:
         return {e.group for e in self.entries}
 
 
-def _sizes(value: object) -> tuple[tuple[int, ...], ...]:
-    # torch writes lists of lists of ints; anything else is no size at all
-    if not isinstance(value, list):
-        return ()
-    return tuple(tuple(s) for s in value if isinstance(s, list))
-
-
 def _entry(raw: Mapping[str, Any]) -> Entry | None:
     try:
         pg = raw["process_group"]
-        name, desc = (str(pg[0]), str(pg[1])) if isinstance(pg, list | tuple) else (str(pg), "")
-        backend, _, op = str(raw.get("profiling_name", "")).partition(":")
+        backend, _, op = raw["profiling_name"].partition(":")
         if not op:  # no backend prefix
             backend, op = "", backend
-        p2p = bool(raw.get("is_p2p", False))
-        seq = int(raw["p2p_seq_id"] if p2p else raw["collective_seq_id"])
-        done = bool(raw.get("retired", False)) or raw.get("state") == "completed"
+        p2p = raw.get("is_p2p") is True
         return Entry(
-            pg=name,
-            desc=desc,
-            backend=backend,
-            seq=seq,
-            op=op,
-            in_sizes=_sizes(raw.get("input_sizes")),
-            out_sizes=_sizes(raw.get("output_sizes")),
-            dtypes=tuple(str(d) for d in raw.get("input_dtypes") or ()),
-            created_ns=int(raw.get("time_created_ns") or 0),
-            done=done,
-            p2p=p2p,
+            str(pg[0]),
+            str(pg[1]),
+            backend,
+            int(raw["p2p_seq_id"] if p2p else raw["collective_seq_id"]),
+            op,
+            int(raw.get("time_created_ns") or 0),
+            raw.get("retired") is True or raw.get("state") == "completed",
+            p2p,
+            raw,
         )
-    except (KeyError, TypeError, ValueError, IndexError):
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         return None
 
 
