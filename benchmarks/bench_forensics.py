@@ -77,10 +77,14 @@ async def detection(tmp: str, trials: int, stall_after: float) -> list[float]:
         talker = _script(tmp, "talk.py", talk)
         args = {0: _boot(script, "1.0"), **{r: _boot(talker) for r in range(1, n)}}
         async with aiolaunch.start_processes(
-            "det", sys.executable, args, {r: {} for r in range(n)}, log_dir=log_dir,
+            "det",
+            sys.executable,
+            args,
+            {r: {} for r in range(n)},
+            log_dir=log_dir,
             redirects=aiolaunch.Std.ALL,
             watchdog=aiolaunch.Watchdog(stall_after=stall_after, action="fail"),
-        ) as ctx:  # fmt: skip
+        ) as ctx:
             result = await ctx.wait()
             end = time.monotonic()
         assert result is not None and list(result.failures) == [0], result
@@ -94,10 +98,14 @@ async def dump_time(tmp: str, n: int, repeats: int) -> list[float]:
     script = _script(tmp, "sleeper.py", SLEEPER)
     out: list[float] = []
     async with aiolaunch.start_processes(
-        f"dump{n}", sys.executable, {r: _boot(script) for r in range(n)},
-        {r: {} for r in range(n)}, log_dir=os.path.join(tmp, f"dump{n}"),
-        redirects=aiolaunch.Std.ALL, ready=aiolaunch.ReadyLine("up"),
-    ) as ctx:  # fmt: skip
+        f"dump{n}",
+        sys.executable,
+        {r: _boot(script) for r in range(n)},
+        {r: {} for r in range(n)},
+        log_dir=os.path.join(tmp, f"dump{n}"),
+        redirects=aiolaunch.Std.ALL,
+        ready=aiolaunch.ReadyLine("up"),
+    ) as ctx:
         await _up(ctx, n)
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -111,10 +119,15 @@ async def idle_cpu(tmp: str, n: int, seconds: float, watchdog: aiolaunch.Watchdo
     script = _script(tmp, "ticker.py", TICKER)
     tag = "none" if watchdog is None else f"{watchdog.stall_after:g}"
     async with aiolaunch.start_processes(
-        "idle", sys.executable, {r: _boot(script) for r in range(n)},
-        {r: {} for r in range(n)}, log_dir=os.path.join(tmp, f"idle-{tag}"),
-        redirects=aiolaunch.Std.ALL, ready=aiolaunch.ReadyLine("up"), watchdog=watchdog,
-    ) as ctx:  # fmt: skip
+        "idle",
+        sys.executable,
+        {r: _boot(script) for r in range(n)},
+        {r: {} for r in range(n)},
+        log_dir=os.path.join(tmp, f"idle-{tag}"),
+        redirects=aiolaunch.Std.ALL,
+        ready=aiolaunch.ReadyLine("up"),
+        watchdog=watchdog,
+    ) as ctx:
         await _up(ctx, n)
         c0, t0 = _cpu(), time.monotonic()
         await asyncio.sleep(seconds)  # allowed: measuring idle CPU over a window
@@ -133,8 +146,10 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_forensics_") as tmp:
         det = await detection(tmp, trials, stall_after=2.0)
         res["detect_s"] = {"median": statistics.median(det), "max": max(det), "n": len(det)}
-        print(f"detection beyond stall_after=2: median {statistics.median(det):.2f} s, "
-              f"max {max(det):.2f} s over {len(det)}")  # fmt: skip
+        print(
+            f"detection beyond stall_after=2: median {statistics.median(det):.2f} s, "
+            f"max {max(det):.2f} s over {len(det)}"
+        )
         dumps: dict[str, float] = {}
         for n in (4, 16, 64):
             ts = await dump_time(tmp, n, repeats)

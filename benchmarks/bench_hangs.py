@@ -112,9 +112,14 @@ async def spin(tmp: str, trials: int) -> list[float]:
         log_dir = os.path.join(tmp, f"spin{t}")
         args = {0: _boot(spinner, "1.0"), **{r: _boot(talker) for r in range(1, 4)}}
         async with aiolaunch.start_processes(
-            "spin", sys.executable, args, {r: {} for r in range(4)}, log_dir=log_dir,
-            redirects=aiolaunch.Std.ALL, watchdog=aiolaunch.Watchdog(stall_after=3.0),
-        ) as ctx:  # fmt: skip
+            "spin",
+            sys.executable,
+            args,
+            {r: {} for r in range(4)},
+            log_dir=log_dir,
+            redirects=aiolaunch.Std.ALL,
+            watchdog=aiolaunch.Watchdog(stall_after=3.0),
+        ) as ctx:
             result = await ctx.wait()
             end = time.monotonic()
         assert result is not None and list(result.failures) == [0], result
@@ -131,10 +136,15 @@ async def _window_cpu(
     """(supervisor CPU-ms/s, workers CPU-ms/s) over ``seconds`` with ``n`` ranks."""
     tag = f"{n}-{wd is not None}-{sample}-{os.path.basename(script)}"
     async with aiolaunch.start_processes(
-        "cpu", sys.executable, {r: _boot(script) for r in range(n)}, {r: {} for r in range(n)},
-        log_dir=os.path.join(tmp, tag), redirects=aiolaunch.Std.ALL,
-        ready=aiolaunch.ReadyLine("up"), watchdog=wd,
-    ) as ctx:  # fmt: skip
+        "cpu",
+        sys.executable,
+        {r: _boot(script) for r in range(n)},
+        {r: {} for r in range(n)},
+        log_dir=os.path.join(tmp, tag),
+        redirects=aiolaunch.Std.ALL,
+        ready=aiolaunch.ReadyLine("up"),
+        watchdog=wd,
+    ) as ctx:
         await ctx.wait_ready(timeout=300)
         pids = list(ctx.pids().values())
         stacks = ctx._hangs.stacks  # the sampler the watchdog uses
@@ -181,15 +191,26 @@ async def _gloo(tmp: str, mode: str, seconds: float | None, trial: int = 0) -> d
     log_dir = os.path.join(tmp, f"{mode}{trial}")
     port = aiolaunch.free_port()
     envs = {
-        r: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-            "WORLD_SIZE": "4", "LOCAL_RANK": str(r)}
+        r: {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(r),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(r),
+        }
         for r in range(4)
-    }  # fmt: skip
+    }
     wd = aiolaunch.Watchdog(stall_after=60, action="observe", stragglers=0.5)
     async with aiolaunch.start_processes(
-        mode, sys.executable, {r: _boot(train, mode) for r in range(4)}, envs, log_dir=log_dir,
-        redirects=aiolaunch.Std.ALL, ready=aiolaunch.ReadyLine("joined"), watchdog=wd,
-    ) as ctx:  # fmt: skip
+        mode,
+        sys.executable,
+        {r: _boot(train, mode) for r in range(4)},
+        envs,
+        log_dir=log_dir,
+        redirects=aiolaunch.Std.ALL,
+        ready=aiolaunch.ReadyLine("joined"),
+        watchdog=wd,
+    ) as ctx:
         await ctx.wait_ready(timeout=300)
         joined = time.monotonic()
         limit = seconds if seconds is not None else 120.0
@@ -228,8 +249,11 @@ async def main() -> None:
         if "spin" in only:
             det = await spin(tmp, 2 if args.quick else 5)
             res["spin_detect_s"] = {"median": statistics.median(det), "max": max(det)}
-            print(f"spinning hang detected {statistics.median(det):.2f} s (median; max "
-                  f"{max(det):.2f} s) after stall_after=3", flush=True)  # fmt: skip
+            print(
+                f"spinning hang detected {statistics.median(det):.2f} s (median; max "
+                f"{max(det):.2f} s) after stall_after=3",
+                flush=True,
+            )
         if "sampling" in only:
             res["sampling"] = await sampling(tmp, 5.0 if args.quick else 15.0)
         torch_ok = True
@@ -242,14 +266,19 @@ async def main() -> None:
             for i in range(1 if args.quick else 3):
                 t = await _gloo(tmp, "straggler", None, i)
                 trials.append(t)
-                print(f"straggler: named {t['named']} {t['first_s']} s after the first "
-                      "collective", flush=True)  # fmt: skip
+                print(
+                    f"straggler: named {t['named']} {t['first_s']} s after the first collective",
+                    flush=True,
+                )
             res["straggler"] = trials
         if "balanced" in only and torch_ok:
             b = await _gloo(tmp, "balanced", 60 * args.balanced_minutes)
             res["balanced"] = b
-            print(f"balanced run of {b['ran_s']} s: {len(b['named'])} stragglers named, "
-                  f"{b['stalls']} stalls", flush=True)  # fmt: skip
+            print(
+                f"balanced run of {b['ran_s']} s: {len(b['named'])} stragglers named, "
+                f"{b['stalls']} stalls",
+                flush=True,
+            )
     res["load_after"] = _load()
     print("load average:", res["load_after"], flush=True)
     if args.json:

@@ -118,9 +118,21 @@ def _top_window(pid: int, log_dir: str, seconds: float) -> float:
     name = f"bench-observe-{uuid.uuid4().hex[:8]}"
     cmd = shlex.join([sys.executable, "-m", "aiolaunch", "top", log_dir])
     tmux = ["tmux", "-L", name]
-    subprocess.run([*tmux, "-f", "/dev/null", "new-session", "-d", "-x", "80", "-y", "24",
-                    f"env TERM=xterm PYTHONPATH={shlex.quote(_env()['PYTHONPATH'])} {cmd}"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *tmux,
+            "-f",
+            "/dev/null",
+            "new-session",
+            "-d",
+            "-x",
+            "80",
+            "-y",
+            "24",
+            f"env TERM=xterm PYTHONPATH={shlex.quote(_env()['PYTHONPATH'])} {cmd}",
+        ],
+        check=True,
+    )
     try:
         time.sleep(1.5)  # allowed: top's start (an interpreter) is not the cost measured
         return _window(pid, seconds)
@@ -165,8 +177,10 @@ def main() -> None:
         log_dir = os.path.join(tmp, "logs")
         sup = subprocess.Popen(
             [sys.executable, script, str(args.ranks), log_dir, str(port)],
-            stdout=subprocess.PIPE, text=True, env=_env(),
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         try:
             assert sup.stdout is not None and sup.stdout.readline().strip() == "ready"
             deadline = time.monotonic() + 30
@@ -200,8 +214,10 @@ def main() -> None:
     res["cpu_ms_per_status_request"] = status_ms
     res["cpu_ms_per_scrape"] = scrape_ms
     res["samples"] = samples
-    print(f"{args.ranks} ranks, {rounds} x {window:g} s windows, load {res['load'][0]:.1f} "
-          f"on {res['nproc']} cores")  # fmt: skip
+    print(
+        f"{args.ranks} ranks, {rounds} x {window:g} s windows, load {res['load'][0]:.1f} "
+        f"on {res['nproc']} cores"
+    )
     for k, v in res["cpu_ms_per_s"].items():
         extra = (
             "" if k == "idle" else f"  (+{res['added_percent_of_one_core'][k]:.3f} % of one core)"

@@ -1,14 +1,16 @@
-"""Rewrite README.md's benchmark blocks from a run's results.json.
+"""Rewrite README.md's benchmark block from a run's results.json.
 
     python benchmarks/readme_table.py [RESULTS_JSON]   (default benchmarks/results/results.json)
 
-Two marked blocks are generated, never hand-edited:
+Marked blocks are generated, never hand-edited:
 
-- ``<!-- bench:start ... -->`` .. ``<!-- bench:end -->``: the plot and the full
-  table of ``run.py`` (every row, medians, p99, ratios to torch and the floor);
-- ``<!-- why:start ... -->`` .. ``<!-- why:end -->``: the "Why not torch's?"
-  table, whose numbers are looked up in the same JSON (``n/a`` where the run
-  did not measure them, e.g. a run without torch).
+- ``<!-- why:start ... -->`` .. ``<!-- why:end -->`` (README.md): the "Why not
+  torch's?" table, whose numbers are looked up in the JSON (``n/a`` where the
+  run did not measure them, e.g. a run without torch);
+- ``<!-- bench:start ... -->`` .. ``<!-- bench:end -->``, in a file that has
+  them: the plot and the full table of ``run.py`` (every row, medians, p99,
+  ratios to torch and the floor). The full table itself is
+  benchmarks/results/results.md, which ``run.py`` writes.
 
 ``run.py --readme`` calls :func:`update_readme` after a run.
 """
@@ -217,15 +219,16 @@ def render_bench(md: str, out_dir: str) -> str:
 
 def _replace(text: str, start: str, end: str, body: str) -> str:
     if start not in text or end not in text:
-        print(f"README.md has no {start.split(' ')[1]} markers; block not updated", file=sys.stderr)
-        return text
+        return text  # this file has no such block (README.md holds the why table only)
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n\n{body.strip()}\n\n{end}{tail}"
 
 
 def update_readme(out: dict, md: str, out_dir: str, readme: str = README) -> None:
-    """Rewrite both marked blocks of ``readme`` from one run (``out``, its ``md`` table)."""
+    """Rewrite the marked blocks of ``readme`` from one run (``out``, its ``md``
+    table): the why table (README.md has it), and the full table where a file
+    has its markers (the full table lives in benchmarks/results/results.md)."""
     with open(readme) as f:
         text = f.read()
     new = _replace(text, BENCH_START, BENCH_END, render_bench(md, out_dir))

@@ -55,8 +55,10 @@ def trial(launcher: list[str], cleanup: float, nproc: int) -> tuple[float, int, 
         marks.mkdir()
         proc = subprocess.Popen(
             [*launcher, "--nproc-per-node", str(nproc), str(script), str(marks), str(cleanup)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 60
         while len(os.listdir(marks)) < nproc:
             if time.monotonic() > deadline:
@@ -88,8 +90,10 @@ def main() -> None:
     for n in range(args.trials):
         for name, launcher in LAUNCHERS.items():  # interleaved
             took, rc, survived = trial(launcher, args.cleanup, args.nproc)
-            print(f"trial {n} {name:9s} exit after the 2nd SIGTERM: {took:5.1f} s  "
-                  f"status {rc}  worker left: {survived}")  # fmt: skip
+            print(
+                f"trial {n} {name:9s} exit after the 2nd SIGTERM: {took:5.1f} s  "
+                f"status {rc}  worker left: {survived}"
+            )
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         # removes its pymp-* folder in there: one more, ordered after it.
         from multiprocessing import util
 
-        util.Finalize(None, shutil.rmtree, args=(suite,), kwargs={"ignore_errors": True},
-                      exitpriority=-101)  # fmt: skip
+        util.Finalize(
+            None, shutil.rmtree, args=(suite,), kwargs={"ignore_errors": True}, exitpriority=-101
+        )
 
 
 @pytest.fixture(autouse=True)

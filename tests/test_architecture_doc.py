@@ -1,4 +1,4 @@
-"""docs/ARCHITECTURE.md lists every module of the package (issue #16.6)."""
+"""docs/modules.md lists every module of the package; docs/ARCHITECTURE.md names only what exists."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "aiolaunch"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
+INDEX = ROOT / "docs" / "modules.md"
 
 
 def _module_table() -> str:
-    text = DOC.read_text(encoding="utf-8")
-    match = re.search(r"^## Modules\n.*?```\n(.*?)```", text, re.S | re.M)
-    assert match is not None, "docs/ARCHITECTURE.md has no '## Modules' table"
+    text = INDEX.read_text(encoding="utf-8")
+    match = re.search(r"^```\n(.*?)```", text, re.S | re.M)
+    assert match is not None, "docs/modules.md has no table"
     return match.group(1)
 
 
@@ -21,9 +22,9 @@ def test_every_module_is_in_the_architecture_table() -> None:
     listed = set(re.findall(r"^(\S+\.py)\b", _module_table(), re.M))
     modules = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
     missing = sorted(modules - listed)
-    assert not missing, f"add these modules to the table of docs/ARCHITECTURE.md: {missing}"
+    assert not missing, f"add these modules to the table of docs/modules.md: {missing}"
     gone = sorted(listed - modules)
-    assert not gone, f"the table of docs/ARCHITECTURE.md lists modules that are gone: {gone}"
+    assert not gone, f"the table of docs/modules.md lists modules that are gone: {gone}"
 
 
 def test_each_row_says_what_the_module_is_for() -> None:
@@ -39,6 +40,7 @@ def _defined_names() -> set[str]:
     names: set[str] = set()
     for path in PACKAGE.rglob("*.py"):
         names.add(path.stem)
+        names.update(path.relative_to(PACKAGE).parts[:-1])  # the folders: `_hangs`
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 names.add(node.name)

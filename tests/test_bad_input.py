@@ -146,6 +146,18 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
     ),
     ("stall-inf", ["--stall-timeout", "inf"], {}, ("--stall-timeout=inf", "> 0")),
     (
+        "stall-tiny",
+        ["--stall-timeout", "1e-9"],
+        {},
+        ("--stall-timeout=1e-09", "sampling period (1 s)", "--stall-timeout 600"),
+    ),
+    (
+        "stall-huge",
+        ["--stall-timeout", "1e300"],
+        {},
+        ("--stall-timeout=1e+300", "longer than 30 days", "--stall-timeout 600"),
+    ),
+    (
         "straggler-small",
         ["--stall-timeout", "5", "--straggler-sample", "0.01"],
         {},
@@ -346,9 +358,11 @@ def test_every_flag_of_the_parser_has_a_bad_value_case() -> None:
     flags = {f for f in found if "_" not in f and not f.endswith("-")}
     covered = {f for _, argv, _, _ in CLI_CASES for f in argv if f.startswith("--")}
     covered |= {
-        "--" + k[len("PET_"):].lower().replace("_", "-")
-        for _, _, env, _ in CLI_CASES for k in env if k.startswith("PET_")
-    }  # fmt: skip
+        "--" + k[len("PET_") :].lower().replace("_", "-")
+        for _, _, env, _ in CLI_CASES
+        for k in env
+        if k.startswith("PET_")
+    }
     covered |= {"--module", "--no-python", "--tee", "--redirects"}  # as -m, -r, -t above
     assert flags - covered - ANY_VALUE == set()
 
@@ -462,9 +476,14 @@ def test_the_real_command_line_fails_before_anything_starts(
         script = flags.pop()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run(
-        [*AIOLAUNCH, *flags, script, str(marker)], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [*AIOLAUNCH, *flags, script, str(marker)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("aiolaunch: error: ") and "Traceback" not in r.stderr, r.stderr
     for needle in needles:
@@ -502,6 +521,16 @@ def test_stacks_timeout_is_checked_by_the_command_line(
             lambda: aiolaunch.Watchdog(stall_after=5, progress="x?"),
             ValueError,
             ("progress='x?'", "matches every line"),
+        ),
+        (
+            lambda: aiolaunch.Watchdog(stall_after=1e-9),
+            ValueError,
+            ("stall_after=1e-09", "sampling period (1 s)", "stall_after=600"),
+        ),
+        (
+            lambda: aiolaunch.Watchdog(stall_after=1e300),
+            ValueError,
+            ("stall_after=1e+300", "longer than 30 days", "watchdog=None"),
         ),
         (
             lambda: aiolaunch.set_console_hook(NOT_A_HOOK),
@@ -546,6 +575,8 @@ def test_stacks_timeout_is_checked_by_the_command_line(
     ids=[
         "progress-empty",
         "progress-optional",
+        "stall-after-tiny",
+        "stall-after-huge",
         "console-hook",
         "monitor-nan",
         "monitor-inf",

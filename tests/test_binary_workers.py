@@ -575,9 +575,13 @@ async def test_close_scans_for_escaped_daemons_only_where_one_may_have_escaped(
     for args, scanned in (({0: quiet, 1: quiet}, False), ({0: quiet, 1: reaper}, True)):
         scans.clear()
         async with aiolaunch.start_processes(
-            "s", "/bin/sh", args, {0: {}, 1: {}}, log_dir=tmp_path / str(scanned),
+            "s",
+            "/bin/sh",
+            args,
+            {0: {}, 1: {}},
+            log_dir=tmp_path / str(scanned),
             redirects=Std.OUT,
-        ) as ctx:  # fmt: skip
+        ) as ctx:
             for rank in (0, 1):
                 await _wait_for_text(ctx.stdouts[rank], "ready")
             pids = ctx.pids()

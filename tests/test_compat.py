@@ -24,6 +24,7 @@ import pytest
 
 from _helpers import driver
 from aiolaunch import _compat
+from aiolaunch._child import _compat as _child_compat
 from aiolaunch._signals import _compat as _compat_signals
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def test_dup_fd_for_child_passes_a_pipe_to_a_spawned_child(tmp_path: Path) -> No
         textwrap.dedent(
             """
             import os
-            from aiolaunch._compat import dup_fd_for_child
+            from aiolaunch._child._compat import dup_fd_for_child
 
             class Passed:
                 def __init__(self, fd):
@@ -118,7 +119,7 @@ def test_dup_fd_for_child_passes_a_pipe_to_a_spawned_child(tmp_path: Path) -> No
 
 def test_dup_fd_for_child_refuses_outside_a_spawn() -> None:
     with pytest.raises(RuntimeError, match="while spawning"):
-        _compat.dup_fd_for_child(0)
+        _child_compat.dup_fd_for_child(0)
 
 
 _DRIVER = """
@@ -217,7 +218,7 @@ def test_clear_running_loop_in_a_forked_child() -> None:
         if pid == 0:  # the child inherits the running loop before 3.12
             code = 0
             try:
-                _compat.clear_running_loop()
+                _child_compat.clear_running_loop()
                 asyncio.get_running_loop()
                 code = 3  # still "running"
             except RuntimeError:

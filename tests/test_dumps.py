@@ -55,9 +55,13 @@ async def test_a_silent_rank_holds_a_dump_no_longer_than_the_cap(
 ) -> None:
     monkeypatch.setattr(aiolaunch._hangs._dumper, "MAX_DUMP_TIMEOUT", 1.0)
     async with aiolaunch.start_processes(
-        "d", parked, {r: (r,) for r in range(2)}, {0: {}, 1: {}}, log_dir=tmp_path,
+        "d",
+        parked,
+        {r: (r,) for r in range(2)},
+        {0: {}, 1: {}},
+        log_dir=tmp_path,
         redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         await _started(ctx, tmp_path, 2)
         os.kill(ctx.pids()[1], signal.SIGSTOP)  # rank 1 cannot answer
         try:

@@ -137,9 +137,11 @@ def test_format_msg_shape_matches_torch(tmp_path: Path) -> None:
     ours = ChildFailedError("trainer", {0: f0, 1: f1}).format_msg()
     theirs = errors.ChildFailedError(
         "trainer",
-        {r: errors.ProcessFailure(f.local_rank, f.pid, f.exitcode, f.error_file) for r, f in
-         ((0, f0), (1, f1))},
-    ).format_msg()  # fmt: skip
+        {
+            r: errors.ProcessFailure(f.local_rank, f.pid, f.exitcode, f.error_file)
+            for r, f in ((0, f0), (1, f1))
+        },
+    ).format_msg()
 
     def skeleton(text: str) -> list[str]:
         # field names and structure, without values and trailing blank lines

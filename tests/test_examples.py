@@ -55,10 +55,25 @@ def test_readme_command_1_trains_without_warnings(tmp_path: Path) -> None:
     assert any(r.startswith("numpy") for r in extra), extra
     pytest.importorskip("torch")
     out = subprocess.run(
-        [sys.executable, "-m", "aiolaunch", "--standalone", "--nproc-per-node", "2",
-         str(EXAMPLES / "ddp_train.py"), "--steps", "40", "--log-every", "20"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "aiolaunch",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "ddp_train.py"),
+            "--steps",
+            "40",
+            "--log-every",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "NumPy" not in out.stdout + out.stderr, out.stderr
     assert "Traceback" not in out.stderr, out.stderr

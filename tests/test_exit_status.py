@@ -1,4 +1,4 @@
-"""Every exit status of the table (aiolaunch._cli._exit, docs/recipes.md) from
+"""Every exit status of the table (aiolaunch._cli._exit, docs/schedulers.md) from
 the real command, and the termination message that goes with it."""
 
 from __future__ import annotations
@@ -81,12 +81,15 @@ def test_success_is_0_and_writes_no_message(tmp_path: Path) -> None:
     assert message is None
 
 
-@pytest.mark.parametrize(("mode", "flag", "expected"), [
-    ("13", "torchrun", EXIT_FAILED),
-    ("13", "root-cause", 13),
-    ("kill", "torchrun", EXIT_FAILED),
-    ("kill", "root-cause", 128 + signal.SIGKILL),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "flag", "expected"),
+    [
+        ("13", "torchrun", EXIT_FAILED),
+        ("13", "root-cause", 13),
+        ("kill", "torchrun", EXIT_FAILED),
+        ("kill", "root-cause", 128 + signal.SIGKILL),
+    ],
+)
 def test_worker_failure(tmp_path: Path, mode: str, flag: str, expected: int) -> None:
     script = tmp_path / "fail.py"
     script.write_text(FAIL)
@@ -119,13 +122,16 @@ def test_long_traceback_is_clipped_to_4096_bytes(tmp_path: Path) -> None:
     assert message.rstrip().endswith("the end")  # the end of the traceback is kept
 
 
-@pytest.mark.parametrize("argv", [
-    ["--nnodes", "0", "x.py"],  # bad value
-    ["--no-such-flag", "x.py"],  # argparse
-    ["/nonexistent/train.py"],  # the script
-    ["-m", "no_such_module_anywhere"],  # the module
-    ["--no-python", "no-such-program-anywhere"],  # the binary
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--nnodes", "0", "x.py"],  # bad value
+        ["--no-such-flag", "x.py"],  # argparse
+        ["/nonexistent/train.py"],  # the script
+        ["-m", "no_such_module_anywhere"],  # the module
+        ["--no-python", "no-such-program-anywhere"],  # the binary
+    ],
+)
 def test_do_not_retry(tmp_path: Path, argv: list[str]) -> None:
     status, err, message = _run(tmp_path, argv)
     assert status == EXIT_DO_NOT_RETRY == 2, err

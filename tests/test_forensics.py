@@ -115,9 +115,14 @@ def test_watchdog_validates() -> None:
 @pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
 async def test_dump_stacks_of_function_workers(tmp_path: Path, method: str) -> None:
     async with aiolaunch.start_processes(
-        "d", hang, {r: (r, 1) for r in range(3)}, _envs(3), log_dir=tmp_path,
-        start_method=method, redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "d",
+        hang,
+        {r: (r, 1) for r in range(3)},
+        _envs(3),
+        log_dir=tmp_path,
+        start_method=method,
+        redirects=Std.ALL,
+    ) as ctx:
         await _wait_lines(tmp_path, 3, "parked")
         dumps = await asyncio.wait_for(ctx.dump_stacks(), 20)
         assert sorted(dumps) == [0, 1, 2]
@@ -136,9 +141,13 @@ async def test_dumping_never_kills_an_unregistered_worker(tmp_path: Path) -> Non
     # A plain `python -c` (no bootstrap) and a shell: neither registered.
     code = "import time\nprint('up', flush=True)\nwhile True: time.sleep(3600)"
     async with aiolaunch.start_processes(
-        "u", sys.executable, {0: ("-c", code), 1: ("-c", code)}, _envs(2),
-        log_dir=tmp_path, redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "u",
+        sys.executable,
+        {0: ("-c", code), 1: ("-c", code)},
+        _envs(2),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+    ) as ctx:
         await _wait_lines(tmp_path, 2, "up")
         dumps = await asyncio.wait_for(ctx.dump_stacks(timeout=1.0), 20)
         for rank in (0, 1):
@@ -164,9 +173,13 @@ async def test_bootstrap_worker_dumps_and_keeps_python_semantics(tmp_path: Path)
     )
     logs = tmp_path / "logs"
     async with aiolaunch.start_processes(
-        "b", sys.executable, {0: ("-m", "aiolaunch._child._bootstrap", str(script), "x", "--y")},
-        _envs(1), log_dir=logs, redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "b",
+        sys.executable,
+        {0: ("-m", "aiolaunch._child._bootstrap", str(script), "x", "--y")},
+        _envs(1),
+        log_dir=logs,
+        redirects=Std.ALL,
+    ) as ctx:
         await _wait_lines(logs, 1, "argv")
         out = (logs / "0" / "stdout.log").read_text()
         assert f"argv ['{script}', 'x', '--y'] __main__ {script}" in out
@@ -191,9 +204,13 @@ def test_bootstrap_exit_codes_and_module_mode(tmp_path: Path) -> None:
     )
     assert "runpy" not in r.stderr and "_bootstrap.py" not in r.stderr
     r = subprocess.run(
-        [*boot, "-m", "modx", "a"], env=env, cwd=tmp_path, capture_output=True, text=True,
+        [*boot, "-m", "modx", "a"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         check=False,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"[{str(tmp_path / 'modx.py')!r}, 'a'] __main__"
 
@@ -220,8 +237,12 @@ def test_bootstrap_start_is_light_and_spawn_still_finds_main(tmp_path: Path) -> 
     )
     r = subprocess.run(
         [sys.executable, "-m", "aiolaunch._child._bootstrap", str(tmp_path / "prog.py")],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"heavy [] spawned [9] {tmp_path / 'prog.py'}"
 
@@ -241,9 +262,14 @@ async def test_watchdog_fail_reports_the_stalled_rank_and_its_peers(tmp_path: Pa
             waiting_for_peers_briefly()
 
     async with aiolaunch.start_processes(
-        "w", stall_rank_2, {r: (r,) for r in range(4)}, _envs(4), log_dir=tmp_path,
-        redirects=Std.ALL, watchdog=wd,
-    ) as ctx:  # fmt: skip
+        "w",
+        stall_rank_2,
+        {r: (r,) for r in range(4)},
+        _envs(4),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+        watchdog=wd,
+    ) as ctx:
         t0 = time.monotonic()
         result = await asyncio.wait_for(ctx.wait(), 30)
         elapsed = time.monotonic() - t0
@@ -281,9 +307,14 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
     # waiting_for_peers; all go quiet, so all are stalled, and the verdict
     # names rank 2 as the only outlier.
     async with aiolaunch.start_processes(
-        "s", hang, {r: (r, 2) for r in range(4)}, _envs(4), log_dir=tmp_path,
-        redirects=Std.ALL, watchdog=Watchdog(stall_after=2, action="fail"),
-    ) as ctx:  # fmt: skip
+        "s",
+        hang,
+        {r: (r, 2) for r in range(4)},
+        _envs(4),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+        watchdog=Watchdog(stall_after=2, action="fail"),
+    ) as ctx:
         t0 = time.monotonic()
         result = await asyncio.wait_for(ctx.wait(), 30)
         elapsed = time.monotonic() - t0
@@ -305,9 +336,14 @@ async def test_watchdog_spec_scenario_all_quiet(tmp_path: Path) -> None:
 async def test_watchdog_observe_emits_once_per_stall_and_keeps_running(tmp_path: Path) -> None:
     wd = Watchdog(stall_after=1, action="observe")
     async with aiolaunch.start_processes(
-        "o", stall_then_talk, {0: (6.0, 60)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+        "o",
+        stall_then_talk,
+        {0: (6.0, 60)},
+        _envs(1),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
         watchdog=wd,
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         seen: list[WorkerStalled] = []
 
         async def collect() -> None:
@@ -343,9 +379,13 @@ async def _until(cond: Callable[[], bool], what: str, timeout: float = 30) -> No
 
 async def test_a_worker_that_keeps_printing_is_never_flagged(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        "c", chatty, {0: (4.0,), 1: (4.0,)}, _envs(2), log_dir=tmp_path,
+        "c",
+        chatty,
+        {0: (4.0,), 1: (4.0,)},
+        _envs(2),
+        log_dir=tmp_path,
         watchdog=Watchdog(stall_after=1, action="fail"),
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         # Not redirected (inherited console): output is still seen via /proc.
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and not result.is_failed()
@@ -360,9 +400,13 @@ async def test_progress_regex_flags_output_without_progress(tmp_path: Path) -> N
             time.sleep(0.2)
 
     async with aiolaunch.start_processes(
-        "p", noisy, {0: ()}, _envs(1), log_dir=tmp_path,
+        "p",
+        noisy,
+        {0: ()},
+        _envs(1),
+        log_dir=tmp_path,
         watchdog=Watchdog(stall_after=1.5, progress=r"^step \d+", action="fail"),
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and list(result.failures) == [0]
     assert "no progress line" in str(result.failures[0].message)
@@ -375,10 +419,14 @@ async def test_watchdog_restart_uses_the_restart_policy(tmp_path: Path) -> None:
         return "second life"
 
     async with aiolaunch.start_processes(
-        "r", quiet_first_time, {0: ()}, _envs(1), log_dir=tmp_path,
+        "r",
+        quiet_first_time,
+        {0: ()},
+        _envs(1),
+        log_dir=tmp_path,
         watchdog=Watchdog(stall_after=1, action="restart"),
         restart=aiolaunch.RestartPolicy("on-failure", backoff=0.0),
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and not result.is_failed(), result
     assert result.return_values == {0: "second life"}
@@ -404,9 +452,14 @@ async def test_d_state_worker_is_reported(tmp_path: Path) -> None:
         """
     )
     async with aiolaunch.start_processes(
-        "d", sys.executable, {0: ("-c", code)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
+        "d",
+        sys.executable,
+        {0: ("-c", code)},
+        _envs(1),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
         watchdog=Watchdog(stall_after=1.5, action="fail"),
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         await _wait_lines(tmp_path, 1, "up")
         pid = ctx.pids()[0]
         await asyncio.sleep(0.3)  # allowed: let it enter vfork
@@ -423,17 +476,27 @@ async def test_d_state_worker_is_reported(tmp_path: Path) -> None:
 
 async def test_status_and_stacks_from_another_process(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        "st", hang, {r: (r, 0) for r in range(3)}, _envs(3), log_dir=tmp_path,
+        "st",
+        hang,
+        {r: (r, 0) for r in range(3)},
+        _envs(3),
+        log_dir=tmp_path,
         redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         await _wait_lines(tmp_path, 3, "parked")
         sock = tmp_path / "control.sock"
         assert sock.is_socket() and (sock.stat().st_mode & 0o777) == 0o600
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aiolaunch", "status", str(tmp_path), "--json",
-            stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "aiolaunch",
+            "status",
+            str(tmp_path),
+            "--json",
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
         workers = json.loads(out)["workers"]
@@ -441,9 +504,14 @@ async def test_status_and_stacks_from_another_process(tmp_path: Path) -> None:
         assert [w["pid"] for w in workers] == [ctx.pids()[r] for r in range(3)]
         assert all(w["state"] == "sleeping" and w["rss"] > 0 for w in workers)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aiolaunch", "stacks", str(tmp_path),
-            stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "aiolaunch",
+            "stacks",
+            str(tmp_path),
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
         text = out.decode()
         assert proc.returncode == 0, text
@@ -454,9 +522,14 @@ async def test_status_and_stacks_from_another_process(tmp_path: Path) -> None:
         assert [s.rank for s in statuses] == [0, 1, 2]
     assert not (tmp_path / "control.sock").exists()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiolaunch", "status", str(tmp_path),
-        stderr=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "aiolaunch",
+        "status",
+        str(tmp_path),
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1 and b"no control.sock" in err
 
@@ -587,15 +660,20 @@ def test_register_makes_the_stacks_folder_a_worker_gets_to_first(tmp_path: Path)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     ok, pid = out.stdout.split()
     assert ok == "True", out.stderr
-    assert (folder / f"{pid}.txt").exists() and (folder / f"{pid}.ok").exists()
+    assert (folder / f"{pid}.txt").exists() and (folder / f"{pid}.ok").is_symlink()
     assert (folder.stat().st_mode & 0o777) == 0o700
 
 
 async def test_control_socket_with_a_path_too_long_for_af_unix(tmp_path: Path) -> None:
     deep = tmp_path / ("x" * 60) / ("y" * 60)
     async with aiolaunch.start_processes(
-        "l", hang, {0: (0, 1)}, _envs(1), log_dir=deep, redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "l",
+        hang,
+        {0: (0, 1)},
+        _envs(1),
+        log_dir=deep,
+        redirects=Std.ALL,
+    ) as ctx:
         await _wait_lines(deep, 1, "up")
         link = deep / "control.sock"
         assert link.is_symlink()
@@ -664,9 +742,13 @@ async def test_gloo_peers_are_shown_in_the_collective(tmp_path: Path) -> None:
     pytest.importorskip("torch.distributed")
     port = aiolaunch.free_port()
     async with aiolaunch.start_processes(
-        "g", gloo_rank, {r: (r, 3, port, 1) for r in range(3)}, _envs(3), log_dir=tmp_path,
+        "g",
+        gloo_rank,
+        {r: (r, 3, port, 1) for r in range(3)},
+        _envs(3),
+        log_dir=tmp_path,
         redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         await _wait_lines(tmp_path, 3, "joined", timeout=120)
         deadline = time.monotonic() + 60
         while True:
@@ -699,9 +781,12 @@ async def test_agent_watchdog_restarts_the_group_and_watches_every_attempt(
     from aiolaunch.agent import LocalElasticAgent, WorkerSpec, WorkerState
 
     spec = WorkerSpec(
-        role="w", local_world_size=2, entrypoint=hang_in_first_attempt, max_restarts=1,
+        role="w",
+        local_world_size=2,
+        entrypoint=hang_in_first_attempt,
+        max_restarts=1,
         watchdog=Watchdog(stall_after=1.5, action="restart"),
-    )  # fmt: skip
+    )
     agent = LocalElasticAgent(spec, log_dir=tmp_path)
     result = await asyncio.wait_for(agent.run(), 90)
     assert result.state == WorkerState.SUCCEEDED, result.failures
@@ -712,9 +797,12 @@ async def test_agent_watchdog_restarts_the_group_and_watches_every_attempt(
 
     # Each attempt is watched: with no restart left, the stall fails the run.
     spec2 = WorkerSpec(
-        role="w", local_world_size=2, entrypoint=hang_in_first_attempt, max_restarts=0,
+        role="w",
+        local_world_size=2,
+        entrypoint=hang_in_first_attempt,
+        max_restarts=0,
         watchdog=Watchdog(stall_after=1.5),
-    )  # fmt: skip
+    )
     result = await asyncio.wait_for(LocalElasticAgent(spec2, log_dir=tmp_path).run(), 90)
     assert result.state == WorkerState.FAILED
     assert "stalled" in str(result.failures[1].message)
@@ -737,9 +825,13 @@ async def test_report_of_a_binary_without_record_has_its_last_stderr_lines(
         "import sys\nfor i in range(30):\n    print(f'err line {i}', file=sys.stderr)\nsys.exit(3)"
     )
     async with aiolaunch.start_processes(
-        "rep", sys.executable, {0: ("-c", code), 1: ("-c", "import time; time.sleep(60)")},
-        _envs(2), log_dir=tmp_path, redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "rep",
+        sys.executable,
+        {0: ("-c", code), 1: ("-c", "import time; time.sleep(60)")},
+        _envs(2),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and list(result.failures) == [0]
     report = json.loads((tmp_path / "report.json").read_text())
@@ -758,8 +850,13 @@ def raise_value_error() -> None:
 
 async def test_report_of_a_function_worker_has_its_traceback(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        "tb", raise_value_error, {0: ()}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "tb",
+        raise_value_error,
+        {0: ()},
+        _envs(1),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+    ) as ctx:
         await asyncio.wait_for(ctx.wait(), 30)
     root = json.loads((tmp_path / "report.json").read_text())["root_cause"]
     assert root["message"] == "ValueError: bad batch"
@@ -768,8 +865,13 @@ async def test_report_of_a_function_worker_has_its_traceback(tmp_path: Path) -> 
 
 async def test_a_successful_group_writes_no_report_and_leaves_no_socket(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        "ok", chatty, {0: (0.1,)}, _envs(1), log_dir=tmp_path, redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "ok",
+        chatty,
+        {0: (0.1,)},
+        _envs(1),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 30)
     assert result is not None and not result.is_failed()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]
@@ -788,9 +890,13 @@ async def test_py_spy_serves_unregistered_python_workers_where_installed(
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     code = "import time\nprint('up', flush=True)\nwhile True: time.sleep(3600)"
     async with aiolaunch.start_processes(
-        "spy", sys.executable, {0: ("-c", code)}, _envs(1), log_dir=tmp_path / "logs",
+        "spy",
+        sys.executable,
+        {0: ("-c", code)},
+        _envs(1),
+        log_dir=tmp_path / "logs",
         redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         await _wait_lines(tmp_path / "logs", 1, "up")
         dumps = await asyncio.wait_for(ctx.dump_stacks(), 20)
         assert dumps[0].startswith("(py-spy dump)\n")
@@ -822,13 +928,23 @@ async def test_status_without_log_dir_finds_the_one_running_job(
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path / "tmp")}
     async with aiolaunch.start_processes(
-        "one", hang, {0: (0, 1)}, _envs(1), log_dir=tmp_path / "logs", redirects=Std.ALL,
-    ) as ctx:  # fmt: skip
+        "one",
+        hang,
+        {0: (0, 1)},
+        _envs(1),
+        log_dir=tmp_path / "logs",
+        redirects=Std.ALL,
+    ) as ctx:
         await _wait_lines(tmp_path / "logs", 1, "up")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aiolaunch", "status", "--json",
-            stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "aiolaunch",
+            "status",
+            "--json",
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
         assert json.loads(out)["workers"][0]["pid"] == ctx.pids()[0]

@@ -100,14 +100,49 @@ def test_cli_stall_fails_the_job_and_names_the_outlier(tmp_path: Path) -> None:
     assert "waiting_for_peers" in (attempt / "0" / "stacks-1.txt").read_text()
 
 
+EARLY_STEPS = textwrap.dedent(
+    """
+    import os, sys, time
+
+    rank = int(os.environ["LOCAL_RANK"])
+    if rank == 1:
+        for i in range(3):  # before the watchdog's first sample
+            print(f"step {i}", flush=True)
+        time.sleep(12)  # then no progress: a stall
+        sys.exit(0)
+    start = time.monotonic()
+    i = 0
+    while time.monotonic() - start < 15:  # rank 0: progress all along
+        i += 1
+        print(f"step {i}", flush=True)
+        time.sleep(0.2)
+    """
+)
+
+
+def test_progress_printed_before_the_first_sample_counts_for_its_rank(tmp_path: Path) -> None:
+    # Judged by the group's progress (rank 0's), rank 1 would never be
+    # flagged: the job would succeed after 15 s.
+    script = tmp_path / "train.py"
+    script.write_text(EARLY_STEPS)
+    argv = _cli("--nproc-per-node", "2", "--stall-timeout", "3", "--progress-regex", "^step",
+                str(script))  # fmt: skip
+    with driver(argv, env=_env()) as proc:
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert "rank 1 of 'default' stalled (no progress line and no CPU" in stderr, stderr
+    assert "root cause: rank 1 (local_rank 1)" in stderr
+
+
 def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(HANG)
     logs = tmp_path / "logs"
     with driver(
         _cli("--nproc-per-node", "3", "--log-dir", str(logs), "--redirects", "3", str(script)),
-        env=_env(), stdout=subprocess.DEVNULL,
-    ) as job:  # fmt: skip
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+    ) as job:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             outs = list(logs.glob("*/attempt_0/*/stdout.log"))
@@ -117,18 +152,26 @@ def test_cli_status_and_stacks_while_a_job_runs(tmp_path: Path) -> None:
         else:
             pytest.fail("the job's workers did not start")
         r = subprocess.run(
-            _cli("status", str(logs)), env=_env(), capture_output=True, text=True, timeout=30,
+            _cli("status", str(logs)),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
             check=False,
-        )  # fmt: skip
+        )
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert lines[1].split()[:2] == ["RANK", "STATE"]
         assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2"]
         assert all(" sleeping " in line for line in lines[2:])
         r = subprocess.run(
-            _cli("stacks", str(logs), "--json"), env=_env(), capture_output=True, text=True,
-            timeout=30, check=False,
-        )  # fmt: skip
+            _cli("stacks", str(logs), "--json"),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         assert r.returncode == 0, r.stderr
         answer = json.loads(r.stdout)
         assert "stuck_here" in answer["stacks"]["2"]
@@ -150,9 +193,13 @@ def test_client_verbs_are_one_table_outside_the_server() -> None:
         assert not hasattr(control, name), name
     for verb in VERBS:
         r = subprocess.run(
-            _cli(verb, "--help"), env=_env(), capture_output=True, text=True, timeout=60,
+            _cli(verb, "--help"),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
             check=False,
-        )  # fmt: skip
+        )
         assert r.returncode == 0 and f"usage: aiolaunch {verb}" in r.stdout, r.stderr
     assert control.decode(control.encode({"cmd": "status"})) == {"cmd": "status"}
     with pytest.raises(ValueError, match="JSON object"):

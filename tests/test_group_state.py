@@ -224,9 +224,14 @@ async def test_events_streams_a_header_then_one_versioned_answer_per_event() -> 
 
 
 @pytest.mark.parametrize(
-    "request_", [{"cmd": "attach"}, {"cmd": "attach", "rank": "2"},
-                 {"cmd": "attach", "rank": True}, {"cmd": "attach", "rank": 0, "timeout": 0}],
-)  # fmt: skip
+    "request_",
+    [
+        {"cmd": "attach"},
+        {"cmd": "attach", "rank": "2"},
+        {"cmd": "attach", "rank": True},
+        {"cmd": "attach", "rank": 0, "timeout": 0},
+    ],
+)
 async def test_attach_refuses_a_bad_request_before_taking_the_connection(
     request_: dict[str, object],
 ) -> None:

@@ -83,9 +83,14 @@ SPIN_SCRIPT = textwrap.dedent(
 
 async def _spinning_api(log_dir: Path, stall: float) -> None:
     async with aiolaunch.start_processes(
-        "spin", spinners, {r: (r,) for r in range(3)}, _envs(3), log_dir=log_dir,
-        redirects=Std.ALL, watchdog=Watchdog(stall_after=stall),
-    ) as ctx:  # fmt: skip
+        "spin",
+        spinners,
+        {r: (r,) for r in range(3)},
+        _envs(3),
+        log_dir=log_dir,
+        redirects=Std.ALL,
+        watchdog=Watchdog(stall_after=stall),
+    ) as ctx:
         spinning = await wait_lines(log_dir, 3, "spinning")
         result = await asyncio.wait_for(ctx.wait(), 60)
     assert result is not None and next(iter(result.failures)) == 2, result
@@ -110,11 +115,23 @@ async def _spinning_cli(tmp: Path, stall: float) -> None:
     script.write_text(SPIN_SCRIPT)
     logs = tmp / "logs"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiolaunch", "--nproc-per-node", "3", "--stall-timeout",
-        str(stall), "--log-dir", str(logs), "--redirects", "3", str(script),
-        stdout=subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=_env(),
+        sys.executable,
+        "-m",
+        "aiolaunch",
+        "--nproc-per-node",
+        "3",
+        "--stall-timeout",
+        str(stall),
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        str(script),
+        stdout=subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env=_env(),
         preexec_fn=default_signals(),
-    )  # fmt: skip
+    )
     try:
         _, err = await asyncio.wait_for(proc.communicate(), 90)
     finally:
@@ -172,18 +189,27 @@ async def test_a_moving_stack_is_healthy_and_heartbeats_are_not_progress(tmp_pat
 
     async def busy() -> None:
         async with aiolaunch.start_processes(
-            "busy", busy_and_silent, {0: (3 * stall,)}, _envs(1), log_dir=tmp_path / "busy",
-            redirects=Std.ALL, watchdog=Watchdog(stall_after=stall),
-        ) as ctx:  # fmt: skip
+            "busy",
+            busy_and_silent,
+            {0: (3 * stall,)},
+            _envs(1),
+            log_dir=tmp_path / "busy",
+            redirects=Std.ALL,
+            watchdog=Watchdog(stall_after=stall),
+        ) as ctx:
             result = await asyncio.wait_for(ctx.wait(), 60)
         assert result is not None and result.return_values == {0: "done"}, result
         assert _stalls(ctx) == []
 
     async def beating() -> None:
         async with aiolaunch.start_processes(
-            "beat", heartbeats_while_spinning, {0: ()}, _envs(1), log_dir=tmp_path / "beat",
+            "beat",
+            heartbeats_while_spinning,
+            {0: ()},
+            _envs(1),
+            log_dir=tmp_path / "beat",
             watchdog=Watchdog(stall_after=stall, progress=r"^step \d+"),
-        ) as ctx:  # fmt: skip
+        ) as ctx:
             result = await asyncio.wait_for(ctx.wait(), 60)
         assert result is not None and list(result.failures) == [0]
         message = str(result.failures[0].message)
@@ -210,9 +236,14 @@ def waiting_for_peers() -> None:
 
 async def test_one_rank_raises_the_others_stacks_are_in_the_report(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        "raise", parked_then_one_raises, {r: (r,) for r in range(3)}, _envs(3),
-        log_dir=tmp_path, redirects=Std.ALL, watchdog=Watchdog(stall_after=600),
-    ) as ctx:  # fmt: skip
+        "raise",
+        parked_then_one_raises,
+        {r: (r,) for r in range(3)},
+        _envs(3),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+        watchdog=Watchdog(stall_after=600),
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 60)
     assert result is not None and list(result.failures) == [1]
     report = json.loads((tmp_path / "report.json").read_text())
@@ -262,9 +293,13 @@ def test_loop_ending_during_the_stacks_dump_at_a_failure_kills_the_workers(
 
     async def main() -> None:
         ctx = await aiolaunch.start_processes(
-            "torn", deaf_then_one_fails, {r: (r, str(tmp_path)) for r in range(2)}, _envs(2),
-            log_dir=logs, watchdog=Watchdog(stall_after=600),
-        )  # fmt: skip
+            "torn",
+            deaf_then_one_fails,
+            {r: (r, str(tmp_path)) for r in range(2)},
+            _envs(2),
+            log_dir=logs,
+            watchdog=Watchdog(stall_after=600),
+        )
         pids.update(ctx.pids())
         waiter = asyncio.ensure_future(ctx.wait())
         deadline = time.monotonic() + 60
@@ -310,9 +345,14 @@ def work_in_a_child(seconds: float) -> str:
 
 async def _healthy(name: str, log_dir: Path, entry: Any, args: tuple[Any, ...]) -> None:
     async with aiolaunch.start_processes(
-        name, entry, {0: args}, _envs(1), log_dir=log_dir, redirects=Std.ALL,
+        name,
+        entry,
+        {0: args},
+        _envs(1),
+        log_dir=log_dir,
+        redirects=Std.ALL,
         watchdog=Watchdog(stall_after=5),
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 90)
     assert result is not None and not result.is_failed(), (name, result)
     assert _stalls(ctx) == [], name
@@ -351,9 +391,14 @@ async def async_rank(rank: int) -> None:
 
 async def test_asyncio_rank_awaiting_elsewhere_is_the_outlier(tmp_path: Path) -> None:
     async with aiolaunch.start_processes(
-        "aio", async_rank, {r: (r,) for r in range(4)}, _envs(4), log_dir=tmp_path,
-        redirects=Std.ALL, watchdog=Watchdog(stall_after=2),
-    ) as ctx:  # fmt: skip
+        "aio",
+        async_rank,
+        {r: (r,) for r in range(4)},
+        _envs(4),
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+        watchdog=Watchdog(stall_after=2),
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 60)
     assert result is not None and list(result.failures) == [2], result
     assert "load_batch" in str(result.failures[2].message)

@@ -76,9 +76,14 @@ def odd_rank_job(rank: int, world: int, port: int, mode: str) -> None:
 async def _odd_rank(log_dir: Path, mode: str) -> None:
     port = aiolaunch.free_port()
     async with aiolaunch.start_processes(
-        f"odd-{mode}", odd_rank_job, {r: (r, 3, port, mode) for r in range(3)}, _envs(3),
-        log_dir=log_dir, redirects=Std.ALL, watchdog=Watchdog(stall_after=3),
-    ) as ctx:  # fmt: skip
+        f"odd-{mode}",
+        odd_rank_job,
+        {r: (r, 3, port, mode) for r in range(3)},
+        _envs(3),
+        log_dir=log_dir,
+        redirects=Std.ALL,
+        watchdog=Watchdog(stall_after=3),
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 120)
     assert result is not None and result.is_failed()
     # One story: the outlier of the verdict is the failure, the root cause and
@@ -154,15 +159,20 @@ async def test_healthy_torch_jobs_are_never_flagged(tmp_path: Path) -> None:
     port = aiolaunch.free_port()
     await together(
         _never_flagged(
-            "loader", tmp_path / "loader", data_loader_rank, {0: ()},
+            "loader",
+            tmp_path / "loader",
+            data_loader_rank,
+            {0: ()},
             watchdog=Watchdog(stall_after=5),
         ),
         _never_flagged(
-            "steps", tmp_path / "steps", rank0_prints_steps,
+            "steps",
+            tmp_path / "steps",
+            rank0_prints_steps,
             {r: (r, 4, port, 20) for r in range(4)},
             watchdog=Watchdog(stall_after=5, progress="^step "),
         ),
-    )  # fmt: skip
+    )
 
 
 # -- stragglers -----------------------------------------------------------------------
@@ -197,14 +207,24 @@ async def test_the_straggler_is_named_and_a_balanced_run_names_nobody(tmp_path: 
     envs = {r: {"AIOLAUNCH_NO_COLLECTIVES": "1"} for r in range(4)}
     async with (
         aiolaunch.start_processes(
-            "slow", training, {r: (r, 4, ports[0], 3) for r in range(4)}, envs,
-            log_dir=tmp_path / "slow", redirects=Std.ALL, watchdog=wd,
+            "slow",
+            training,
+            {r: (r, 4, ports[0], 3) for r in range(4)},
+            envs,
+            log_dir=tmp_path / "slow",
+            redirects=Std.ALL,
+            watchdog=wd,
         ) as slow,
         aiolaunch.start_processes(
-            "even", training, {r: (r, 4, ports[1], None) for r in range(4)}, envs,
-            log_dir=tmp_path / "even", redirects=Std.ALL, watchdog=wd,
+            "even",
+            training,
+            {r: (r, 4, ports[1], None) for r in range(4)},
+            envs,
+            log_dir=tmp_path / "even",
+            redirects=Std.ALL,
+            watchdog=wd,
         ) as even,
-    ):  # fmt: skip
+    ):
         logs = tmp_path
         joined = await wait_lines(logs, 8, "joined", timeout=120)
 

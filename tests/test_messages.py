@@ -63,9 +63,13 @@ def _job(log_dir: Path, env: dict[str, str], script: Path) -> Iterator[subproces
 
 def _status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*AIOLAUNCH, "status", *args], env=env, capture_output=True, text=True, timeout=60,
+        [*AIOLAUNCH, "status", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=False,
-    )  # fmt: skip
+    )
 
 
 # -- another user, a planted registry, another registry --------------------------
@@ -74,9 +78,17 @@ def _status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
 def _as_nobody(argv: list[str]) -> subprocess.CompletedProcess[str]:
     src = str(Path(aiolaunch.__file__).parent.parent)
     return subprocess.run(
-        argv, user=NOBODY, group=NOBODY, extra_groups=[], env={"PYTHONPATH": src},
-        capture_output=True, text=True, timeout=60, check=False, cwd="/",
-    )  # fmt: skip
+        argv,
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        env={"PYTHONPATH": src},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd="/",
+    )
 
 
 def _python_for_nobody() -> str:
@@ -168,14 +180,20 @@ async def test_a_missing_script_exits_2_as_python_does(tmp_path: Path) -> None:
     # The bootstrap (every Python worker of the CLI) behaves as python: one
     # line and exit status 2 - it raised FileNotFoundError, status 1.
     async with aiolaunch.start_processes(
-        "m", sys.executable, {0: ("-m", "aiolaunch._child._bootstrap", "missing.py")}, {0: {}},
-        log_dir=tmp_path, redirects=aiolaunch.Std.ALL,
-    ) as ctx:  # fmt: skip
+        "m",
+        sys.executable,
+        {0: ("-m", "aiolaunch._child._bootstrap", "missing.py")},
+        {0: {}},
+        log_dir=tmp_path,
+        redirects=aiolaunch.Std.ALL,
+    ) as ctx:
         result = await asyncio.wait_for(ctx.wait(), 60)
     assert result is not None and result.failures[0].exitcode == 2
     err = (tmp_path / "0" / "stderr.log").read_text()
-    assert err.endswith(f": can't open file {os.path.abspath('missing.py')!r}: [Errno 2] "
-                        "No such file or directory\n"), err  # fmt: skip
+    assert err.endswith(
+        f": can't open file {os.path.abspath('missing.py')!r}: [Errno 2] "
+        "No such file or directory\n"
+    ), err
     assert "Traceback" not in err
 
 
@@ -192,9 +210,13 @@ def test_the_report_says_where_stderr_went(tmp_path: Path, redirect: bool) -> No
     logs = tmp_path / "logs"
     flags = ["-r", "2"] if redirect else []
     r = subprocess.run(
-        [*AIOLAUNCH, "--log-dir", str(logs), *flags, str(script)], env=_env(),
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [*AIOLAUNCH, "--log-dir", str(logs), *flags, str(script)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 1, r.stderr
     report = next(logs.glob("*/attempt_0/report.txt")).read_text()
     data = json.loads(next(logs.glob("*/attempt_0/report.json")).read_text())
@@ -237,9 +259,13 @@ async def test_a_worker_that_took_the_dump_signal_over_gets_the_real_reason(
     # Before: "did not answer within 1s (stopped, or in uninterruptible
     # sleep)" for a replaced handler, "it exec'd another program?" for SIG_IGN.
     async with aiolaunch.start_processes(
-        "t", takes_the_dump_signal, {0: (how,)}, {0: {}}, log_dir=tmp_path,
+        "t",
+        takes_the_dump_signal,
+        {0: (how,)},
+        {0: {}},
+        log_dir=tmp_path,
         redirects=aiolaunch.Std.ALL,
-    ) as ctx:  # fmt: skip
+    ) as ctx:
         await asyncio.wait_for(_until_text(tmp_path / "0" / "stdout.log", "parked"), 60)
         pid = ctx.pids()[0]
         if how == "stopped":

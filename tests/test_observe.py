@@ -87,8 +87,16 @@ def _job(
     script = tmp_path / "job.py"
     script.write_text(JOB)
     logs = tmp_path / "logs"
-    argv = _cli("--nproc-per-node", str(nproc), "--log-dir", str(logs), "--redirects", "3",
-                *flags, str(script))  # fmt: skip
+    argv = _cli(
+        "--nproc-per-node",
+        str(nproc),
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        *flags,
+        str(script),
+    )
     with driver(argv, env=_env(), stdout=subprocess.DEVNULL) as job:
 
         def up() -> bool:
@@ -111,12 +119,22 @@ class _Tmux:
 
     def __init__(self) -> None:
         self.name = f"aiolaunch-test-{uuid.uuid4().hex[:8]}"
-        self.run("-f", "/dev/null", "new-session", "-d", "-x", "80", "-y", "24",
-                 "env PS1='$ ' TERM=xterm bash --norc --noprofile")  # fmt: skip
+        self.run(
+            "-f",
+            "/dev/null",
+            "new-session",
+            "-d",
+            "-x",
+            "80",
+            "-y",
+            "24",
+            "env PS1='$ ' TERM=xterm bash --norc --noprofile",
+        )
 
     def run(self, *args: str) -> str:
-        r = subprocess.run(["tmux", "-L", self.name, *args], capture_output=True, text=True,
-                           timeout=30, check=True)  # fmt: skip
+        r = subprocess.run(
+            ["tmux", "-L", self.name, *args], capture_output=True, text=True, timeout=30, check=True
+        )
         return r.stdout
 
     def screen(self) -> list[str]:
@@ -130,8 +148,12 @@ class _Tmux:
 
     def close(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
-            subprocess.run(["tmux", "-L", self.name, "kill-server"], capture_output=True,
-                           timeout=30, check=False)  # fmt: skip
+            subprocess.run(
+                ["tmux", "-L", self.name, "kill-server"],
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
 
 
 @pytest.fixture
@@ -181,8 +203,11 @@ def test_top_in_tmux_one_row_per_rank_live_stacks_and_a_clean_exit(
         _until("rank 2's row to change", lambda: _rows(tmux.screen())[2] != rows[2], timeout=15)
         # A key shows one rank's stacks; q goes back to the table.
         tmux.keys("Down", "Down", "s")
-        stacks = _until("rank 2's stacks",
-                        lambda: "quiet_rank_two" in tmux.text() and tmux.screen(), show=tmux.text)  # fmt: skip
+        stacks = _until(
+            "rank 2's stacks",
+            lambda: "quiet_rank_two" in tmux.text() and tmux.screen(),
+            show=tmux.text,
+        )
         assert isinstance(stacks, list)
         assert any("stacks of rank 2" in line for line in stacks)
         tmux.keys("q")
@@ -221,24 +246,47 @@ def test_metrics_a_sample_per_rank_parsed_by_prometheus_client(tmp_path: Path) -
             return {f.name: f for f in text_string_to_metric_families(text)}
 
         # ranks 0 and 1 print a step line every 0.2 s: their counter and rate move
-        fams = _until("steps counted", lambda: (f := scrape()) and all(
-            s.value >= 3 for s in f["aiolaunch_worker_progress_lines"].samples
-            if s.labels["rank"] != "2") and f)  # fmt: skip
+        fams = _until(
+            "steps counted",
+            lambda: (
+                (f := scrape())
+                and all(
+                    s.value >= 3
+                    for s in f["aiolaunch_worker_progress_lines"].samples
+                    if s.labels["rank"] != "2"
+                )
+                and f
+            ),
+        )
         assert isinstance(fams, dict)
-        for name in ("aiolaunch_worker_up", "aiolaunch_worker_pid", "aiolaunch_worker_restarts",
-                     "aiolaunch_worker_cpu_seconds", "aiolaunch_worker_resident_memory_bytes",
-                     "aiolaunch_worker_stalls", "aiolaunch_worker_last_output_age_seconds",
-                     "aiolaunch_worker_progress_lines", "aiolaunch_worker_steps_per_second"):  # fmt: skip
+        for name in (
+            "aiolaunch_worker_up",
+            "aiolaunch_worker_pid",
+            "aiolaunch_worker_restarts",
+            "aiolaunch_worker_cpu_seconds",
+            "aiolaunch_worker_resident_memory_bytes",
+            "aiolaunch_worker_stalls",
+            "aiolaunch_worker_last_output_age_seconds",
+            "aiolaunch_worker_progress_lines",
+            "aiolaunch_worker_steps_per_second",
+        ):
             ranks = sorted(s.labels["rank"] for s in fams[name].samples)
             assert ranks == ["0", "1", "2"], name
         pids = {s.labels["rank"]: int(s.value) for s in fams["aiolaunch_worker_pid"].samples}
-        status = subprocess.run(_cli("status", str(logs), "--json"), env=_env(),
-                                capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        status = subprocess.run(
+            _cli("status", str(logs), "--json"),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         answer = json.loads(status.stdout)
         assert {str(w["rank"]): w["pid"] for w in answer["workers"]} == pids
         assert answer["metrics"] == url and answer["v"] == 1
-        rates = {s.labels["rank"]: s.value
-                 for s in fams["aiolaunch_worker_steps_per_second"].samples}  # fmt: skip
+        rates = {
+            s.labels["rank"]: s.value for s in fams["aiolaunch_worker_steps_per_second"].samples
+        }
         assert rates["0"] > 0.5 and rates["1"] > 0.5 and rates["2"] == 0
         assert fams["aiolaunch_group_workers"].samples[0].value == 3
         assert all(s.value == 1 for s in fams["aiolaunch_worker_up"].samples)
@@ -255,10 +303,21 @@ def test_a_metrics_port_in_use_fails_before_any_worker_starts(tmp_path: Path) ->
         script = tmp_path / "job.py"
         script.write_text("print('ran')\n")
         r = subprocess.run(
-            _cli("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-                 "--metrics-port", str(port), str(script)),
-            env=_env(), capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+            _cli(
+                "--nproc-per-node",
+                "2",
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--metrics-port",
+                str(port),
+                str(script),
+            ),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert r.returncode != 0
     assert f"127.0.0.1:{port}" in r.stderr and "--metrics-port" in r.stderr, r.stderr
     assert "ran" not in r.stdout
@@ -392,8 +451,14 @@ class _Pty:
 
 
 def _status(logs: str | os.PathLike[str]) -> dict[str, Any]:
-    r = subprocess.run(_cli("status", str(logs), "--json"), env=_env(), capture_output=True,
-                       text=True, timeout=60, check=True)  # fmt: skip
+    r = subprocess.run(
+        _cli("status", str(logs), "--json"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     answer: dict[str, Any] = json.loads(r.stdout)
     return answer
 
@@ -458,9 +523,12 @@ async def test_attach_to_a_function_worker(tmp_path: Path) -> None:
     release = str(tmp_path / "release")
     logs = tmp_path / "logs"
     async with aiolaunch.start_processes(
-        name="fn", entrypoint=_held_function, args={r: (r, release) for r in range(2)},
-        envs={r: {} for r in range(2)}, log_dir=str(logs),
-    ) as ctx:  # fmt: skip
+        name="fn",
+        entrypoint=_held_function,
+        args={r: (r, release) for r in range(2)},
+        envs={r: {} for r in range(2)},
+        log_dir=str(logs),
+    ) as ctx:
 
         def session() -> tuple[int, str]:
             term = _Pty(_cli("attach", "1", str(logs)))
@@ -491,8 +559,12 @@ def test_another_user_is_refused(tmp_path: Path) -> None:
     if shutil.which("useradd") is None:
         pytest.skip("no useradd here")
     user = f"aiolt{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", user], check=True,
-                   capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/bin/false", user],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     import pwd
     import tempfile
 
@@ -523,9 +595,15 @@ def test_another_user_is_refused(tmp_path: Path) -> None:
                 from aiolaunch._cli._attach import attach_main
                 os.setgroups([]); os.setgid({gid}); os.setuid({uid})
                 sys.exit(attach_main(["2", {logs!r}]))
-            """)  # fmt: skip
-            r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
-                               text=True, timeout=60, check=False)  # fmt: skip
+            """)
+            r = subprocess.run(
+                [sys.executable, "-c", code],
+                env=_env(),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             assert r.returncode == 1, r
             assert "permission denied" in r.stderr.lower(), r.stderr
             assert "only the user who started the job" in r.stderr, r.stderr
@@ -548,9 +626,12 @@ async def test_at_the_end_an_idle_connection_closes_and_a_stream_gets_group_stop
     import aiolaunch
 
     async with aiolaunch.start_processes(
-        name="end", entrypoint=sys.executable, args={0: ("-c", "import time; time.sleep(3600)")},
-        envs={0: {}}, log_dir=str(tmp_path),
-    ) as ctx:  # fmt: skip
+        name="end",
+        entrypoint=sys.executable,
+        args={0: ("-c", "import time; time.sleep(3600)")},
+        envs={0: {}},
+        log_dir=str(tmp_path),
+    ) as ctx:
         for _ in range(600):  # the socket is made by the loop: yield to it
             if (tmp_path / "control.sock").exists():
                 break
@@ -598,8 +679,19 @@ def test_the_watchdog_leaves_an_attached_rank_alone(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(TALKERS)
     logs = tmp_path / "logs"
-    argv = _cli("--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3",
-                "--stall-timeout", "3", "--on-stall", "fail", str(script))  # fmt: skip
+    argv = _cli(
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        "--stall-timeout",
+        "3",
+        "--on-stall",
+        "fail",
+        str(script),
+    )
     with driver(argv, env=_env(), stdout=subprocess.DEVNULL) as job:
         _until("the control socket", lambda: list(logs.glob("*/attempt_0/control.sock")))
         term = _Pty(_cli("attach", "1", str(logs)))
@@ -627,10 +719,13 @@ async def test_metrics_from_python_on_any_free_port(tmp_path: Path) -> None:
     import aiolaunch
 
     async with aiolaunch.start_processes(
-        name="py", entrypoint=sys.executable, args={r: ("-c", "import time; time.sleep(3600)")
-                                                    for r in range(2)},
-        envs={r: {} for r in range(2)}, log_dir=str(tmp_path), metrics_port=0,
-    ) as ctx:  # fmt: skip
+        name="py",
+        entrypoint=sys.executable,
+        args={r: ("-c", "import time; time.sleep(3600)") for r in range(2)},
+        envs={r: {} for r in range(2)},
+        log_dir=str(tmp_path),
+        metrics_port=0,
+    ) as ctx:
         url = ctx.metrics_url
         assert url is not None and url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
         host, port = url[len("http://") :].split("/")[0].split(":")

@@ -89,14 +89,16 @@ def test_step_rate_matches_a_plain_count(gaps: list[float], window: float, extra
 _EVENTS: list[tuple[ev.Event, str]] = [
     (ev.WorkerStarted(rank=0, time=1.0, pid=10, attempt=1), "started"),
     (ev.WorkerReady(rank=0, time=1.0, pid=10), "ready"),
-    (ev.WorkerExited(rank=1, time=1.0, pid=11, exitcode=-9, signal="SIGKILL", stopped=False),
-     "exited"),
+    (
+        ev.WorkerExited(rank=1, time=1.0, pid=11, exitcode=-9, signal="SIGKILL", stopped=False),
+        "exited",
+    ),
     (ev.WorkerRestarting(rank=1, time=1.0, attempt=2, delay=0.5), "restarting"),
     (ev.WorkerStalled(rank=2, time=1.0, idle_s=3.0, reason="no output"), "stalled"),
     (ev.GroupStopped(rank=None, time=1.0, failed=True), "group_stopped"),
     (ev.EventsDropped(rank=None, time=1.0, count=3), "dropped"),
     (ev.LogLine(rank=0, time=1.0, stream="stdout", text="step 1"), "line"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("event", "kind"), _EVENTS, ids=[k for _, k in _EVENTS])
@@ -132,10 +134,20 @@ def test_event_json_has_no_nan() -> None:
 
 def _worker(rank: int, **kw: Any) -> dict[str, Any]:
     w: dict[str, Any] = {
-        "rank": rank, "pid": 1000 + rank, "state": "sleeping", "restarts": 0,
-        "last_output_s": 1.5, "cpu_percent": 2.0, "rss": 1 << 20, "exitcode": None,
-        "cpu_s": 0.25, "stalls": 0, "straggling": False, "steps": None, "step_rate": None,
-    }  # fmt: skip
+        "rank": rank,
+        "pid": 1000 + rank,
+        "state": "sleeping",
+        "restarts": 0,
+        "last_output_s": 1.5,
+        "cpu_percent": 2.0,
+        "rss": 1 << 20,
+        "exitcode": None,
+        "cpu_s": 0.25,
+        "stalls": 0,
+        "straggling": False,
+        "steps": None,
+        "step_rate": None,
+    }
     w.update(kw)
     return w
 
@@ -149,14 +161,21 @@ def test_metrics_text_has_a_sample_per_rank_and_parses() -> None:
     workers[3].update(state="exited", exitcode=-9, pid=1003, last_output_s=None)
     snap = {"name": 'odd "name"\n', "log_dir": "/tmp/x\\y", "workers": workers, "start_time": 5.0}
     fams = _families(render_metrics(snap))
-    for name in ("aiolaunch_worker_up", "aiolaunch_worker_restarts", "aiolaunch_worker_cpu_seconds",
-                 "aiolaunch_worker_resident_memory_bytes", "aiolaunch_worker_stalls",
-                 "aiolaunch_worker_pid"):  # fmt: skip
+    for name in (
+        "aiolaunch_worker_up",
+        "aiolaunch_worker_restarts",
+        "aiolaunch_worker_cpu_seconds",
+        "aiolaunch_worker_resident_memory_bytes",
+        "aiolaunch_worker_stalls",
+        "aiolaunch_worker_pid",
+    ):
         assert sorted(s.labels["rank"] for s in fams[name].samples) == ["0", "1", "2", "3"], name
     up = {s.labels["rank"]: s.value for s in fams["aiolaunch_worker_up"].samples}
     assert up == {"0": 1, "1": 1, "2": 1, "3": 0}
-    state = {(s.labels["rank"], s.labels["state"]): s.value
-             for s in fams["aiolaunch_worker_state"].samples}  # fmt: skip
+    state = {
+        (s.labels["rank"], s.labels["state"]): s.value
+        for s in fams["aiolaunch_worker_state"].samples
+    }
     assert len(state) == 4 * len(STATES) and sum(state.values()) == 4
     assert state[("3", "exited")] == 1
     assert [s.labels["rank"] for s in fams["aiolaunch_worker_exit_code"].samples] == ["3"]
@@ -173,8 +192,11 @@ def test_metrics_text_has_a_sample_per_rank_and_parses() -> None:
 
 
 def test_metrics_step_rate_with_a_progress_regex() -> None:
-    snap = {"name": "g", "log_dir": "/x",
-            "workers": [_worker(0, steps=12, step_rate=0.4), _worker(1, steps=0, step_rate=0.0)]}  # fmt: skip
+    snap = {
+        "name": "g",
+        "log_dir": "/x",
+        "workers": [_worker(0, steps=12, step_rate=0.4), _worker(1, steps=0, step_rate=0.0)],
+    }
     fams = _families(render_metrics(snap))
     rates = {s.labels["rank"]: s.value for s in fams["aiolaunch_worker_steps_per_second"].samples}
     assert rates == {"0": 0.4, "1": 0.0}
@@ -250,9 +272,11 @@ _worker_st: st.SearchStrategy[dict[str, Any]] = st.builds(
     st.lists(_worker_st, max_size=80),
     st.integers(1, 200),
     st.integers(1, 60),
-    st.lists(st.sampled_from([tv.KEY_DOWN, tv.KEY_UP, tv.KEY_NPAGE, ord("f"), ord("G"), ord("a")]),
-             max_size=10),
-)  # fmt: skip
+    st.lists(
+        st.sampled_from([tv.KEY_DOWN, tv.KEY_UP, tv.KEY_NPAGE, ord("f"), ord("G"), ord("a")]),
+        max_size=10,
+    ),
+)
 def test_screen_fits_any_terminal(
     workers: list[dict[str, Any]], width: int, height: int, keys: list[int]
 ) -> None:
@@ -270,11 +294,16 @@ def test_screen_fits_any_terminal(
         assert len(selected) <= 1
         if height >= 5 and width >= 4 and state.pager is None:
             # every rank row shown is a rank of the filter, once, in order
-            ranks = [int(t.split()[0]) for t, style in lines[3:-1]
-                     if style in ("row", "selected", "alert", "warn", "dim") and t.split()
-                     and t.split()[0].isdigit()]  # fmt: skip
-            want = [w["rank"] for w in workers
-                    if state.filter is None or w["state"] == state.filter]  # fmt: skip
+            ranks = [
+                int(t.split()[0])
+                for t, style in lines[3:-1]
+                if style in ("row", "selected", "alert", "warn", "dim")
+                and t.split()
+                and t.split()[0].isdigit()
+            ]
+            want = [
+                w["rank"] for w in workers if state.filter is None or w["state"] == state.filter
+            ]
             assert ranks == want[state.top : state.top + len(ranks)]
             assert len(ranks) == min(len(want) - state.top, height - 4)
 
@@ -289,8 +318,17 @@ def test_screen_80x24_one_row_per_rank() -> None:
     assert len(lines) == 24
     text = [t for t, _ in lines]
     assert text[0].startswith("aiolaunch top - trainer: 5 ranks (1 stalled, 3 sleeping, 1 exited)")
-    assert text[2].split()[:9] == ["RANK", "STATE", "PID", "RST", "OUTPUT", "CPU%", "RSS",
-                                   "STEP/s", "MARKS"]  # fmt: skip
+    assert text[2].split()[:9] == [
+        "RANK",
+        "STATE",
+        "PID",
+        "RST",
+        "OUTPUT",
+        "CPU%",
+        "RSS",
+        "STEP/s",
+        "MARKS",
+    ]
     rows = text[3:8]
     assert [r.split()[0] for r in rows] == ["0", "1", "2", "3", "4"]
     assert "STALLED" in rows[2] and "STRAGGLING ATTACHED" in rows[3] and "exit 3" in rows[4]
@@ -326,9 +364,20 @@ def test_keys_select_filter_and_ask_for_stacks() -> None:
 
 def test_formats() -> None:
     assert [tv.fmt_age(x) for x in (None, 0.04, 9.96, 42.4, 725, 11_000)] == [
-        "-", "0.0s", "10.0s", "42s", "12m05s", "3h03m"]  # fmt: skip
+        "-",
+        "0.0s",
+        "10.0s",
+        "42s",
+        "12m05s",
+        "3h03m",
+    ]
     assert [tv.fmt_bytes(x) for x in (0, 512, 2048, 5 << 20, 3 << 30)] == [
-        "-", "512B", "2.0K", "5.0M", "3.0G"]  # fmt: skip
+        "-",
+        "512B",
+        "2.0K",
+        "5.0M",
+        "3.0G",
+    ]
 
 
 def test_pager_puts_a_frame_function_first_and_wraps() -> None:

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
 import pytest
 
 import aiolaunch
@@ -99,25 +100,44 @@ async def test_log_lines_are_opt_in_events(tmp_path: Path) -> None:
     assert not [e for e in await without if isinstance(e, LogLine)]
 
 
-async def test_slow_consumer_is_told_what_it_lost(tmp_path: Path) -> None:
-    code = "for i in range(50): print(i)"
+@pytest.mark.parametrize("lines_first", [False, True])
+async def test_slow_consumer_is_told_what_it_lost(tmp_path: Path, lines_first: bool) -> None:
+    # The worker's 50 lines come after the consumer's first read, or (on a
+    # loaded machine, here on purpose) before it: either way the history is
+    # replayed whole first, then one EventsDropped and the newest events.
+    go = tmp_path / "go"
+    code = (
+        "import os, time\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "for i in range(50): print(i)\n"
+    )
+    log = tmp_path / "logs" / "0" / "stdout.log"
     async with aiolaunch.start_processes(
         name="e",
         entrypoint=sys.executable,
         args={0: ("-c", code)},
         envs={0: {}},
-        log_dir=str(tmp_path),
+        log_dir=str(tmp_path / "logs"),
         redirects=aiolaunch.Std.OUT,
     ) as ctx:
         it = ctx.events(lines=True, maxsize=5).__aiter__()
+        if lines_first:
+            go.touch()
+            with anyio.fail_after(30):
+                while not (log.exists() and log.read_text().count("\n") == 50):
+                    await asyncio.sleep(0.01)
         first = await it.__anext__()  # subscribe, then fall behind
+        go.touch()
         await ctx.wait()
         rest = [e async for e in it]
     assert isinstance(first, WorkerStarted)
-    dropped = [e for e in rest if isinstance(e, EventsDropped)]
-    assert len(dropped) == 1 and dropped[0].count > 0
-    assert isinstance(rest[-1], GroupStopped)
-    assert len(rest) <= 6
+    drops = [i for i, e in enumerate(rest) if isinstance(e, EventsDropped)]
+    assert len(drops) == 1, rest
+    replayed, after = rest[: drops[0]], rest[drops[0] + 1 :]
+    # the rest of the history, whole: lifecycle events only
+    assert all(isinstance(e, WorkerReady | WorkerExited) for e in replayed), replayed
+    assert rest[drops[0]].count > 0  # type: ignore[attr-defined]
+    assert len(after) <= 5 and isinstance(after[-1], GroupStopped), after
 
 
 async def test_wait_ready_on_a_log_line(tmp_path: Path) -> None:

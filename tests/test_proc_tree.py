@@ -13,7 +13,8 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiolaunch._workers._proc import ProcTable, parse_stat, read_stat
+from aiolaunch._workers._proc import parse_stat, read_stat
+from aiolaunch._workers._processes import ProcTable
 
 SIGCHLD_BIT = 1 << (signal.SIGCHLD - 1)
 
@@ -167,16 +168,21 @@ def test_proc_table_reads_the_workers_only_when_something_else_was_born() -> Non
     )
     # A double fork: the daemon lives on, re-parented away; its parent was reaped.
     escaped = subprocess.Popen(
-        [sys.executable, "-c",
-         "import os, time\n"
-         "r, w = os.pipe()\n"
-         "if os.fork() == 0:\n"
-         "    os.setsid()\n"
-         "    if os.fork() == 0: os.write(w, b'%d' % os.getpid()); time.sleep(30); os._exit(0)\n"
-         "    os._exit(0)\n"
-         "os.wait(); print(os.read(r, 16).decode(), flush=True); time.sleep(30)\n"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import os, time\n"
+            "r, w = os.pipe()\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0: os.write(w, b'%d' % os.getpid()); time.sleep(30); os._exit(0)\n"
+            "    os._exit(0)\n"
+            "os.wait(); print(os.read(r, 16).decode(), flush=True); time.sleep(30)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert escaped.stdout is not None
     daemon = int(escaped.stdout.readline())
     try:

@@ -1,4 +1,4 @@
-"""docs/recipes.md's scheduler recipes say what the command really does: the
+"""docs/schedulers.md's recipes say what the command really does: the
 exit-code table, the Kubernetes podFailurePolicy and the sbatch script's
 retry rule are parsed from the page and checked against the real CLI.
 (tests/engines/test_slurm.py also runs the sbatch script in a real Slurm.)"""
@@ -18,7 +18,7 @@ import pytest
 from _helpers import driver
 from aiolaunch._cli._exit import EXIT_DO_NOT_RETRY, EXIT_FAILED, signal_exit_status
 
-RECIPES = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
+RECIPES = Path(__file__).resolve().parent.parent / "docs" / "schedulers.md"
 AIOLAUNCH = [sys.executable, "-m", "aiolaunch"]
 
 

@@ -226,9 +226,20 @@ def test_cli_second_sigint_kills_workers_at_once(tmp_path: Path) -> None:
         "while :; do sleep 0.05; done"
     )
     argv = [
-        sys.executable, "-m", "aiolaunch", "--nproc-per-node", "2", "--shutdown-timeout", "30",
-        "--log-dir", str(tmp_path / "logs"), "--no-python", "/bin/sh", "-c", script,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "aiolaunch",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "30",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--no-python",
+        "/bin/sh",
+        "-c",
+        script,
+    ]
     with driver(argv) as proc:
         deadline = time.monotonic() + 60
         while len(list(ready.glob("[01]"))) < 2:

@@ -171,14 +171,22 @@ def test_parse_signals_forms() -> None:
 def test_bad_signal_keyword_raises_before_anything_starts(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match=r"signals_to_handle: .*SIGKILL, SIGSTOP"):
         aiolaunch.start_processes(
-            name="s", entrypoint="/bin/true", args={0: ()}, envs={0: {}},
-            log_dir=str(tmp_path / "logs"), signals_to_handle=bad,
-        )  # fmt: skip
+            name="s",
+            entrypoint="/bin/true",
+            args={0: ()},
+            envs={0: {}},
+            log_dir=str(tmp_path / "logs"),
+            signals_to_handle=bad,
+        )
     with pytest.raises(TypeError, match="forward_signals"):
         aiolaunch.start_processes(
-            name="s", entrypoint="/bin/true", args={0: ()}, envs={0: {}},
-            log_dir=str(tmp_path / "logs"), forward_signals=3.5,  # type: ignore[arg-type]
-        )  # fmt: skip
+            name="s",
+            entrypoint="/bin/true",
+            args={0: ()},
+            envs={0: {}},
+            log_dir=str(tmp_path / "logs"),
+            forward_signals=3.5,  # type: ignore[arg-type]
+        )
     assert not (tmp_path / "logs").exists()
 
 

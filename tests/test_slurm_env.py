@@ -18,16 +18,19 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
-@pytest.mark.parametrize(("hostlist", "hosts"), [
-    ("node1", ["node1"]),
-    ("node[1-3]", ["node1", "node2", "node3"]),
-    ("node[08-11]", ["node08", "node09", "node10", "node11"]),
-    ("node[001-002,010]", ["node001", "node002", "node010"]),
-    ("a[1-2],b,c[5]", ["a1", "a2", "b", "c5"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("gpu-a100-[7,9].cluster.org", ["gpu-a100-7.cluster.org", "gpu-a100-9.cluster.org"]),
-    (" x[9-10] ", ["x9", "x10"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("hostlist", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("node[08-11]", ["node08", "node09", "node10", "node11"]),
+        ("node[001-002,010]", ["node001", "node002", "node010"]),
+        ("a[1-2],b,c[5]", ["a1", "a2", "b", "c5"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("gpu-a100-[7,9].cluster.org", ["gpu-a100-7.cluster.org", "gpu-a100-9.cluster.org"]),
+        (" x[9-10] ", ["x9", "x10"]),
+    ],
+)
 def test_expand_hostlist(hostlist: str, hosts: list[str]) -> None:
     assert expand_hostlist(hostlist) == hosts
 
@@ -128,12 +131,44 @@ def test_one_node_and_outside_slurm_take_nothing_but_the_count() -> None:
     assert (args.node_rank, args.rdzv_endpoint) == (0, "")
 
 
-@pytest.mark.parametrize(("var", "value"), [
-    ("SLURM_STEP_NUM_NODES", "two"), ("SLURM_NODEID", "x"), ("SLURM_STEP_NODELIST", "n[1-"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SLURM_STEP_NUM_NODES", "two"),
+        ("SLURM_NODEID", "x"),
+        ("SLURM_STEP_NODELIST", "n[1-"),
+    ],
+)
 def test_bad_slurm_values_name_the_variable(var: str, value: str) -> None:
     with pytest.raises(ValueError, match=var):
         apply_slurm(parse_args(["train.py"]), {**SLURM, var: value})
+
+
+def test_standalone_takes_nothing_from_slurm() -> None:
+    # torchrun --standalone is one node whatever Slurm says: in an srun step
+    # on several nodes each node runs a job of its own.
+    for env in (SLURM, {k: v for k, v in SLURM.items() if not k.startswith("SLURM_STEP_")}):
+        args = parse_args(["--standalone", "train.py"])
+        assert apply_slurm(args, env) is None
+        assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == ("1:1", 0, "")
+
+
+def test_standalone_in_a_two_node_srun_step_runs(tmp_path: Path) -> None:
+    # What srun writes on the second node of a 2-node step.
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+    env |= {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_NUM_NODES": "2"}
+    env |= {"SLURM_STEP_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n2"}
+    argv = ["--standalone", "--nproc-per-node", "2", "--no-python", "sh", "-c", "echo $WORLD_SIZE"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiolaunch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "2"]  # one node's world, as torchrun's
+    assert "--nnodes" not in proc.stderr
 
 
 def test_the_cli_says_what_it_took(tmp_path: Path) -> None:

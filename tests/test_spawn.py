@@ -59,12 +59,15 @@ def test_the_child_gets_what_popen_gives(path: str, tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
     probe = bindir / "probe"
+    # The fd listing goes to a file first: in `ls ... | grep`, the shell may
+    # still hold the pipeline's own pipe while ls lists its fds.
     probe.write_text(
         "#!/bin/sh\n"
         "echo \"sid=$(ps -o sid= -p $$ | tr -d ' ') pid=$$ env=$ONLY uni=$UNI\"\n"
         "grep -E '^SigIgn' /proc/$$/status\n"
         "env | grep -c .\n"
-        "ls -l /proc/$$/fd | grep -c pipe:\n"
+        f"ls -l /proc/$$/fd > {tmp_path}/fds\n"
+        f"grep -c pipe: {tmp_path}/fds\n"
         "echo to-stderr >&2\n"
     )
     probe.chmod(0o755)

@@ -282,6 +282,22 @@ def test_ranks_that_never_print_progress_follow_the_group() -> None:
     assert "judged by the group's" in verdicts[1][1]
 
 
+def test_progress_printed_before_the_first_sample_counts_for_the_rank() -> None:
+    # Rank 1 printed its steps before the watchdog's first sample, then
+    # stopped; rank 0 goes on printing. Rank 1 is a rank that prints
+    # progress: judged by its own lines, it is stalled stall_after later.
+    det = StallDetector(STALL, progress=True)
+    det.observe(0, Sample(1, 0.0, last_progress=0.5), 1.0)
+    det.observe(1, Sample(2, 0.0, last_progress=0.2), 1.0)
+    t, stalled = 1.0, None
+    while stalled is None and t < 30:
+        t += 0.5
+        assert det.observe(0, Sample(1, 0.0, last_progress=t), t) is None
+        stalled = det.observe(1, Sample(2, 0.0, last_progress=0.2), t)
+    assert stalled is not None and t == 1.0 + STALL
+    assert stalled.reason.startswith("no progress line and no CPU for 5.0s"), stalled.reason
+
+
 def test_a_rank_starved_of_cpu_still_wants_it() -> None:
     # main_s counts time waiting on the run queue: a loaded host's busy rank
     # gets 3 % of a core but wants all of it (schedstat), so it is busy.
@@ -300,9 +316,13 @@ def test_a_starved_rank_at_the_same_frames_is_not_spinning() -> None:
     det.observe(0, Sample(1, 0.0, main_s=0.0, helpers_s=0.0, main_run_s=0.0), 0.0)
     for t in range(1, 30):
         sample = Sample(
-            1, 0.02 * t, main_s=float(t), helpers_s=0.0, main_run_s=0.02 * t,
+            1,
+            0.02 * t,
+            main_s=float(t),
+            helpers_s=0.0,
+            main_run_s=0.02 * t,
             stack="_create_fn (dataclasses.py:433)",
-        )  # fmt: skip
+        )
         assert det.observe(0, sample, float(t)) is None
     # A spinner that gets 20 % of a core on the same host is still a spin.
     det = StallDetector(STALL)

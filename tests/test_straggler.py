@@ -56,9 +56,15 @@ def test_fisher_less_is_the_exact_hypergeometric_tail(total: int, data: st.DataO
 
 
 def _simulate(
-    ranks: int, rounds: int, seed: int, *, compute: tuple[float, float],
-    straggler: int | None = None, factor: float = 2.0, period: float = 0.5,
-) -> list[tuple[int, Straggling]]:  # fmt: skip
+    ranks: int,
+    rounds: int,
+    seed: int,
+    *,
+    compute: tuple[float, float],
+    straggler: int | None = None,
+    factor: float = 2.0,
+    period: float = 0.5,
+) -> list[tuple[int, Straggling]]:
     """Data-parallel steps: each rank computes for a random time, then waits
     in the collective until the slowest arrives. Every ``period`` (jittered
     ±25 %, as the sampler does) each rank is sampled: waiting or not."""

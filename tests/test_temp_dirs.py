@@ -9,12 +9,10 @@ that what is left can be listed exactly.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -31,23 +29,13 @@ def _tree(root: Path) -> list[str]:
     """Every path under ``root``, relative, sorted (folders end with '/').
 
     The per-user list of running groups (``aiolaunch-<uid>/``, the control
-    socket's registry) is left out while it holds nothing but this process's
-    empty spare roots (``_logs/_spares``): it lives as long as the process
-    (removed at exit, see test_the_registry_folder_goes_at_exit).
+    socket's registry) is left out while it is empty: it lives as long as the
+    process (removed at exit, see test_the_registry_folder_goes_at_exit).
     """
     registry = root / f"aiolaunch-{os.getuid()}"
-    if registry.is_dir() and all(_spare_of_mine(p) for p in registry.iterdir()):
+    if registry.is_dir() and not any(registry.iterdir()):
         return [p for p in _tree_all(root) if not p.startswith(f"{registry.name}/")]
     return _tree_all(root)
-
-
-def _spare_of_mine(path: Path) -> bool:
-    return (
-        path.name.startswith(f".spare-{os.getpid()}-")
-        and path.is_dir()
-        and not path.is_symlink()
-        and not any(path.iterdir())
-    )
 
 
 def _roots(tmp: Path) -> list[Path]:
@@ -284,8 +272,7 @@ def test_prune_removes_every_empty_folder_and_never_follows_a_symlink(tmp_path: 
 def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
     """The per-user list of running groups stays while the process lives (an
     rmdir and a mkdir per group cost milliseconds where the filesystem
-    discards a freed block synchronously) and goes when it exits, with the
-    spare root the groups passed on (one: the second group took the first's)."""
+    discards a freed block synchronously) and goes when it exits."""
     code = (
         "import asyncio, aiolaunch, os, tempfile\n"
         "reg = os.path.join(tempfile.gettempdir(), f'aiolaunch-{os.getuid()}')\n"
@@ -297,8 +284,7 @@ def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
         "                if os.path.isdir(reg) and os.listdir(reg):\n"
         "                    break\n"
         "                await asyncio.sleep(0.01)\n"
-        "        spare = [n.startswith(f'.spare-{os.getpid()}-') for n in os.listdir(reg)]\n"
-        "        print(sorted(os.listdir(tempfile.gettempdir())), spare)\n"
+        "        print(sorted(os.listdir(tempfile.gettempdir())), os.listdir(reg))\n"
         "asyncio.run(main())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
@@ -308,7 +294,7 @@ def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     registry = f"aiolaunch-{os.getuid()}"
-    assert out.stdout.splitlines() == [f"{[registry]} [True]"] * 2
+    assert out.stdout.splitlines() == [f"{[registry]} []"] * 2
     assert list(tmp_path.iterdir()) == []
 
 
@@ -322,7 +308,7 @@ def test_the_registry_folder_goes_at_exit(tmp_path: Path) -> None:
 )
 def test_a_path_reaches_the_guardian_byte_for_byte(path: str) -> None:
     """What ``printf %b`` (the guardian's shell) reads back from a registration
-    line is the path itself - on the plain-name fast path (#26) and for every
+    line is the path itself - on the plain-name fast path and for every
     other byte."""
     from aiolaunch._workers._guardian import _escape
 
@@ -334,87 +320,3 @@ def test_a_path_reaches_the_guardian_byte_for_byte(path: str) -> None:
         ["/bin/sh", "-c", 'printf %b "$1"', "sh", line], capture_output=True, check=True
     ).stdout
     assert out == os.fsencode(path)
-
-
-_SPARES = """
-import asyncio, json, os, stat, sys, tempfile
-import aiolaunch
-
-tmp = tempfile.gettempdir()
-reg = os.path.join(tmp, f"aiolaunch-{os.getuid()}")
-out = {}
-
-def spares():
-    names = os.listdir(reg) if os.path.isdir(reg) else []
-    return [os.path.join(reg, n) for n in names if n.startswith(f".spare-{os.getpid()}-")]
-
-async def group(code="true"):
-    ctx = await aiolaunch.start_processes("s", "/bin/sh", {0: ("-c", code)}, {0: {}})
-    root = os.path.dirname(ctx.error_files[0])
-    ino = os.stat(root).st_ino
-    await ctx.wait()
-    await ctx.close()
-    return root, ino
-
-async def main():
-    root1, ino1 = await group()
-    out["root1_gone"] = not os.path.exists(root1)
-    (spare,) = spares()
-    st = os.lstat(spare)
-    out["spare"] = [st.st_ino == ino1, stat.S_ISDIR(st.st_mode), stat.S_IMODE(st.st_mode), os.listdir(spare)]
-    pid = os.fork()
-    if pid == 0:  # a forked child makes its own root; its parent's spare is not its own
-        _, ino_child = asyncio.run(group())
-        os._exit(0 if ino_child != ino1 and os.path.isdir(spare) else 3)
-    out["child"] = os.waitpid(pid, 0)[1]
-    root2, ino2 = await group()
-    out["reused"] = [ino2 == ino1, root2 != root1, len(spares())]
-    # A group whose root keeps files (a failure's error file, its report) keeps them there.
-    root3, _ = await group("echo '{}' > \\"$TORCHELASTIC_ERROR_FILE\\"; exit 1")
-    out["kept"] = [sorted(os.listdir(root3)), len(spares())]
-    print(json.dumps(out))
-
-asyncio.run(main())
-"""
-
-
-def test_an_emptied_temp_root_is_the_next_groups_and_goes_at_exit(tmp_path: Path) -> None:
-    """A group's temporary root that ends empty is renamed aside (no rmdir: a
-    synchronous discard on this project's hosts) and becomes the next group's
-    root - the same folder, by inode - never a forked child's; a root that
-    holds a file stays where it is; at exit nothing is left."""
-    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
-    env["TMPDIR"] = str(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-c", _SPARES], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out["root1_gone"]
-    assert out["spare"] == [True, True, 0o700, []]
-    assert out["child"] == 0
-    assert out["reused"] == [True, True, 1]
-    kept = ["error-0.json", "report.json", "report.txt"]
-    assert out["kept"] == [kept, 0]  # the spare was its root, kept now
-    # The parent removed its own at exit; the forked child ended with os._exit
-    # (no atexit): its guardian removes its spare once it saw the child gone.
-    registry = tmp_path / f"aiolaunch-{os.getuid()}"
-    deadline = time.monotonic() + 30
-    while registry.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # allowed: the child's guardian works after the child exited
-    left = sorted(p.name for p in tmp_path.iterdir())
-    assert len(left) == 1 and left[0].startswith("aiolaunch_s_"), left  # the kept root only
-    assert sorted(os.listdir(tmp_path / left[0])) == kept
-
-
-def test_a_spare_is_never_put_in_a_folder_others_can_enter(private_tmp: Path) -> None:
-    """A per-user folder open to others (planted in a shared /tmp, say) gets
-    no spare: the root is removed as before."""
-    from aiolaunch._logs._specs import make_temp_dir, prune_empty_dirs
-
-    folder = private_tmp / f"aiolaunch-{os.getuid()}"
-    folder.mkdir(mode=0o755)
-    folder.chmod(0o755)
-    root = make_temp_dir("aiolaunch_t_")
-    assert prune_empty_dirs([root]) is None
-    assert not os.path.exists(root) and list(folder.iterdir()) == []

@@ -41,9 +41,26 @@ def test_from_str_ranks_of_several_digits() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "4", "-1", "03", "ALL", "0:4", "0:", ":3", "0:3,", ",0:3", "0:3;1:0", " 3", "3\n",
-     "0:3, 1:0", "a:1", "0:3:1", "0=3"],
-)  # fmt: skip
+    [
+        "",
+        "4",
+        "-1",
+        "03",
+        "ALL",
+        "0:4",
+        "0:",
+        ":3",
+        "0:3,",
+        ",0:3",
+        "0:3;1:0",
+        " 3",
+        "3\n",
+        "0:3, 1:0",
+        "a:1",
+        "0:3:1",
+        "0=3",
+    ],
+)
 def test_from_str_rejects_bad_input_naming_it(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid Std setting") as info:
         Std.from_str(bad)

@@ -323,9 +323,14 @@ async def test_function_worker(mode: str, tmp_path: Path) -> None:
         assert value["tag"] == tag and value["x"] == str(r) and value["leader"]
         assert value["name"] == f"fn{r}" and value["argv"] == sys.argv
     async with aiolaunch.start_processes(
-        name="fn", entrypoint=fn_fail, args={0: ()}, envs={0: {}},
-        log_dir=str(tmp_path / "b"), redirects=Std.ALL, preload=preload(mode),
-    ) as ctx:  # fmt: skip
+        name="fn",
+        entrypoint=fn_fail,
+        args={0: ()},
+        envs={0: {}},
+        log_dir=str(tmp_path / "b"),
+        redirects=Std.ALL,
+        preload=preload(mode),
+    ) as ctx:
         result = await ctx.wait()
     assert result is not None
     assert result.failures[0].error_file_data["message"]["message"] == (
@@ -365,10 +370,15 @@ async def test_sigterm_from_close_stops_it(mode: str, tmp_path: Path) -> None:
         tmp_path, "wait.py", "import time\nprint('up', flush=True)\ntime.sleep(60)"
     )
     ctx = await aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable, args={0: (*BOOT, str(script))}, envs={0: {}},
-        log_dir=str(tmp_path / "logs"), redirects=Std.ALL, preload=preload(mode),
+        name="w",
+        entrypoint=sys.executable,
+        args={0: (*BOOT, str(script))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
+        preload=preload(mode),
         ready=aiolaunch.ReadyLine("up"),
-    )  # fmt: skip
+    )
     async with ctx:
         await ctx.wait_ready(timeout=60)
         pid = ctx.pids()[0]
@@ -391,10 +401,15 @@ stuck_in_here()
 async def test_stacks_of_a_worker(mode: str, tmp_path: Path) -> None:
     script = write_script(tmp_path, "stuck.py", STUCK)
     ctx = await aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable, args={0: (*BOOT, str(script))}, envs={0: {}},
-        log_dir=str(tmp_path / "logs"), redirects=Std.ALL, preload=preload(mode),
+        name="w",
+        entrypoint=sys.executable,
+        args={0: (*BOOT, str(script))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
+        preload=preload(mode),
         ready=aiolaunch.ReadyLine("up"),
-    )  # fmt: skip
+    )
     async with ctx:
         await ctx.wait_ready(timeout=60)
         stacks = await ctx.dump_stacks(timeout=30)
@@ -418,11 +433,15 @@ async def test_zygote_killed_mid_run_takes_nothing_along(
     script = write_script(tmp_path, "hold.py", HOLD)
     go = tmp_path / "go"
     ctx = await aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable,
+        name="w",
+        entrypoint=sys.executable,
         args={0: (*BOOT, str(script), str(go), "0"), 1: (*BOOT, str(script), str(go), "4")},
-        envs={0: {}, 1: {}}, log_dir=str(tmp_path / "a"), redirects=Std.ALL,
-        preload=["json"], ready=aiolaunch.ReadyLine("up"),
-    )  # fmt: skip
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path / "a"),
+        redirects=Std.ALL,
+        preload=["json"],
+        ready=aiolaunch.ReadyLine("up"),
+    )
     async with ctx:
         await ctx.wait_ready(timeout=60)
         pids = ctx.pids()
@@ -456,10 +475,13 @@ async def test_a_preload_that_fails_to_import_names_it_before_any_worker(
     marker = tmp_path / "ran"
     with pytest.raises(ImportError, match=r"(?s)'warm_broken_mod'.*no_such_dependency_xyz") as info:
         await aiolaunch.start_processes(
-            name="w", entrypoint=sys.executable,
+            name="w",
+            entrypoint=sys.executable,
             args={0: (*BOOT, str(write_script(tmp_path, "t.py", f"open({str(marker)!r}, 'w')")))},
-            envs={0: {}}, log_dir=str(tmp_path / "logs"), preload=["warm_broken_mod"],
-        )  # fmt: skip
+            envs={0: {}},
+            log_dir=str(tmp_path / "logs"),
+            preload=["warm_broken_mod"],
+        )
     assert info.value.name == "warm_broken_mod"
     assert "--no-preload" in str(info.value)
     assert not marker.exists()  # no worker ran
@@ -497,10 +519,14 @@ async def test_a_zygote_no_longer_safe_to_fork_falls_back(
     code = "import os, sys; print(os.getppid(), 'warm_threaded_mod' in sys.modules)"
     script = write_script(tmp_path, "pp.py", code)
     ctx = await aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable, args={0: (*BOOT, str(script)), 1: (*BOOT, str(script))},
-        envs={0: {}, 1: {}}, log_dir=str(tmp_path / "logs"), redirects=Std.ALL,
+        name="w",
+        entrypoint=sys.executable,
+        args={0: (*BOOT, str(script)), 1: (*BOOT, str(script))},
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=Std.ALL,
         preload=["warm_threaded_mod"],
-    )  # fmt: skip
+    )
     async with ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()
@@ -599,6 +625,42 @@ def test_cli_preload_flags(tmp_path: Path) -> None:
         with driver([*base, *flags, str(script)]) as proc:
             _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and words in err, err
+
+
+def test_cli_preload_of_a_module_beside_the_script(tmp_path: Path) -> None:
+    # `python proj/train.py` imports proj/cfgmod.py (the script's folder is
+    # sys.path[0]): --preload cfgmod finds it there too, from another folder.
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    imports = tmp_path / "imports"
+    write_script(
+        proj, "cfgmod.py", f"import os\nopen({str(imports)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+    )
+    write_script(
+        proj,
+        "train.py",
+        "import os, sys\nprint('cfgmod' in sys.modules, os.getppid(), flush=True)\n",
+    )
+    argv = [sys.executable, "-m", "aiolaunch", "--nproc-per-node", "2", "--tee", "3"]
+    with driver([*argv, "--preload", "cfgmod", "proj/train.py"], cwd=tmp_path) as proc:
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "install it" not in err
+    rows = [line.split(":", 1)[1].split() for line in out.splitlines() if ":" in line]
+    assert len(rows) == 2 and all(preloaded == "True" for preloaded, _ in rows), out
+    assert len({ppid for _, ppid in rows}) == 1 and rows[0][1] != str(proc.pid)  # one zygote
+    assert len(imports.read_text().split()) == 1  # imported once, by that zygote
+
+
+def test_cli_preload_of_a_module_nowhere_names_both_places(tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    write_script(proj, "train.py", "pass\n")
+    argv = [sys.executable, "-m", "aiolaunch", "--preload", "cfgmod_nowhere", "proj/train.py"]
+    with driver(argv, cwd=tmp_path) as proc:
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert f"no module named 'cfgmod_nowhere' is installed, nor in {proj}" in err
 
 
 AGENT_RESTART = """

@@ -16,7 +16,7 @@ from ._kinds import MultiprocessContext, SubprocessContext
 from ._live._metrics import closed_on_error, metrics_binder
 from ._logs import LogWiring
 from ._logs._filters import check_filters
-from ._logs._specs import LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
+from ._logs._specs import LogsDest, LogsSpecs, make_temp_dir, plain_logs_dest, prune_empty_dirs
 from ._ready import ReadinessProbe
 from ._restart import RestartPolicy
 from ._results import root_cause
@@ -284,14 +284,17 @@ def start_processes(
         default=DEFAULT_SIGNALS_TO_HANDLE,
     )
     only_forwarded = resolve_signals(
-        forward_signals, what="forward_signals", env=FORWARD_SIGNALS_ENV, default="",
+        forward_signals,
+        what="forward_signals",
+        env=FORWARD_SIGNALS_ENV,
+        default="",
         strict_env=True,  # a typo would let the preemption signal kill the supervisor
-    )  # fmt: skip
+    )
     warm = None
     if preload is not None and preload is not False:
-        from ._warm._preload import resolve_preload
+        from ._warm._preload import resolve_preload, workers_folder
 
-        warm = resolve_preload(preload)
+        warm = resolve_preload(preload, folder=workers_folder(entrypoint, args[0]))
     nprocs = len(args)
     probes = _per_rank("ready", ready, ReadinessProbe, nprocs)
     policies = _per_rank("restart", restart, RestartPolicy, nprocs)
@@ -310,13 +313,11 @@ def start_processes(
 
     def build(metrics: socket.socket | None) -> PContext:
         if logs_specs is not None:
-            dest = logs_specs.reify(envs_)
+            dest = LogsDest.of(logs_specs.reify(envs_))
         elif log_dir is None:
             folder = make_temp_dir(f"aiolaunch_{name}_")  # the guardian knows it too
             try:
-                dest = plain_logs_dest(
-                    folder, envs_, redirects, tee, background=True, flat_errors=True
-                )
+                dest = plain_logs_dest(folder, envs_, redirects, tee, flat_errors=True)
             except BaseException:
                 prune_empty_dirs([folder])
                 raise
@@ -328,7 +329,7 @@ def start_processes(
             except OSError as exc:
                 # e.g. a read-only or virtual filesystem that access() misses (root)
                 raise log_dir_error("log_dir", folder, exc) from exc
-            dest = plain_logs_dest(folder, envs_, redirects, tee, background=True)
+            dest = plain_logs_dest(folder, envs_, redirects, tee)
         common: dict[str, Any] = {
             "name": name,
             "entrypoint": entrypoint,
@@ -356,14 +357,9 @@ def start_processes(
             from ._warm._zygote import zygote_for
 
             common["zygote"] = zygote_for(warm, shared_load_env(envs_), spares=nprocs)
-        try:
-            if isinstance(entrypoint, str):
-                return SubprocessContext(**common)
-            return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
-        except BaseException:
-            if (rank_dirs := getattr(dest, "rank_dirs", None)) is not None:
-                rank_dirs.close()  # no folder appears once the call failed
-            raise
+        if isinstance(entrypoint, str):
+            return SubprocessContext(**common)
+        return MultiprocessContext(fn_bytes=fn_bytes, args_bytes=args_bytes, **common)
 
     return _Starting(make, name)
 

@@ -138,7 +138,7 @@ class DelayedTask:
     """``run()`` as a task of its own, ``delay`` seconds from now (on the
     running loop); :meth:`stop` ends it either way. Until then only a timer
     handle: stopping it sooner cancels the handle - no task was made, none
-    to unwind (``close()`` right after a start, #26)."""
+    to unwind (``close()`` right after a start)."""
 
     __slots__ = ("_handle", "_run", "_task")
 

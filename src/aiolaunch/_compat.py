@@ -1,13 +1,13 @@
 """Every use of CPython internals and version differences, each behind one function.
 
 aiolaunch relies on a few private details of :mod:`asyncio` (a task's
-pending cancellations before 3.11, resetting the running loop in a forked
-child; its signal internals are ``_signals/_compat.py``'s) and of
-:mod:`multiprocessing` (a process's ``_popen``, the
-``_children`` registry, ``DupFd`` while spawning, the spawn preparation data,
-the resource tracker's and forkserver's pid and fd), and ``os.environ``'s
-encoded mapping. Keeping each access here means a CPython change breaks one
-small function with a test (``tests/test_compat.py``), not the supervisor;
+pending cancellations before 3.11; its signal internals are
+``_signals/_compat.py``'s) and of :mod:`multiprocessing` (a process's
+``_popen``, the ``_children`` registry, the spawn preparation data, the
+resource tracker's and forkserver's pid and fd), and ``os.environ``'s encoded
+mapping. What a worker needs of them is in ``_child/_compat.py``. Keeping
+each access here means a CPython change breaks one small function with a
+test (``tests/test_compat.py``), not the supervisor;
 where it can, a function degrades to "not found" rather than raising when the
 detail is missing.
 
@@ -29,11 +29,7 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
 __all__ = [
-    "clear_running_loop",
-    "dup_fd_for_child",
     "environ_data",
-    "exit_finalizers",
-    "exit_steps",
     "forget_child",
     "multiprocessing_helpers",
     "process_popen",
@@ -95,23 +91,6 @@ def forget_child(process: BaseProcess) -> None:
     children = getattr(multiprocessing.process, "_children", None)
     if isinstance(children, set):
         children.discard(process)
-
-
-def dup_fd_for_child(fd: int) -> Any:
-    """What to pickle so that the process being spawned receives a copy of
-    ``fd``: the spawning ``Popen``'s ``DupFd`` (an inherited fd under fork, a
-    passed one under forkserver, a kept-open one under spawn). Only callable
-    while a process is being spawned (from ``__reduce__``); unpickle the result
-    with its ``detach()``.
-
-    :raises RuntimeError: no process is being spawned in this thread.
-    """
-    from multiprocessing import context
-
-    popen = context.get_spawning_popen()
-    if popen is None:
-        raise RuntimeError("a file descriptor can only be pickled while spawning a process")
-    return popen.DupFd(popen.duplicate_for_child(fd))
 
 
 def multiprocessing_helpers() -> tuple[set[int], set[int]]:
@@ -178,41 +157,3 @@ def spawn_without_main() -> Iterator[None]:
         yield
     finally:
         _prep_state.active = depth
-
-
-# -- asyncio -----------------------------------------------------------------
-
-
-def clear_running_loop() -> None:
-    """Forget the running loop this thread inherited through ``fork()``: before
-    3.12 a forked child still sees its parent's running loop
-    (``asyncio.events._set_running_loop(None)``)."""
-    import asyncio.events
-
-    asyncio.events._set_running_loop(None)
-
-
-def exit_steps() -> None:
-    """The first steps of the interpreter's exit (``Py_FinalizeEx``), run now.
-
-    Join the non-daemon threads (``threading._shutdown``), then run the
-    ``atexit`` callbacks (``atexit._run_exitfuncs``, which empties the list:
-    the interpreter would not run them twice). For a worker forked from the
-    zygote that ends without tearing the zygote's modules down.
-    """
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    import atexit
-
-    run = getattr(atexit, "_run_exitfuncs", None)
-    if run is not None:
-        run()
-
-
-def exit_finalizers() -> list[Any]:
-    """The live ``weakref.finalize`` objects that would run at exit (``finalize._registry``)."""
-    import weakref
-
-    registry = getattr(weakref.finalize, "_registry", {})
-    return [f for f in registry if f.atexit]

@@ -44,7 +44,7 @@ from ._logs._folder import GroupFolder
 from ._ready import Readiness, ReadinessProbe
 from ._restart import RestartPolicy, Restarts
 from ._validate import check_seconds, check_signal
-from ._workers._proc import new_context_token
+from ._workers._processes import new_context_token
 
 if TYPE_CHECKING:
     import socket
@@ -104,7 +104,7 @@ class PContext:
         self._logs = logs
         self._state = state = GroupState(name, self.nprocs)
         self._bus = bus = EventBus()
-        folder = GroupFolder(getattr(logs.dest, "root", ""), self.error_files)
+        folder = GroupFolder(logs.dest.root, self.error_files)
         restarts = Restarts(restart or {}, state, bus=bus)
         self._readiness = Readiness(state, ready or {}, bus=bus, error_files=self.error_files)
         self._hangs = HangObserver(
@@ -115,6 +115,7 @@ class PContext:
             stderrs=self.stderrs,
             emit=bus.emit,
             restartable=restarts.has_policy,
+            unread=logs.unread,
         )
         live = LiveObserver(
             state,

@@ -37,7 +37,7 @@ from ._errors import SignalException
 from ._events import group_stopped
 from ._results import build_result
 from ._terminate import Escalation, sweep_tagged, terminate
-from ._workers._proc import CONTEXT_ENV
+from ._workers._processes import CONTEXT_ENV
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -280,9 +280,9 @@ class GroupEnding:
                     await observer.before_stop()
             await self._stop_observers()
             workers = self._state.workers()
-            # Before the stop: workers it signals are stopped on purpose, not failed.
-            failed = self._state.failed_ranks()
             await self._stop(workers, death_sig, grace, decided)
+            # Those it signalled were stopped on purpose, unless failing on their own.
+            failed = self._state.failed_ranks()
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit) as exc:
             # Cut short: by the loop's teardown (its cancellation; callers
             # await this task shielded) or a KeyboardInterrupt raised into it

@@ -239,6 +239,11 @@ class EventBus:
     def iterate(self, *, lines: bool = False, maxsize: int = 10_000) -> AsyncIterator[Event]:
         """A new consumer's iterator; arguments are checked here, at the call.
 
+        At its first step it replays the history whole, then yields what
+        came after, through a buffer of ``maxsize`` events: when it falls
+        behind, the oldest are dropped and an :class:`EventsDropped` says
+        how many.
+
         :raises TypeError: ``maxsize`` is not an int.
         :raises ValueError: ``maxsize`` is below 1.
         """
@@ -255,13 +260,20 @@ class EventBus:
 
     async def _iterate(self, *, lines: bool, maxsize: int) -> AsyncIterator[Event]:
         sub = _Subscriber(maxsize, lines)
-        for event in self.history:
-            sub.put(event)
+        # The history is replayed whole, before anything newer: the buffer
+        # (maxsize) holds what comes after. A lines consumer's arrival may
+        # feed it at once every line already in a log file (lines_wanted):
+        # those must not push the group's start out of its replay.
+        backlog = list(self.history)
         self._subscribers.append(sub)
         if lines:
             self.wants_lines += 1
             self.lines_wanted()
         try:
+            for event in backlog:
+                yield event
+                if isinstance(event, GroupStopped):
+                    return
             while True:
                 if not sub.queue:
                     if self.closed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from ._child._bootstrap import BOOTSTRAP
 from ._compat import environ_data
 from ._context import PContext
 
@@ -67,8 +68,20 @@ class BinarySpawner:
 
             forked = await spawn_script(self._zygote, rank, argv, env, stdout, stderr)
             if forked is not None:
+                forked.records_exceptions = True  # the zygote runs it through the bootstrap
                 return forked
-        return await spawn_binary(rank, argv, env, stdout, stderr)
+        handle = await spawn_binary(rank, argv, env, stdout, stderr)
+        handle.records_exceptions = runs_bootstrap(argv)
+        return handle
+
+
+def runs_bootstrap(argv: list[str]) -> bool:
+    """Whether ``argv`` runs Python through aiolaunch's bootstrap (the CLI's
+    command line), which records the program's uncaught exception."""
+    rest = argv[1:]
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    return rest[:2] == ["-m", BOOTSTRAP]
 
 
 _environ_cache: tuple[dict[Any, Any], dict[str, str]] | None = None

@@ -13,7 +13,6 @@ The two kinds of group differ only in their spawner
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Protocol
 
 from ._events import worker_exited, worker_started
@@ -29,11 +28,6 @@ if TYPE_CHECKING:
     from ._workers._handle import WorkerHandle
 
 __all__ = ["RankLauncher", "Spawner"]
-
-# A vfork child execs on the CPU its parent ran on, and the parent wakes up
-# there too: yielding right after the last rank's spawn gives that worker the
-# CPU before the bookkeeping that follows here and in wait()'s set-up.
-_sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
 class Spawner(Protocol):
@@ -92,8 +86,7 @@ class RankLauncher:
         block's end on, and closed if the spawn fails."""
         async with self._logs.open(rank) as streams:
             handle = await self._spawner.spawn(rank, self.env(rank), streams.stdout, streams.stderr)
-            if rank == self._state.nprocs - 1:
-                _sched_yield()  # the last worker runs now (see _sched_yield)
+            handle.error_file = self._logs.dest.error_files.get(rank, "")
             self._state.started(handle)
             self._bus.emit(worker_started(handle))
             for observer in self._observers:

@@ -296,7 +296,8 @@ def build_result(
         e.g. a function worker that exited 0 without returning) gets that
         reason written as its error file. A failure the worker did not
         record itself is timestamped with the moment its exit was detected
-        (sub-second), not when this runs. A function worker that died
+        (sub-second), not when this runs. A worker that records its
+        exceptions (a function, a script run by the bootstrap) that died
         without a Python exception (``os._exit``, a signal) gets its exit
         code or signal and the last lines of its stderr log as ``message``
         (not torch's "decorate with @record" hint).
@@ -326,8 +327,9 @@ def build_result(
             and w.failure_reason is None
             and w.records_exceptions
         ):
-            # "Decorate with @record" cannot help a function worker: it
-            # records every exception it raises. It died without one.
+            # "Decorate with @record" cannot help a function worker or a
+            # script run by the bootstrap: each records every exception it
+            # raises. It died without one.
             failure.message = _died_without_exception(failure, stderrs.get(rank, ""))
         failures[rank] = failure
     return_values: dict[int, Any] = {}
@@ -352,8 +354,8 @@ def _died_without_exception(failure: ProcessFailure, stderr: str) -> str:
     else:
         text = (
             f"local rank {failure.local_rank} (pid {failure.pid}) exited with code "
-            f"{failure.exitcode} without raising a Python exception (os._exit(), or a "
-            "crash in native code)"
+            f"{failure.exitcode} without raising a Python exception (sys.exit("
+            f"{failure.exitcode}), os._exit(), or a crash in native code)"
         )
     lines = tail_lines(stderr, STDERR_TAIL_LINES)
     if lines:

@@ -15,10 +15,12 @@ import logging
 import math
 import os
 import signal
+import time
 from typing import TYPE_CHECKING
 
 from ._cancel import move_on_after
-from ._workers._proc import ProcTable, find_tagged, open_exit_fd, proc_pids, read_stat
+from ._workers._proc import proc_pids, read_stat
+from ._workers._processes import ProcTable, find_tagged, open_exit_fd
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["Escalation", "sweep_tagged", "terminate"]
 
 logger = logging.getLogger("aiolaunch")
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 # Bound for processes to vanish after SIGKILL (a process in uninterruptible
 # sleep can take a moment; we never wait forever).
@@ -45,7 +49,7 @@ class Escalation:
 
     Waiting grace periods hook a callback (:meth:`on_set`) instead of a
     waiter task each: the wait needs no task of its own (close() of a small
-    group spent ~0.1 ms of its ~1.5 starting and unwinding two; #26).
+    group spent ~0.1 ms of its ~1.5 starting and unwinding two).
     """
 
     __slots__ = ("_callbacks", "_set")
@@ -151,12 +155,16 @@ async def terminate(
        the grace period ran out - and wait for it to vanish.
 
     Workers signalled here are marked ``stopped_by_us``: their exits are not
-    failures. Never raises for processes that are already gone.
+    failures - except those that were already failing on their own when
+    signalled: their error file (``error_file``) written since they started
+    (the bootstraps record an exception before the traceback and the
+    teardown). Signalled too, their exits stay failures of their own. Never
+    raises for processes that are already gone.
     """
     death_sig = signal.Signals(death_sig)
     alive = [w for w in workers if w.alive]
     for w in alive:
-        w.stopped_by_us = True
+        w.stopped_by_us = not _failing_on_its_own(w)
     leftovers = _leftover_candidates(workers)
     since = min((w.pid for w in workers), default=0)
     table = ProcTable(since, [w.pid for w in alive]) if (alive or leftovers) else None
@@ -325,7 +333,7 @@ async def _scan_tagged(token: str, since: int, exclude: Sequence[int]) -> set[in
     in a thread: a thread waits for the GIL before each of its small
     syscalls while the loop is busy (the convoy effect: one switch interval,
     5 ms, per syscall beside a CPU-bound asyncio task), which made close()
-    of 64 exited workers take seconds (issue #27 item 5).
+    of 64 exited workers take seconds.
     """
     pids = proc_pids(since)
     found: set[int] = set()
@@ -371,3 +379,25 @@ def _alive_pids(pids: set[int]) -> set[int]:
         if stat is not None and stat.alive:
             alive.add(pid)
     return alive
+
+
+def _failing_on_its_own(w: WorkerHandle) -> bool:
+    """Whether ``w`` wrote its error file since it started: it recorded an
+    exception (the bootstraps do before they print the traceback and tear
+    down), its exit under way. ``False`` without an error file, or once the
+    process is gone (a file of an earlier incarnation is older than it)."""
+    path = w.error_file
+    if not path or path == os.devnull:
+        return False
+    try:
+        written = os.stat(path).st_mtime
+    except OSError:
+        return False
+    stat = read_stat(w.pid)
+    boot = getattr(time, "CLOCK_BOOTTIME", None)
+    if stat is None or boot is None:
+        return False
+    started = time.time() - time.clock_gettime(boot) + stat.starttime / _CLK_TCK
+    # The start time comes in clock ticks (10 ms): the margin keeps a file
+    # written in the process's first tick.
+    return written >= started - 0.02

@@ -119,10 +119,14 @@ if __name__ == "__main__":
 async def test_a_dataloader_with_worker_processes(tmp_path: Path) -> None:
     script = write_script(tmp_path, "dl.py", DATALOADER)
     async with aiolaunch.start_processes(
-        name="dl", entrypoint=sys.executable,
-        args={0: ("-u", "-m", "aiolaunch._child._bootstrap", str(script))}, envs={0: {}},
-        log_dir=str(tmp_path / "logs"), redirects=aiolaunch.Std.ALL, preload=["torch"],
-    ) as ctx:  # fmt: skip
+        name="dl",
+        entrypoint=sys.executable,
+        args={0: ("-u", "-m", "aiolaunch._child._bootstrap", str(script))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=aiolaunch.Std.ALL,
+        preload=["torch"],
+    ) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed(), (
         tmp_path / "logs/0/stderr.log"
@@ -147,10 +151,14 @@ async def test_a_preload_that_runs_an_op_is_refused(
         tmp_path, "w.py", "import os, torch; print(os.getppid(), torch.ones(64, 64).sum().item())"
     )
     async with aiolaunch.start_processes(
-        name="w", entrypoint=sys.executable,
-        args={0: ("-u", "-m", "aiolaunch._child._bootstrap", str(script))}, envs={0: {}},
-        log_dir=str(tmp_path / "logs"), redirects=aiolaunch.Std.ALL, preload=["warm_op_mod"],
-    ) as ctx:  # fmt: skip
+        name="w",
+        entrypoint=sys.executable,
+        args={0: ("-u", "-m", "aiolaunch._child._bootstrap", str(script))},
+        envs={0: {}},
+        log_dir=str(tmp_path / "logs"),
+        redirects=aiolaunch.Std.ALL,
+        preload=["warm_op_mod"],
+    ) as ctx:
         result = await ctx.wait()
     assert result is not None and not result.is_failed()
     assert (tmp_path / "logs/0/stdout.log").read_text() == f"{os.getpid()} 4096.0\n"

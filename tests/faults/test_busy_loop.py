@@ -48,9 +48,12 @@ async def test_close_of_64_exited_workers_beside_a_busy_task(tmp_path: Path) -> 
     burner = asyncio.ensure_future(_burn(stop))
     try:
         async with aiolaunch.start_processes(
-            "b", "/bin/true", {r: () for r in range(64)}, {r: {} for r in range(64)},
+            "b",
+            "/bin/true",
+            {r: () for r in range(64)},
+            {r: {} for r in range(64)},
             log_dir=tmp_path / "logs",
-        ) as ctx:  # fmt: skip
+        ) as ctx:
             result = await asyncio.wait_for(ctx.wait(), 60)
             assert result is not None and not result.is_failed()
             before = len(executor.submitted)

@@ -498,7 +498,7 @@ async def test_a_sweep_cancelled_in_its_grace_period_kills_and_waits() -> None:
     that is gone: a process already exiting no longer shows the token, so a
     re-scan after the cancellation could miss it and leave it beside the run's end."""
     from aiolaunch._terminate import sweep_tagged
-    from aiolaunch._workers._proc import CONTEXT_ENV
+    from aiolaunch._workers._processes import CONTEXT_ENV
 
     token = f"test-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, CONTEXT_ENV: token}
@@ -620,9 +620,13 @@ async def test_descendant_born_after_the_pid_counter_wrapped_is_stopped(tmp_path
     child = 0
     try:
         async with aiolaunch.start_processes(
-            "w", sys.executable, {0: (str(script), str(go), str(out))}, {0: {}},
-            log_dir=str(tmp_path / "logs"), shutdown_timeout=1,
-        ) as ctx:  # fmt: skip
+            "w",
+            sys.executable,
+            {0: (str(script), str(go), str(out))},
+            {0: {}},
+            log_dir=str(tmp_path / "logs"),
+            shutdown_timeout=1,
+        ) as ctx:
             worker = ctx.pids()[0]
             last_pid.write_text("300")  # the next pids come from 301 on: a wrap
             go.touch()
@@ -787,9 +791,14 @@ async def test_a_crash_dump_goes_to_the_workers_own_stderr(
             faulthandler.enable(file=f)
         try:
             async with aiolaunch.start_processes(
-                "segv", crash_segv_with_faulthandler, {0: ()}, {0: {}},
-                log_dir=tmp_path / "logs", redirects=Std.ERR, start_method=start_method,
-            ) as ctx:  # fmt: skip
+                "segv",
+                crash_segv_with_faulthandler,
+                {0: ()},
+                {0: {}},
+                log_dir=tmp_path / "logs",
+                redirects=Std.ERR,
+                start_method=start_method,
+            ) as ctx:
                 result = await asyncio.wait_for(ctx.wait(), 60)
         finally:
             if ours:

@@ -216,8 +216,11 @@ def test_the_console_thread_runs_nicer_than_the_supervisor(
         pytest.skip("the test process itself runs under nice")
     p = subprocess.run(
         [sys.executable, "-c", NICENESS_PROBE, str(start)],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     assert "[n0]:hi" in p.stdout
     assert f"niceness {start} {console}" in p.stderr, p.stderr

@@ -130,9 +130,14 @@ async def test_an_inotify_instance_only_where_a_file_is_followed(
     # needs no watch: no fd, no loop reader. A tee follows the files.
     before = _inotify_fds()
     async with aiolaunch.start_processes(
-        "i", "/bin/sh", {r: ("-c", "sleep 30") for r in range(2)}, {0: {}, 1: {}},
-        log_dir=tmp_path, redirects=redirects, tee=tee,
-    ):  # fmt: skip
+        "i",
+        "/bin/sh",
+        {r: ("-c", "sleep 30") for r in range(2)},
+        {0: {}, 1: {}},
+        log_dir=tmp_path,
+        redirects=redirects,
+        tee=tee,
+    ):
         assert len(_inotify_fds() - before) == made
     await _until(lambda: not _inotify_fds() - before, "the group's inotify fd to be closed")
 

@@ -15,8 +15,10 @@ A session, step by step (the supervisor's side is ``aiolaunch/_live/_attach.py``
    connects, and starts pdb on the *interrupted* frame at once - a prompt
    even while the rank blocks, ``where`` shows where it is;
 3. ``continue`` with no breakpoint left, ``quit`` and end-of-file all detach:
-   tracing off, the socket closed, the rank carries on where it was (a sleep
-   resumes). ``next``/``step``/breakpoints keep the session, as in pdb.
+   tracing off, :data:`DETACHED` sent, the socket closed, the rank carries on
+   where it was (a sleep resumes). ``next``/``step``/breakpoints keep the
+   session, as in pdb. A session that closes without :data:`DETACHED` ended
+   with the rank.
 
 Nothing that goes wrong in a session (the client vanishing, a closed socket)
 reaches the rank's own code: the channel swallows socket errors and reads
@@ -35,12 +37,15 @@ if TYPE_CHECKING:
     from types import FrameType
     from typing import Any
 
-__all__ = ["ATTACH_SIGNAL", "WAITING", "register"]
+__all__ = ["ATTACH_SIGNAL", "DETACHED", "WAITING", "register"]
 
 #: the signal that asks a worker to connect for a session (SIGRTMIN+6 on Linux)
 ATTACH_SIGNAL: int = getattr(signal, "SIGRTMIN", 34) + 6
 #: sent after each prompt: pdb waits for a line now
 WAITING = b"\0"
+#: sent last when the session detaches (the rank goes on): a session that
+#: closes without it ended with the rank (killed, exited, the job stopped)
+DETACHED = b"\4"
 
 _directory: list[str] = []
 
@@ -93,18 +98,21 @@ class _Channel:
         self.sock: socket.socket | None = sock
         self._in = b""
         self._out: list[str] = []
+        self._eof = False
 
     def readline(self) -> str:
         self.flush(waiting=True)
         while b"\n" not in self._in:
             chunk = b""
-            if self.sock is not None:
+            if self.sock is not None and not self._eof:
                 try:
                     chunk = self.sock.recv(4096)
                 except OSError:
                     chunk = b""
             if not chunk:
-                self.close()
+                # End of file: pdb detaches on it (do_EOF), and says so, with
+                # DETACHED, to a client that only closed its sending side.
+                self._eof = True
                 line, self._in = self._in, b""
                 return line.decode("utf-8", "replace")
             self._in += chunk
@@ -127,8 +135,10 @@ class _Channel:
     def isatty(self) -> bool:
         return False
 
-    def close(self) -> None:
+    def close(self, detached: bool = False) -> None:
         if self.sock is not None:
+            if detached:
+                self._out.append(DETACHED.decode())
             self.flush()
             sock, self.sock = self.sock, None
             sock.close()
@@ -146,7 +156,7 @@ def _session(sock: socket.socket, frame: FrameType) -> None:
             super().set_continue()
             if not self.breaks:  # pdb stops tracing: nothing more to show
                 self.detached = True
-                chan.close()
+                chan.close(detached=True)
 
         def do_quit(self, arg: str) -> bool:
             """q(uit) | exit: detach; the rank goes on (it is not stopped)."""

@@ -10,6 +10,12 @@ uncaught exception: its traceback, without the bootstrap's frames, and
 status 1; ``sys.exit(n)``: ``n``; a script that cannot be opened: python's
 one line, status 2).
 
+An uncaught exception is also recorded in the rank's error file
+(``$TORCHELASTIC_ERROR_FILE``) as ``@record`` would record it - type,
+message, traceback - unless the program wrote that file itself
+(:mod:`aiolaunch._child._uncaught`): the failure's message, the summary and
+``report.json`` carry the exception with no decorator in the script.
+
 Before the program starts, :func:`aiolaunch._child._dump_handler.register` installs the
 stack-dump handlers when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
 :func:`aiolaunch._child._attach.register` the ``aiolaunch attach`` one, and
@@ -24,7 +30,11 @@ import os
 import runpy
 import sys
 
-__all__ = ["main"]
+__all__ = ["BOOTSTRAP", "main"]
+
+#: this module's name: a Python worker runs as ``python -u -m`` it ``script ARGS``
+#: (``__name__`` is ``"__main__"`` when it runs so)
+BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 def main(argv: list[str], dumps: bool = True) -> None:
@@ -46,6 +56,9 @@ def main(argv: list[str], dumps: bool = True) -> None:
         register()
         register_attach()  # `aiolaunch attach RANK`: pdb on request
         watch()  # collective records, once the program imports torch
+    from ._uncaught import ErrorFileWatch
+
+    error_file = ErrorFileWatch()  # before the program can write it
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] by the module's path
@@ -66,7 +79,8 @@ def main(argv: list[str], dumps: bool = True) -> None:
         tb = exc.__traceback__
         while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        error_file.record(exc.with_traceback(tb))
+        sys.excepthook(type(exc), exc, tb)
         raise SystemExit(1) from None
     raise SystemExit(0)
 
@@ -87,9 +101,13 @@ def _run_script(path: str) -> None:
         code = compile(f.read(), path, "exec")
     main = type(sys)("__main__")
     main.__dict__.update(
-        __file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None,
+        __file__=path,
+        __cached__=None,
+        __loader__=None,
+        __package__=None,
+        __spec__=None,
         __builtins__=builtins,
-    )  # fmt: skip
+    )
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
 

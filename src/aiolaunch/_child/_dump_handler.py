@@ -23,8 +23,9 @@ Two signals, because threads and asyncio tasks need different code:
 Both handlers are installed with ``SA_RESTART`` (``siginterrupt(sig, False)``),
 so periodic sampling never makes a restartable system call of the program or
 of its C libraries fail with ``EINTR``. The marker ``{dir}/{pid}.ok``, holding
-the process start time, is written once both are in place: the supervisor
-signals only a pid with a current marker whose ``SigCgt`` shows the handler.
+the process start time (a symbolic link: :func:`read_marker`), is made once
+both are in place: the supervisor signals only a pid with a current marker
+whose ``SigCgt`` shows the handler.
 """
 
 from __future__ import annotations
@@ -63,6 +64,24 @@ MAX_DEPTH = 50
 _keep: list[object] = []  # the dump file: faulthandler only borrows its fd
 
 
+_UNKNOWN = "unknown"
+
+
+def read_marker(path: str) -> str:
+    """The start time held by the marker at ``path`` (``""`` when not known).
+
+    :raises OSError: no marker there.
+    """
+    try:
+        started = os.readlink(path)
+    except OSError as exc:
+        if exc.errno != 22:  # EINVAL: a regular file (an older worker's marker)
+            raise
+        with open(path) as f:
+            started = f.read().strip()
+    return "" if started == _UNKNOWN else started
+
+
 def register(directory: str | None = None) -> bool:
     """Install both dump handlers and write the marker; ``False`` if it can't.
 
@@ -97,9 +116,12 @@ def register(directory: str | None = None) -> bool:
             started = start_time()
         except (OSError, IndexError):  # no /proc: the pid alone identifies it
             started = ""
-        with open(marker + ".tmp", "w") as f:
-            f.write(started)
-        os.replace(marker + ".tmp", marker)  # atomic: never a half-written marker
+        # A symbolic link holds the start time: made without a write(), so
+        # the worker's count of written bytes (wchar: its output age where
+        # nothing reads its streams) stays its own program's.
+        tmp = f"{marker}.{os.urandom(4).hex()}.tmp"
+        os.symlink(started or _UNKNOWN, tmp)
+        os.replace(tmp, marker)  # atomic: never a half-made marker
     except (OSError, ValueError, RuntimeError, AttributeError):
         return False
     return True

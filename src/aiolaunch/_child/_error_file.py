@@ -166,8 +166,10 @@ def _enable_faulthandler() -> None:
         )
 
 
-def _record_exception(exc: Exception) -> None:
-    path = os.environ.get(ERROR_FILE_ENV)
+def _record_exception(exc: Exception, path: str | None = None) -> None:
+    """What :func:`record` does with ``exc`` (``path``: default ``$TORCHELASTIC_ERROR_FILE``)."""
+    if path is None:
+        path = os.environ.get(ERROR_FILE_ENV)
     get_first_failure = getattr(exc, "get_first_failure", None)
     if callable(get_first_failure):
         # A ChildFailedError (ours or torch's): pass the root cause's own

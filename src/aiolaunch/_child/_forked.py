@@ -220,7 +220,7 @@ def _end(status_fd: int, code: int, inherited: list[Any]) -> NoReturn:
     CPython does not promise that objects still alive at exit - cycles
     included - are finalized.
     """
-    from .._compat import exit_steps
+    from ._compat import exit_steps
 
     for fin in inherited:
         fin.atexit = False  # the zygote's state: it goes with the process, as its modules
@@ -282,7 +282,7 @@ def _flush_files(namespace: dict[str, Any]) -> None:
 
 def _inherited() -> list[Any]:
     """The ``weakref.finalize`` objects the worker got from the zygote."""
-    from .._compat import exit_finalizers
+    from ._compat import exit_finalizers
 
     return exit_finalizers()
 

@@ -15,7 +15,8 @@ Order matters and is part of the contract:
    result pipe at once, and exit - without waiting for the other ranks.
 
 An exception is written to the error file (torch's JSON) and re-raised as
-exit code 1.
+exit code 1 - unless the function wrote that file itself (``@record``, its
+own data), which is then kept (:mod:`aiolaunch._child._uncaught`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class PassFd:
         self.fd = fd
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from .._compat import dup_fd_for_child
+        from ._compat import dup_fd_for_child
 
         return (_rebuild_fd, (dup_fd_for_child(self.fd),))
 
@@ -181,7 +182,7 @@ def _send_result(fd: int, value: Any) -> None:
 def _reset_asyncio_after_fork() -> None:
     # Python < 3.12 leaves the parent's running loop set in a forked child.
     if "asyncio" in sys.modules:  # else importing _compat would import it
-        from .._compat import clear_running_loop
+        from ._compat import clear_running_loop
 
         clear_running_loop()
 
@@ -199,6 +200,9 @@ def run_worker(spec: ChildSpec) -> None:
     register()  # stack dumps on request (before user code: a hang can come early)
     register_attach()  # `aiolaunch attach RANK`: pdb on request
     watch()  # collective records, once the entrypoint imports torch
+    from ._uncaught import ErrorFileWatch
+
+    error_file = ErrorFileWatch(spec.error_file)  # before the function can write it
     try:
         import cloudpickle
 
@@ -232,13 +236,7 @@ def run_worker(spec: ChildSpec) -> None:
         import traceback
 
         traceback.print_exc()
-        if spec.error_file and spec.error_file != os.devnull:
-            from ._error_file import write_error_file
-
-            try:
-                write_error_file(spec.error_file, exc)
-            except OSError:
-                pass
+        error_file.record(exc)
         sys.stdout.flush()
         sys.stderr.flush()
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["library_loaded", "open_fds", "start_time", "thread_ids"]
+__all__ = ["fd_path", "fd_target", "library_loaded", "open_fds", "start_time", "thread_ids"]
 
 
 def start_time() -> str:
@@ -48,3 +48,18 @@ def open_fds() -> list[int]:
         return [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:  # pragma: no cover - no procfs
         return list(range(256))
+
+
+def fd_path(fd: int) -> str:
+    """A path naming what this process's ``fd`` is open on (a folder's fd: a
+    short path into it, for a unix socket whose own path is too long)."""
+    return f"/proc/self/fd/{fd}"
+
+
+def fd_target(fd: int) -> str | None:
+    """What this process's ``fd`` points to (``"socket:[123]"``, a path...);
+    ``None`` once it is closed, or without procfs."""
+    try:
+        return os.readlink(fd_path(fd))
+    except OSError:
+        return None

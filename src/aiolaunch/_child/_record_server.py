@@ -52,6 +52,7 @@ import os
 import sys
 
 from ._dump_handler import STACKS_DIR_ENV
+from ._proc import fd_path, fd_target, open_fds, start_time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -224,11 +225,9 @@ def _arm(directory: str) -> str | None:
     dir_fd = -1
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        bind = f"/proc/self/fd/{dir_fd}/{socket_name(pid)}"
+        bind = os.path.join(fd_path(dir_fd), socket_name(pid))
     else:
         bind = path
-    from ._proc import open_fds
-
     before = set(open_fds())
     try:
         with _Quiet():
@@ -251,8 +250,6 @@ def _arm(directory: str) -> str | None:
         except Exception:
             nccl = False
     import json
-
-    from ._proc import start_time
 
     try:
         started = start_time()
@@ -301,7 +298,7 @@ def _listener(new_fds: set[int], bound: str) -> int:
 
     for fd in sorted(new_fds):
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            if not (fd_target(fd) or "").startswith("socket:"):
                 continue
             with socket.socket(fileno=os.dup(fd)) as s:
                 if s.family == socket.AF_UNIX and s.getsockname() == bound:
@@ -402,7 +399,7 @@ def _ping(path: str) -> bool:
             dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             return False
-        path = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
+        path = os.path.join(fd_path(dir_fd), os.path.basename(path))
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(2.0)

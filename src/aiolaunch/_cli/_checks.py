@@ -49,12 +49,18 @@ def watchdog_from_args(args: argparse.Namespace) -> Any:
             if value is not None:
                 raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
         return None
-    from .._hangs._watchdog import Watchdog, matches_every_line
+    from .._hangs._watchdog import Watchdog, matches_every_line, stall_after_problem
 
     if not (math.isfinite(args.stall_timeout) and args.stall_timeout > 0):
         raise ValueError(
             f"--stall-timeout={args.stall_timeout} must be a number of seconds > 0, "
             "e.g. --stall-timeout 600"
+        )
+    why = stall_after_problem(args.stall_timeout)
+    if why is not None:
+        raise ValueError(
+            f"--stall-timeout={args.stall_timeout} {why}; pass seconds from 1 to 2592000 "
+            "(30 days), e.g. --stall-timeout 600, or drop the flag for no watchdog"
         )
     if args.progress_regex is not None:
         try:
@@ -128,10 +134,14 @@ def signal_environ(args: argparse.Namespace) -> dict[str, str]:
     environ: dict[str, str] = {}
     inherited = os.environ.get(FORWARD_SIGNALS_ENV)
     for flag, value, env, example in (
-        ("--signals-to-handle", args.signals_to_handle, "TORCHELASTIC_SIGNALS_TO_HANDLE",
-         DEFAULT_SIGNALS),
+        (
+            "--signals-to-handle",
+            args.signals_to_handle,
+            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+            DEFAULT_SIGNALS,
+        ),
         ("--forward-signals", args.forward_signals, FORWARD_SIGNALS_ENV, "SIGUSR1"),
-    ):  # fmt: skip
+    ):
         what = source(flag, value)
         if value is None:
             if not inherited:

@@ -133,11 +133,15 @@ def format_status(workers: Sequence[dict[str, Any]]) -> str:
         state = w["state"] if w.get("exitcode") is None else f"exited ({w['exitcode']})"
         rows.append(
             (
-                str(w["rank"]), state, str(w["pid"]), str(w["restarts"]),
+                str(w["rank"]),
+                state,
+                str(w["pid"]),
+                str(w["restarts"]),
                 "-" if age is None else f"{age:.1f}s ago",
-                f"{w['cpu_percent']:.1f}", _fmt_bytes(int(w["rss"])),
+                f"{w['cpu_percent']:.1f}",
+                _fmt_bytes(int(w["rss"])),
             )
-        )  # fmt: skip
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     # What the collective records say of a rank (torch ranks, with a watchdog).

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._child._bootstrap import BOOTSTRAP
 from .._child._runpath import run_script_path
 from ._checks import (
     check_event_log_handler,
@@ -353,9 +354,6 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
-BOOTSTRAP = "aiolaunch._child._bootstrap"
-
-
 def early_preload(args: argparse.Namespace) -> tuple[Preload, int] | None:
     """``(preload, nproc)`` before the configuration is built, where that is cheap.
 
@@ -373,7 +371,7 @@ def early_preload(args: argparse.Namespace) -> tuple[Preload, int] | None:
 
 def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
     """``--preload``/``--no-preload``; by default torch, for a Python script that imports it."""
-    from .._warm._preload import resolve_preload, supported
+    from .._warm._preload import resolve_preload, supported, workers_folder
 
     if args.preload is not None and not [m for m in args.preload.split(",") if m.strip()]:
         raise ValueError(
@@ -391,7 +389,10 @@ def _preload(args: argparse.Namespace, python_workers: bool) -> Preload | None:
                 "module (drop --no-python or --preload)"
             )
         names = [m.strip() for m in args.preload.split(",") if m.strip()]
-        return resolve_preload(names, "--preload")
+        # A script's folder is its workers' sys.path[0]: a module beside it preloads.
+        script = not args.module and not args.run_path
+        folder = workers_folder(sys.executable, [args.training_script]) if script else ""
+        return resolve_preload(names, "--preload", folder)
     if not python_workers or not supported():
         return None
     import importlib.util

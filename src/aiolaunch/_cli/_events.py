@@ -9,7 +9,10 @@ flushed at once (``| jq`` sees it live); without it, one readable line.
 Under the elastic agent each attempt of the job is its own group with its own
 socket: after a ``group_stopped`` the client waits for the next attempt's
 socket while the supervisor process lives, so the output runs until the job
-ends.
+ends - or until its reader goes away: ``aiolaunch events | head -1`` ends as
+soon as ``head`` does (the pipe's write end reports the reader gone while
+the client waits), quietly and with status 0, not at the job's next event
+with "Broken pipe".
 """
 
 from __future__ import annotations
@@ -54,6 +57,46 @@ def _alive(pid: int) -> bool:
     return stat is None or stat.alive  # no /proc (macOS): trust kill()
 
 
+class _ReaderGone(Exception):
+    """Nobody reads our stdout any more (a pipe whose reader exited)."""
+
+
+def _reader_gone(wait: float | None, also: int | None = None) -> bool:
+    """Wait up to ``wait`` seconds (``None``: forever) for ``also`` to be
+    readable or stdout's reader to go away; whether it went away.
+
+    A pipe's write end polls ``POLLERR`` once no reader is left; a terminal
+    or a file never does (and is never waited on here without ``also``).
+    """
+    import select
+
+    try:
+        out = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file (tests)
+        out = -1
+    poller = select.poll()
+    if out >= 0:
+        poller.register(out, 0)  # errors and hang-ups only
+    if also is not None:
+        poller.register(also, select.POLLIN)
+    if out < 0 and also is None:
+        if wait:
+            time.sleep(wait)  # allowed: the caller's pause, nothing to watch
+        return False
+    for fd, events in poller.poll(None if wait is None else int(wait * 1000)):
+        if fd == out and events & (select.POLLERR | select.POLLHUP):
+            return True
+    return False
+
+
+def _print(line: str) -> None:
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise _ReaderGone from None
+
+
 def _stream(conn: ControlConnection, as_json: bool, seen: set[str]) -> tuple[bool, int | None]:
     """Print one group's events; returns (its group_stopped came, the supervisor's pid)."""
     conn.send({"cmd": "events"})
@@ -64,14 +107,16 @@ def _stream(conn: ControlConnection, as_json: bool, seen: set[str]) -> tuple[boo
         raise ValueError(str(head.get("error")))
     assert conn.path is not None
     seen.add(conn.path)
+    assert conn.sock is not None
     while True:
+        # A quiet job sends nothing for hours: watch our reader meanwhile.
+        if not conn.has_answer and _reader_gone(None, conn.sock.fileno()):
+            raise _ReaderGone
         msg = conn.read_answer(timeout=None)
         if msg is None:
             return False, head.get("supervisor_pid")
         msg.pop("ok", None)
-        line = json.dumps(msg) if as_json else format_event(msg)
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
+        _print(json.dumps(msg) if as_json else format_event(msg))
         if msg.get("event") == "group_stopped":
             return True, head.get("supervisor_pid")
 
@@ -88,7 +133,9 @@ def _next_attempt(conn: ControlConnection, supervisor: int, seen: set[str]) -> b
             if conn.path not in seen:
                 return True
             conn.close()
-        time.sleep(0.1)  # allowed: waiting for another process to create a socket
+        # waiting for another process to create a socket; our reader may go meanwhile
+        if _reader_gone(0.1):
+            raise _ReaderGone
     return False
 
 
@@ -100,9 +147,11 @@ def events_main(argv: Sequence[str]) -> int:
         "restarting, stalled, straggling, group_stopped) as they happen, until it ends.",
     )
     p.add_argument(
-        "log_dir", nargs="?", default=None,
+        "log_dir",
+        nargs="?",
+        default=None,
         help="the job's --log-dir (searched up to 3 levels down); default: your one running job",
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(list(argv))
     conn = ControlConnection(args.log_dir)
@@ -113,11 +162,21 @@ def events_main(argv: Sequence[str]) -> int:
             stopped, supervisor = _stream(conn, args.json, seen)
             conn.close()
             if not stopped:
-                print("aiolaunch events: the job's control socket closed before its group "
-                      "stopped (the supervisor died?)", file=sys.stderr)  # fmt: skip
+                print(
+                    "aiolaunch events: the job's control socket closed before its group "
+                    "stopped (the supervisor died?)",
+                    file=sys.stderr,
+                )
                 return 1
             if supervisor is None or not _next_attempt(conn, supervisor, seen):
                 return 0
+    except _ReaderGone:
+        # As `yes | head -1`'s yes, minus the signal: nothing to say, and
+        # nobody to say it to. Python would flush stdout again at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
     except (OSError, ValueError) as exc:
         print(f"aiolaunch events: {exc}", file=sys.stderr)
         return 1

@@ -17,7 +17,7 @@ exit status            meaning
 =====================  ==================================================
 
 Schedulers (Slurm's ``ExitCode``, a Kubernetes ``podFailurePolicy``, a retry
-wrapper) read these; docs/recipes.md keys its examples on them and
+wrapper) read these; docs/schedulers.md keys its examples on them and
 ``tests/test_exit_status.py`` checks each against the real command.
 
 The termination message: on a non-zero exit, one short text (the root cause:
@@ -127,7 +127,16 @@ def termination_log_path(environ: Mapping[str, str] | None = None) -> str | None
 
 def _clip(text: str, limit: int) -> bytes:
     """``text`` in at most ``limit`` UTF-8 bytes: the head line and the tail
-    (the end of a traceback says most), cut at character boundaries."""
+    (the end of a traceback says most), cut at character boundaries.
+
+    A line longer than a quarter of ``limit`` is first shortened in its
+    middle, so that a huge exception message (the traceback's last line)
+    keeps its start - the exception's type - and its end.
+    """
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return data
+    text = "\n".join(_shorten(line, limit // 4) for line in text.split("\n"))
     data = text.encode("utf-8", "replace")
     if len(data) <= limit:
         return data
@@ -138,6 +147,16 @@ def _clip(text: str, limit: int) -> bytes:
     tail_b = rest.encode("utf-8", "replace")[-room:] if room > 0 else b""
     out = head_b.decode("utf-8", "ignore") + marker + tail_b.decode("utf-8", "ignore")
     return out.encode("utf-8")[:limit]
+
+
+def _shorten(line: str, limit: int) -> str:
+    """``line`` in at most ``limit`` UTF-8 bytes (about): its start and its end."""
+    data = line.encode("utf-8", "replace")
+    marker = " [...] "
+    if len(data) <= limit or limit <= 2 * len(marker):
+        return line
+    half = (limit - len(marker)) // 2
+    return data[:half].decode("utf-8", "ignore") + marker + data[-half:].decode("utf-8", "ignore")
 
 
 def write_termination_message(text: str, environ: Mapping[str, str] | None = None) -> str | None:

@@ -250,6 +250,12 @@ class ControlConnection:
         assert self.sock is not None
         self.sock.sendall(json.dumps(req).encode() + b"\n")
 
+    @property
+    def has_answer(self) -> bool:
+        """Whether a whole answer line was received already (:meth:`read_answer`
+        returns it without waiting)."""
+        return b"\n" in self._buf
+
     def read_answer(self, timeout: float | None = 30.0) -> dict[str, Any] | None:
         """The next answer line, or ``None`` when the server closed the connection."""
         assert self.sock is not None

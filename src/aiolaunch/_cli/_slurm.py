@@ -121,13 +121,15 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> str | N
     ``None`` outside Slurm (no ``SLURM_JOB_ID``), or when nothing was taken.
     In an ``srun`` step the step's own variables count (``SLURM_STEP_NUM_NODES``,
     ``SLURM_STEP_NODELIST``; the node rank is this node's place in that list),
-    so a step on part of the allocation forms its own world.
+    so a step on part of the allocation forms its own world. ``--standalone``
+    takes nothing: a world of one node, as under torchrun (an ``srun`` step
+    on several nodes runs one such job per node).
 
     :raises ValueError: the variables are not what Slurm writes (the message
         names the variable), or the allocation has several nodes but this is
         the batch script (no ``srun``: it runs on the first node only).
     """
-    if not environ.get("SLURM_JOB_ID"):
+    if not environ.get("SLURM_JOB_ID") or args.standalone:
         return None
     step = "SLURM_STEP_NUM_NODES" in environ
     taken: list[str] = []

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._live import ControlConnection
-from ._top_view import TopState, on_key, screen
+from ._top_view import TopState, ended, on_key, screen
 
 if TYPE_CHECKING:
     import curses
@@ -39,13 +39,18 @@ def _parser() -> argparse.ArgumentParser:
         "selected rank's stacks, f filters by state).",
     )
     p.add_argument(
-        "log_dir", nargs="?", default=None,
+        "log_dir",
+        nargs="?",
+        default=None,
         help="the job's --log-dir (searched up to 3 levels down); default: your one running job",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--interval", type=float, default=1.0, metavar="SECONDS",
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
         help="seconds between two refreshes (default 1; at least 0.1)",
-    )  # fmt: skip
+    )
     return p
 
 
@@ -53,8 +58,10 @@ def top_main(argv: Sequence[str]) -> int:
     """Run ``aiolaunch top``; return the exit status (0, or 1 when no job is found)."""
     args = _parser().parse_args(list(argv))
     if not args.interval >= 0.1:
-        print(f"aiolaunch top: --interval {args.interval} must be at least 0.1 seconds",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"aiolaunch top: --interval {args.interval} must be at least 0.1 seconds",
+            file=sys.stderr,
+        )
         return 2
     conn = ControlConnection(args.log_dir)
     try:
@@ -64,8 +71,10 @@ def top_main(argv: Sequence[str]) -> int:
         return 1
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         conn.close()
-        print("aiolaunch top: needs a terminal (use `aiolaunch status --json` in scripts)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "aiolaunch top: needs a terminal (use `aiolaunch status --json` in scripts)",
+            file=sys.stderr,
+        )
         return 1
     import curses
 
@@ -96,6 +105,7 @@ class _Top:
             if self.snapshot is not None and not self.ended:
                 self.ended = True
                 self.state.message = f"job not running since {time.strftime('%H:%M:%S')}"
+                self.snapshot = ended(self.snapshot)  # its live ranks are gone now
             elif self.snapshot is None:
                 self.state.message = str(exc)
             return
@@ -181,10 +191,15 @@ def _styles() -> dict[str, int]:
     import curses
 
     styles = {
-        "title": curses.A_BOLD, "header": curses.A_REVERSE, "selected": curses.A_REVERSE,
-        "footer": curses.A_REVERSE, "dim": curses.A_DIM, "alert": curses.A_BOLD,
-        "warn": curses.A_BOLD, "row": curses.A_NORMAL,
-    }  # fmt: skip
+        "title": curses.A_BOLD,
+        "header": curses.A_REVERSE,
+        "selected": curses.A_REVERSE,
+        "footer": curses.A_REVERSE,
+        "dim": curses.A_DIM,
+        "alert": curses.A_BOLD,
+        "warn": curses.A_BOLD,
+        "row": curses.A_NORMAL,
+    }
     try:
         if curses.has_colors():
             curses.start_color()

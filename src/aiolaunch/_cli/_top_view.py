@@ -19,16 +19,35 @@ from .._signals._names import describe_signal
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["TopState", "fmt_age", "fmt_bytes", "on_key", "pager_lines", "screen"]
+__all__ = [
+    "GONE",
+    "TopState",
+    "ended",
+    "fmt_age",
+    "fmt_bytes",
+    "on_key",
+    "pager_lines",
+    "screen",
+]
 
 #: key codes (curses' values, so the driver passes them through unchanged)
 KEY_DOWN, KEY_UP, KEY_LEFT, KEY_HOME, KEY_END = 258, 259, 260, 262, 360
 KEY_NPAGE, KEY_PPAGE, KEY_ENTER, KEY_BACKSPACE = 338, 339, 343, 263
 ESC = 27
+#: the state of a rank that was live when its job ended (how it ended is not known here)
+GONE = "gone"
 _STATE_ORDER = (
-    "stalled", "straggling", "running", "sleeping", "disk-sleep", "stopped", "restarting",
-    "starting", "exited",
-)  # fmt: skip
+    "stalled",
+    "straggling",
+    "running",
+    "sleeping",
+    "disk-sleep",
+    "stopped",
+    "restarting",
+    "starting",
+    GONE,
+    "exited",
+)
 _HEAD_ROWS = 3  # title, subtitle, column header
 _FOOT_ROWS = 1
 Line = tuple[str, str]  # (text, style): title header row selected alert warn dim blank footer
@@ -52,6 +71,24 @@ class TopState:
     message: str = ""
     #: the states seen so far, for the filter's cycle
     seen_states: set[str] = field(default_factory=set)
+
+
+def ended(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """``snapshot`` once its job ended (the control socket is gone): the ranks
+    it showed live are :data:`GONE`, without live figures (CPU %, output
+    age, step rate); those it showed exited stay as they were."""
+    workers = []
+    for w in snapshot.get("workers", []):
+        if w.get("state") != "exited":
+            w = {**w, "state": GONE, "cpu_percent": None, "last_output_s": None}
+            w["step_rate"] = None
+        workers.append(w)
+    return {**snapshot, "workers": workers}
+
+
+def _cpu(w: Mapping[str, Any]) -> str:
+    cpu = w.get("cpu_percent", 0.0)
+    return "-" if cpu is None else f"{cpu:.1f}"
 
 
 def fmt_age(seconds: float | None) -> str:
@@ -113,15 +150,18 @@ _COLUMNS: tuple[_Column, ...] = (
     ("PID", 7, True, lambda w: str(w.get("pid") or "-")),
     ("RST", 3, True, lambda w: str(w.get("restarts", 0))),
     ("OUTPUT", 7, True, lambda w: fmt_age(w.get("last_output_s"))),
-    ("CPU%", 6, True, lambda w: f"{w.get('cpu_percent', 0.0):.1f}"),
+    ("CPU%", 6, True, _cpu),
     ("RSS", 6, True, lambda w: fmt_bytes(w.get("rss"))),
     ("STEP/s", 7, True, _rate),
 )
 
 
 def _columns(workers: Sequence[Mapping[str, Any]], width: int) -> list[_Column]:
-    cols = [c for c in _COLUMNS if c[0] != "STEP/s" or any(w.get("step_rate") is not None
-                                                               for w in workers)]  # fmt: skip
+    cols = [
+        c
+        for c in _COLUMNS
+        if c[0] != "STEP/s" or any(w.get("step_rate") is not None for w in workers)
+    ]
     # Narrow terminals lose columns from the right (MARKS takes what is left).
     while len(cols) > 2 and sum(c[1] + 1 for c in cols) > width:
         cols.pop()
@@ -153,7 +193,7 @@ def _style(w: Mapping[str, Any]) -> str:
         return "alert"
     if w.get("straggling"):
         return "warn"
-    if w.get("state") == "exited":
+    if w.get("state") in ("exited", GONE):
         return "dim"
     return "row"
 
@@ -260,8 +300,15 @@ def on_key(
     """Apply ``key``; returns ``"quit"``, ``"stacks"`` (show the selected rank's) or ``None``."""
     room = max(1, height - _HEAD_ROWS - _FOOT_ROWS)
     if state.pager is not None:
-        steps = {KEY_DOWN: 1, ord("j"): 1, KEY_UP: -1, ord("k"): -1,
-                 KEY_NPAGE: room, ord(" "): room, KEY_PPAGE: -room}  # fmt: skip
+        steps = {
+            KEY_DOWN: 1,
+            ord("j"): 1,
+            KEY_UP: -1,
+            ord("k"): -1,
+            KEY_NPAGE: room,
+            ord(" "): room,
+            KEY_PPAGE: -room,
+        }
         if key in steps:
             state.pager_top = max(0, state.pager_top + steps[key])
         elif key in (ord("q"), ord("Q"), ESC, KEY_LEFT, KEY_BACKSPACE, ord("s")):
@@ -285,9 +332,18 @@ def on_key(
     if key == ord("a"):
         state.filter, state.top = None, 0
         return None
-    moves = {KEY_DOWN: 1, ord("j"): 1, KEY_UP: -1, ord("k"): -1, KEY_NPAGE: room,
-             KEY_PPAGE: -room, KEY_HOME: -len(rows), ord("g"): -len(rows),
-             KEY_END: len(rows), ord("G"): len(rows)}  # fmt: skip
+    moves = {
+        KEY_DOWN: 1,
+        ord("j"): 1,
+        KEY_UP: -1,
+        ord("k"): -1,
+        KEY_NPAGE: room,
+        KEY_PPAGE: -room,
+        KEY_HOME: -len(rows),
+        ord("g"): -len(rows),
+        KEY_END: len(rows),
+        ord("G"): len(rows),
+    }
     if key in moves and rows:
         i = rows.index(state.selected) if state.selected in rows else 0
         state.selected = rows[max(0, min(len(rows) - 1, i + moves[key]))]

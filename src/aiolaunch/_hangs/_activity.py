@@ -21,34 +21,23 @@ after ``stall_after``.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 from typing import TYPE_CHECKING
 
-from .._workers._proc import parse_stat
+from .._workers._proc import ProcFile, parse_schedstat, parse_stat, wchan
 from ._descendants import Descendants, Threads
 from ._stall import CPU_BUSY_FRACTION, Sample
+from ._writes import WriteCount
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["CPU_WINDOW", "RankActivity", "Sampler", "wchan"]
+__all__ = ["CPU_WINDOW", "RankActivity", "Sampler"]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: the shortest window ``RankActivity.cpu_percent`` is measured over (seconds)
 CPU_WINDOW = 0.5
-
-
-def _parse_wchar(data: bytes) -> int | None:
-    i = data.find(b"wchar:")
-    if i < 0:
-        return None
-    try:
-        return int(data[i + 6 : data.index(b"\n", i)])
-    except ValueError:
-        return None
 
 
 class RankActivity:
@@ -62,7 +51,8 @@ class RankActivity:
     what ``status()`` shows: :attr:`cpu_percent` since the previous reading,
     :attr:`rss`, :attr:`state`, and :attr:`last_output` (monotonic time
     ``wchar`` of it or of a descendant last advanced, or output seen by the
-    log pipeline: :meth:`seen`).
+    log pipeline: :meth:`seen`); ``wchar`` as output:
+    :class:`~aiolaunch._hangs._writes.WriteCount`.
 
     :param suspect_after: after resting this long, the costlier looks: every
         thread's run-queue wait, every thread's children (each at most every
@@ -83,57 +73,29 @@ class RankActivity:
         self._main: tuple[float, float] | None = None
         self._helpers = 0.0
         self._rested_since = now
-        self._wchar: int | None = None
-        self._discount = 0
+        self._writes = WriteCount()
         self._schedstat = True
-        # /proc/<pid>/stat and io kept open and re-read with pread(): a third
-        # of the cost of open+read+close each period (and a held fd can never
-        # read a recycled pid: it fails with ESRCH once the process is gone).
-        self._fds: dict[str, int | None] = {}
+        # Held open and re-read each period (see ProcFile).
+        self._stat = ProcFile(pid, "stat")
+        self._sched = ProcFile(pid, "schedstat")
+        self._io = ProcFile(pid, "io")
         self._descendants = Descendants(pid)
         self._threads = Threads(pid)
 
-    def _pread(self, name: str, size: int) -> bytes | None:
-        fd = self._fds.get(name, -1)
-        if fd == -1:
-            try:
-                fd = os.open(f"/proc/{self.pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    fd = None  # out of fds: read by path each time instead
-                else:
-                    return None
-            self._fds[name] = fd
-        try:
-            if fd is None:
-                with open(f"/proc/{self.pid}/{name}", "rb", buffering=0) as f:
-                    return f.read(size)
-            return os.pread(fd, size, 0)
-        except OSError:
-            return None
-
     def close(self) -> None:
         """Close the held /proc fds. Idempotent."""
-        for fd in self._fds.values():
-            if fd is not None and fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._fds.clear()
+        for f in (self._stat, self._sched, self._io):
+            f.close()
         self._descendants.close()
-
-    def _wchar_now(self) -> int | None:
-        data = self._pread("io", 1024)
-        return None if data is None else _parse_wchar(data)
 
     def _main_now(self) -> tuple[float, float] | None:
         """The main thread's seconds on a CPU and runnable waiting for one
         (``schedstat``), or ``None``."""
         if self._schedstat:
-            raw = self._pread("schedstat", 128)
-            if raw:
-                with contextlib.suppress(ValueError):
-                    on_cpu, waiting, _ = raw.split(None, 2)
-                    return int(on_cpu) / 1e9, int(waiting) / 1e9
+            raw = self._sched.read(128)
+            main = None if not raw else parse_schedstat(raw)
+            if main is not None:
+                return main
             self._schedstat = False  # none here: stat's one number for every thread
         return None
 
@@ -142,7 +104,7 @@ class RankActivity:
 
         ``writes``: also read ``wchar`` (off when only progress lines count).
         """
-        raw = self._pread("stat", 4096)
+        raw = self._stat.read(4096)
         stat = None if raw is None else parse_stat(raw)
         if stat is None:
             return None
@@ -162,18 +124,37 @@ class RankActivity:
             self._t, self._cpu, self._main = now, cpu, main
         self.state, self.rss = stat.state, stat.rss_pages * _PAGE
         if writes:
-            wchar = self._wchar_now()
-            if wchar is not None:
-                if self._wchar is not None and wchar - self._wchar > self._discount:
-                    self.last_output = self._rested_since = now
-                self._wchar, self._discount = wchar, 0
+            self._wrote(now)
         where = wchan(self.pid) if stat.state == "D" else ""
         return Sample(
-            self.pid, cpu, self.last_output, None, stat.state, where,
+            self.pid,
+            cpu,
+            self.last_output,
+            None,
+            stat.state,
+            where,
             main_s=None if main is None else main[0] + main[1],
             helpers_s=None if main is None else self._helpers,
             main_run_s=None if main is None else main[0],
-        )  # fmt: skip
+        )
+
+    def read_writes(self, now: float) -> float | None:
+        """Read ``wchar`` alone now (one small read): :attr:`last_output` moves
+        to ``now`` when the process wrote since the previous reading.
+
+        :returns: :attr:`last_output`.
+        """
+        self._wrote(now)
+        return self.last_output
+
+    def _wrote(self, now: float) -> None:
+        if self._writes.update(self._io.read(1024), self._starttime):
+            self.last_output = self._rested_since = now
+
+    def _starttime(self) -> int | None:
+        raw = self._stat.read(4096)
+        stat = None if raw is None else parse_stat(raw)
+        return None if stat is None else stat.starttime
 
     def _helping(
         self, now: float, dt: float, used: float, main: tuple[float, float] | None, threads: int
@@ -213,13 +194,11 @@ class RankActivity:
     def discount(self, nbytes: int) -> None:
         """The worker wrote ``nbytes`` of a stack dump since the last reading:
         not output."""
-        self._discount += nbytes
+        self._writes.discount(nbytes)
 
     def rebase(self) -> None:
         """Forget writes made since the last reading (our own stack dump, say)."""
-        wchar = self._wchar_now()
-        if wchar is not None:
-            self._wchar = wchar
+        self._writes.rebase(self._io.read(1024))
 
 
 class Sampler:
@@ -253,6 +232,15 @@ class Sampler:
         """Read ``rank``'s process ``pid`` now; ``None`` when it is gone."""
         return self._activity(rank, pid, now).read(now, writes=writes)
 
+    def writes(self, rank: int, pid: int, now: float) -> float | None:
+        """Read only whether ``rank``'s process ``pid`` wrote since the last
+        reading (``wchar``); its :attr:`RankActivity.last_output` (monotonic),
+        ``None`` while unknown."""
+        act = self._ranks.get(rank)
+        if act is None or act.pid != pid:
+            act = self._activity(rank, pid, now)
+        return act.read_writes(now)
+
     def reading(self, rank: int, pid: int, now: float) -> RankActivity | None:
         """Read ``rank``'s process now; its activity (CPU %, RSS, state,
         last output), or ``None`` when it is gone."""
@@ -282,13 +270,3 @@ class Sampler:
         """Close every held ``/proc`` fd. Idempotent."""
         for rank in list(self._ranks):
             self.forget(rank)
-
-
-def wchan(pid: int) -> str:
-    """The kernel function a sleeping process waits in (``""`` if unknown)."""
-    try:
-        with open(f"/proc/{pid}/wchan") as f:
-            w = f.read().strip()
-    except OSError:
-        return ""
-    return "" if w == "0" else w

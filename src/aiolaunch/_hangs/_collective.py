@@ -167,10 +167,14 @@ def judge(
         key, waiters = max(at.items(), key=lambda kv: (len(kv[1]), kv[0]))
         entry = pending[waiters[0]]
         return _verdict(
-            "none", (), waiters, entry, groups,
+            "none",
+            (),
+            waiters,
+            entry,
+            groups,
             f"{_wait(waiters)} in {entry.label}, which every member entered: "
             "it does not complete (the transport, or a rank blocked inside it)",
-        )  # fmt: skip
+        )
     roots = [c for c in candidates if not any(r in pending for r in c[2])]
     if roots:
         key, waiters, absent = max(roots, key=lambda c: (len(c[1]), -_oldest(pending, c[1]), c[0]))
@@ -182,10 +186,14 @@ def judge(
     entry = pending[waiters[0]]
     elsewhere = "; ".join(f"rank {r} waits in {pending[r].label}" for r in absent)
     return _verdict(
-        "missing", absent, waiters, entry, groups,
+        "missing",
+        absent,
+        waiters,
+        entry,
+        groups,
         f"{ranks_text(absent)} never entered {entry.label}, in which {_wait(waiters)} "
         f"({elsewhere}: a cycle of waits)",
-    )  # fmt: skip
+    )
 
 
 def _wait(ranks: list[int]) -> str:
@@ -239,12 +247,16 @@ def _mismatch(
         odd = [r for r in waiters if r not in majority]
         entry, their = pending[majority[0]], pending[odd[0]]
         return _verdict(
-            "mismatch", odd, majority, entry, groups,
+            "mismatch",
+            odd,
+            majority,
+            entry,
+            groups,
             f"{ranks_text(odd)} entered {their.op} {their.shapes} as #{entry.seq} of "
             f"{entry.pg_label}, where {ranks_text(majority)} entered {entry.op} "
             f"{entry.shapes}: they can never match",
             other=f"{their.op} {their.shapes}",
-        )  # fmt: skip
+        )
     # Ranks of one group pending at different sequence numbers.
     for _group, ranks in sorted(by_group.items()):
         seqs = Counter(pending[r].seq for r in ranks)
@@ -255,11 +267,15 @@ def _mismatch(
         odd = sorted(r for r in ranks if r not in majority)
         entry, their = pending[majority[0]], pending[odd[0]]
         return _verdict(
-            "mismatch", odd, majority, entry, groups,
+            "mismatch",
+            odd,
+            majority,
+            entry,
+            groups,
             f"{ranks_text(odd)} wait in {their.label} while {ranks_text(majority)} wait in "
             f"{entry.label}: their counts of {entry.pg_label}'s collectives differ",
             other=their.label,
-        )  # fmt: skip
+        )
     return None
 
 
@@ -280,15 +296,23 @@ def _absent(
     if dead:
         codes = ", ".join(_exit_text(r, views[r]) for r in dead)
         return _verdict(
-            "exited", dead, waiters, entry, groups,
+            "exited",
+            dead,
+            waiters,
+            entry,
+            groups,
             f"{codes} before {entry.label}, in which {w}",
-        )  # fmt: skip
+        )
     if busy:
         return _verdict(
-            "in_compute", busy, waiters, entry, groups,
+            "in_compute",
+            busy,
+            waiters,
+            entry,
+            groups,
             f"{ranks_text(busy)} {'computes' if len(busy) == 1 else 'compute'} outside any "
             f"collective while {w} in {entry.label}",
-        )  # fmt: skip
+        )
     notes = [
         f"rank {r}: {views.get(r, unseen).note}"
         for r in absent
@@ -296,9 +320,13 @@ def _absent(
     ]
     why = f" ({'; '.join(notes)})" if notes else ""
     return _verdict(
-        "missing", absent, waiters, entry, groups,
+        "missing",
+        absent,
+        waiters,
+        entry,
+        groups,
         f"{ranks_text(absent)} never entered {entry.label}, in which {w}{why}",
-    )  # fmt: skip
+    )
 
 
 def _exit_text(rank: int, view: RankView) -> str:
@@ -333,22 +361,33 @@ def _after_exit(
     if not found:
         first = dead[0][1]
         return _verdict(
-            "exited", (first,), (), None, groups,
+            "exited",
+            (first,),
+            (),
+            None,
+            groups,
             f"{_exit_text(first, views[first])}; no record says where",
-        )  # fmt: skip
+        )
     _, latest, missing, entered = max(found, key=lambda f: (f[0], f[1].created_ns))
     if missing:
         codes = ", ".join(_exit_text(r, views[r]) for r in missing)
         return _verdict(
-            "exited", missing, entered, latest, groups,
+            "exited",
+            missing,
+            entered,
+            latest,
+            groups,
             f"{codes} before {latest.label}, which {ranks_text(entered)} entered",
-        )  # fmt: skip
+        )
     first = dead[0][1]
     return _verdict(
-        "exited", (first,), entered, latest, groups,
-        f"{_exit_text(first, views[first])} in {latest.label}, which "
-        f"{ranks_text(entered)} entered",
-    )  # fmt: skip
+        "exited",
+        (first,),
+        entered,
+        latest,
+        groups,
+        f"{_exit_text(first, views[first])} in {latest.label}, which {ranks_text(entered)} entered",
+    )
 
 
 def _entered(record: Record, entry: Entry) -> bool:

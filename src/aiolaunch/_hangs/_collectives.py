@@ -189,8 +189,10 @@ class Collectives:
         logger.warning(
             "aiolaunch: no collective record for %s of %r (%s): hangs there are judged by "
             "their stacks only",
-            ranks_text(off), self._state.name, "; ".join(notes),
-        )  # fmt: skip
+            ranks_text(off),
+            self._state.name,
+            "; ".join(notes),
+        )
 
     # -- judging -------------------------------------------------------------------
     async def look(

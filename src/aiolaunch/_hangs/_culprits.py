@@ -43,9 +43,14 @@ def ranks_text(ranks: Iterable[int]) -> str:
 
 
 def too_early(
-    stalls: list[Stall], verdict: StackReport, live: Iterable[int], detector: StallDetector,
-    *, age: float, stall_after: float,
-) -> bool:  # fmt: skip
+    stalls: list[Stall],
+    verdict: StackReport,
+    live: Iterable[int],
+    detector: StallDetector,
+    *,
+    age: float,
+    stall_after: float,
+) -> bool:
     """Whether to wait for the story: no odd one out yet, some ``live`` rank
     (not paused) neither stalled nor spins, and the first stall of this
     episode is younger (``age``) than ``stall_after``."""
@@ -58,9 +63,15 @@ def too_early(
 
 
 def odd_ones(
-    stalls: list[Stall], verdict: StackReport, pids: Mapping[int, int], files: Mapping[int, str],
-    detector: StallDetector, *, period: float, now: float,
-) -> list[Stall]:  # fmt: skip
+    stalls: list[Stall],
+    verdict: StackReport,
+    pids: Mapping[int, int],
+    files: Mapping[int, str],
+    detector: StallDetector,
+    *,
+    period: float,
+    now: float,
+) -> list[Stall]:
     """The ranks that fail: the stalled odd ones out; else a new :class:`Stall`
     for each live odd one out (``pids``: live ranks) saying what it does; else
     every stalled rank. New stalls are the caller's to record."""
@@ -86,10 +97,17 @@ def odd_ones(
 
 
 def collective_culprits(
-    stalls: list[Stall], culprits: Iterable[int], why: str, local: Mapping[int, int],
-    pids: Mapping[int, int], verdict: StackReport, files: Mapping[int, str],
-    detector: StallDetector, *, now: float,
-) -> list[Stall]:  # fmt: skip
+    stalls: list[Stall],
+    culprits: Iterable[int],
+    why: str,
+    local: Mapping[int, int],
+    pids: Mapping[int, int],
+    verdict: StackReport,
+    files: Mapping[int, str],
+    detector: StallDetector,
+    *,
+    now: float,
+) -> list[Stall]:
     """The ranks that fail by the collectives' verdict: its ``culprits``
     (global ranks) that live here (``local``: global -> local rank; ``pids``:
     live local ranks) - a stalled one with its stall, another with a new

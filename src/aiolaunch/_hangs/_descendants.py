@@ -27,25 +27,22 @@ A process or thread counts from its second reading on (the first is its base).
 
 from __future__ import annotations
 
-import contextlib
-import os
+from .._workers._proc import (
+    ProcFile,
+    descendants,
+    parse_pid_list,
+    parse_schedstat,
+    parse_wchar,
+    read_proc_file,
+    task_ids,
+)
 
-__all__ = ["Descendants", "HelperActivity", "Threads", "read_schedstat"]
+__all__ = ["Descendants", "HelperActivity", "Threads"]
 
 #: Seconds between two full lookups of a worker's tree.
 RESCAN_S = 10.0
-_FLAGS = os.O_RDONLY | os.O_CLOEXEC
-
-
-def read_schedstat(fd: int | None) -> float | None:
-    """Seconds on a CPU plus seconds runnable on the run queue (``schedstat``)."""
-    if fd is None:
-        return None
-    try:
-        on_cpu, waiting, _ = os.pread(fd, 128, 0).split(None, 2)
-        return (int(on_cpu) + int(waiting)) / 1e9
-    except (OSError, ValueError):
-        return None
+#: The most bytes of a children file read (thousands of pids).
+_CHILDREN_SIZE = 1 << 16
 
 
 class HelperActivity:
@@ -63,18 +60,20 @@ _NOTHING = HelperActivity()
 
 
 class _Proc:
-    __slots__ = ("children_fd", "cpu", "io_fd", "sched_fd", "wchar")
+    """One descendant: its files, held open, and its last readings."""
+
+    __slots__ = ("children", "cpu", "io", "sched", "wchar")
 
     def __init__(self, pid: int) -> None:
-        self.sched_fd = os.open(f"/proc/{pid}/schedstat", _FLAGS)
-        self.io_fd = _open(f"/proc/{pid}/io")
-        self.children_fd = _open(f"/proc/{pid}/task/{pid}/children")
+        self.sched = ProcFile(pid, "schedstat")
+        self.io = ProcFile(pid, "io")
+        self.children = ProcFile(pid, f"task/{pid}/children")
         self.cpu: float | None = None
         self.wchar: int | None = None
 
     def close(self) -> None:
-        for fd in (self.sched_fd, self.io_fd, self.children_fd):
-            _close(fd)
+        for f in (self.sched, self.io, self.children):
+            f.close()
 
 
 class Descendants:
@@ -83,7 +82,7 @@ class Descendants:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._procs: dict[int, _Proc] = {}
-        self._children_fd: int | None = -1  # the worker's main thread's (-1: not opened)
+        self._children = ProcFile(pid, f"task/{pid}/children")  # its main thread's
         self._full: float | None = None
 
     def close(self) -> None:
@@ -91,19 +90,15 @@ class Descendants:
         for p in self._procs.values():
             p.close()
         self._procs.clear()
-        if self._children_fd is not None and self._children_fd >= 0:
-            _close(self._children_fd)
-        self._children_fd = -1
+        self._children.close()
 
     def look(self, now: float, *, full: bool = False) -> HelperActivity:
         """What the descendants did since the previous look (nothing at the first)."""
         if full and (self._full is None or now - self._full >= RESCAN_S):
             self._full = now
-            found = _tree(self.pid)
+            found = descendants(self.pid)
         else:
-            if self._children_fd == -1:
-                self._children_fd = _open(f"/proc/{self.pid}/task/{self.pid}/children")
-            kids = _children(self._children_fd)
+            kids = _children(self._children)
             if not kids and not self._procs:
                 return _NOTHING  # the usual case: one pread
             found = self._quick_tree(kids)
@@ -113,22 +108,22 @@ class Descendants:
         for pid in found:
             p = self._procs.get(pid)
             if p is None:
-                try:
-                    p = self._procs[pid] = _Proc(pid)
-                except OSError:  # gone already, or out of fds: skip it
-                    continue
+                p = self._procs[pid] = _Proc(pid)
             if not self._read(p, out):
                 self._procs.pop(pid).close()
         return out
 
     def _read(self, p: _Proc, out: HelperActivity) -> bool:
-        cpu = read_schedstat(p.sched_fd)
-        if cpu is None:
-            return False  # gone (a held fd reads ESRCH then)
+        raw = p.sched.read(128)
+        times = None if raw is None else parse_schedstat(raw)
+        if times is None:
+            return False  # gone: a held fd reads ESRCH then
+        cpu = times[0] + times[1]
         if p.cpu is not None:
             out.cpu_s += max(0.0, cpu - p.cpu)
         p.cpu = cpu
-        wchar = _wchar(p.io_fd)
+        raw = p.io.read(1024)
+        wchar = None if raw is None else parse_wchar(raw)
         if wchar is not None:
             out.wrote |= p.wchar is not None and wchar != p.wchar
             p.wchar = wchar
@@ -144,7 +139,7 @@ class Descendants:
             found.add(pid)
             p = self._procs.get(pid)
             if p is not None:
-                stack += _children(p.children_fd)
+                stack += _children(p.children)
         return found
 
 
@@ -153,7 +148,7 @@ class Threads:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._last: dict[str, float] = {}
+        self._last: dict[int, float] = {}
         self._at: float | None = None
 
     def look(self, now: float, every: float) -> float | None:
@@ -162,87 +157,25 @@ class Threads:
         seconds since the previous one, or the first)."""
         if self._at is not None and now - self._at < every:
             return None
-        try:
-            tids = os.listdir(f"/proc/{self.pid}/task")
-        except OSError:
+        tids = task_ids(self.pid)
+        if tids is None:
             return None
         waited = 0.0
-        seen: dict[str, float] = {}
+        seen: dict[int, float] = {}
         for tid in tids:
-            if tid == str(self.pid):
+            if tid == self.pid:
                 continue
-            try:
-                fd = os.open(f"/proc/{self.pid}/task/{tid}/schedstat", _FLAGS)
-            except OSError:
+            raw = read_proc_file(self.pid, f"task/{tid}/schedstat", 128)
+            times = None if raw is None else parse_schedstat(raw)
+            if times is None:
                 continue
-            try:
-                wait = os.pread(fd, 128, 0).split()[1]
-                seen[tid] = int(wait) / 1e9
-            except (OSError, ValueError, IndexError):
-                continue
-            finally:
-                os.close(fd)
+            seen[tid] = times[1]
             if tid in self._last:
                 waited += max(0.0, seen[tid] - self._last[tid])
         first, self._last, self._at = self._at is None, seen, now
         return None if first else waited
 
 
-def _tree(pid: int) -> set[int]:
-    """Every descendant, through every thread's children file."""
-    found: set[int] = set()
-    stack = [pid]
-    while stack:
-        parent = stack.pop()
-        try:
-            tids = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children", "rb") as f:
-                    kids = f.read().split()
-            except OSError:
-                continue
-            for kid in kids:
-                child = int(kid)
-                if child not in found and child != pid:
-                    found.add(child)
-                    stack.append(child)
-    return found
-
-
-def _children(fd: int | None) -> list[int]:
-    if fd is None or fd < 0:
-        return []
-    try:
-        data = os.pread(fd, 4096, 0)
-        if len(data) == 4096:  # hundreds of children: read them all
-            data = os.pread(fd, 1 << 20, 0)
-        return [int(k) for k in data.split()]
-    except (OSError, ValueError):
-        return []
-
-
-def _wchar(fd: int | None) -> int | None:
-    if fd is None:
-        return None
-    try:
-        data = os.pread(fd, 1024, 0)
-        i = data.find(b"wchar:")
-        return None if i < 0 else int(data[i + 6 : data.index(b"\n", i)])
-    except (OSError, ValueError):
-        return None
-
-
-def _open(path: str) -> int | None:
-    try:
-        return os.open(path, _FLAGS)
-    except OSError:
-        return None
-
-
-def _close(fd: int | None) -> None:
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+def _children(f: ProcFile) -> list[int]:
+    raw = f.read(_CHILDREN_SIZE)
+    return [] if raw is None else parse_pid_list(raw)

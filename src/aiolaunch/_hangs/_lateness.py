@@ -86,10 +86,18 @@ class LatenessStat:
     module docstring). Ranks are whatever the caller numbers them by."""
 
     def __init__(
-        self, *, window_s: float = 60.0, max_collectives: int = 400, min_collectives: int = 20,
-        min_lateness: float = 0.01, ratio: float = 1.5, last_share: float = 0.75,
-        persist: int = 3, clear: float = 0.5, keep_pulls: int = 20,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        window_s: float = 60.0,
+        max_collectives: int = 400,
+        min_collectives: int = 20,
+        min_lateness: float = 0.01,
+        ratio: float = 1.5,
+        last_share: float = 0.75,
+        persist: int = 3,
+        clear: float = 0.5,
+        keep_pulls: int = 20,
+    ) -> None:
         self.window_s, self.max_collectives = window_s, max_collectives
         self.min_collectives, self.min_lateness, self.ratio = min_collectives, min_lateness, ratio
         self.last_share, self.persist, self.clear = last_share, persist, clear
@@ -120,9 +128,11 @@ class LatenessStat:
         return round(_median(values), 4) if values else None
 
     def add(
-        self, arrivals: Mapping[Key, Mapping[int, int]],
-        expected: Mapping[Key, Collection[int]], now: float,
-    ) -> list[Late]:  # fmt: skip
+        self,
+        arrivals: Mapping[Key, Mapping[int, int]],
+        expected: Mapping[Key, Collection[int]],
+        now: float,
+    ) -> list[Late]:
         """One pull: ``{collective: {rank: arrival, ns}}`` as the records show
         them, ``{collective: the ranks that take part}``, at ``now`` (s).
         Returns the ranks named at this pull (each once per straggling spell)."""

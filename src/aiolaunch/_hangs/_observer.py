@@ -8,6 +8,8 @@ each behind a narrow interface (see docs/hangs.md):
 - :class:`~aiolaunch._hangs._dumper.StackDumper`: numbered, bounded stack dumps;
 - :class:`~aiolaunch._hangs._stack_sampler.StackSampler`: periodic stack samples
   (no files), sharing the dumper's lock;
+- :class:`~aiolaunch._hangs._output_clock.OutputClock`: the output age of
+  ranks whose streams the log pipeline does not read;
 - :class:`~aiolaunch._hangs._watcher.StallWatcher` (with a watchdog): the
   sampling loop, the pure stall rule, and actions through the group's commands;
 - :class:`~aiolaunch._hangs._straggler_watch.StragglerWatch` (``stragglers=``):
@@ -41,6 +43,7 @@ from .._observer import GroupObserver
 from ._activity import Sampler
 from ._collectives import Collectives
 from ._dumper import StackDumper, check_dump_timeout
+from ._output_clock import OutputClock
 from ._report import AtFailure, RunReport, write_report
 from ._stack_sampler import StackSampler
 from ._stacks import STACKS_DIR_ENV, StackReport
@@ -78,6 +81,9 @@ class HangObserver(GroupObserver):
     :param stderrs: each rank's stderr log, quoted by the report.
     :param emit: where :class:`WorkerStalled` and :class:`WorkerStraggling` go.
     :param restartable: whether a rank has a restart policy.
+    :param unread: whether the log pipeline misses some of a rank's output
+        (a stream inherited or discarded): its output age is read from its
+        count of written bytes (:class:`~aiolaunch._hangs._output_clock.OutputClock`).
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class HangObserver(GroupObserver):
         stderrs: Mapping[int, str],
         emit: Callable[[Event], None],
         restartable: Callable[[int], bool],
+        unread: Callable[[int], bool] | None = None,
     ) -> None:
         self._state = state
         self._folder = folder
@@ -97,6 +104,7 @@ class HangObserver(GroupObserver):
         self.sampler = Sampler(last_output)
         self.dumper = StackDumper(state, folder.stacks_dir, folder.rank_dir, self.sampler.rebase)
         self.stacks = StackSampler(folder.stacks_dir, self.dumper.lock)
+        self.clock = OutputClock(state, self.sampler, unread or _none, self.dumper.lock)
         self.collectives: Collectives | None = None
         if watchdog is not None:
             self.collectives = Collectives(state, folder.stacks_dir, folder.path)
@@ -148,7 +156,9 @@ class HangObserver(GroupObserver):
         return {STACKS_DIR_ENV: self._folder.stacks_dir}
 
     def group_started(self) -> None:
-        """Start the watchdog's and the straggler statistic's sampling."""
+        """Start the watchdog's and the straggler statistic's sampling, and
+        the output clock of unread ranks."""
+        self.clock.start()
         if self.watcher is not None:
             self.watcher.start()
         if self.stragglers is not None:
@@ -182,7 +192,8 @@ class HangObserver(GroupObserver):
             return None
 
     async def aclose(self) -> None:
-        """Stop the watchdog and the straggler statistic. Idempotent."""
+        """Stop the watchdog, the straggler statistic and the output clock. Idempotent."""
+        await self.clock.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.stragglers is not None:
@@ -278,6 +289,10 @@ def _check_ranks(ranks: object, nprocs: int) -> None:
     bad = [r for r in ranks or () if isinstance(r, bool) or r not in range(nprocs)]
     if bad:
         raise ValueError(f"dump_stacks(ranks={ranks!r}): local ranks are 0..{nprocs - 1}")
+
+
+def _none(rank: int) -> bool:
+    return False
 
 
 async def dump_at_failure(state: GroupState, dumper: StackDumper) -> AtFailure | None:

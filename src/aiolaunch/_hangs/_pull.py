@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._child._record_server import LAST_SUFFIX, OFF_SUFFIX, info_path
+from .._workers._proc import fd_path
 from ._stacks import start_time
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ async def _request(directory: str, name: str, handler: str) -> bytes:
         sock.setblocking(False)
         if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
             dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
-            path = f"/proc/self/fd/{dir_fd}/{name}"
+            path = os.path.join(fd_path(dir_fd), name)
         try:
             await loop.sock_connect(sock, path)
         finally:

@@ -23,6 +23,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from .._workers._proc import ProcFile, parse_sigmasks
 from ._dump_text import idle_loop_text
 from ._stacks import (
     DUMP_SIGNAL,
@@ -40,18 +41,16 @@ __all__ = ["StackSampler"]
 
 
 class _Target:
-    __slots__ = ("dump_fd", "pid", "status_fd")
+    """One sampled worker: its ``status`` (held open) and its dump file."""
 
-    def __init__(self, pid: int, status_fd: int, dump_fd: int) -> None:
-        self.pid, self.status_fd, self.dump_fd = pid, status_fd, dump_fd
+    __slots__ = ("dump_fd", "pid", "status")
+
+    def __init__(self, pid: int, status: ProcFile, dump_fd: int) -> None:
+        self.pid, self.status, self.dump_fd = pid, status, dump_fd
 
     def handles(self, sig: int) -> bool:
-        try:
-            data = os.pread(self.status_fd, 4096, 0)
-            i = data.index(b"SigCgt:")
-            return bool(int(data[i + 7 : data.index(b"\n", i)], 16) >> (sig - 1) & 1)
-        except (OSError, ValueError):
-            return False
+        raw = self.status.read()
+        return raw is not None and parse_sigmasks(raw, sig).get(b"SigCgt", False)
 
     def size(self) -> int:
         try:
@@ -66,9 +65,9 @@ class _Target:
             return ""
 
     def close(self) -> None:
-        for fd in (self.status_fd, self.dump_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self.status.close()
+        with contextlib.suppress(OSError):
+            os.close(self.dump_fd)
 
 
 class StackSampler:
@@ -105,17 +104,17 @@ class StackSampler:
             # never signalled; its marker is looked for again next time (one
             # failed open).
             return None
-        try:
-            status_fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        status = ProcFile(pid, "status")
+        if status.read() is None:  # gone already
+            status.close()
             return None
         try:
             path = os.path.join(self.directory, f"{pid}.txt")
             dump_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            os.close(status_fd)
+            status.close()
             return None
-        t = self._targets[pid] = _Target(pid, status_fd, dump_fd)
+        t = self._targets[pid] = _Target(pid, status, dump_fd)
         return t
 
     async def sample(self, pids: Mapping[int, int], timeout: float) -> dict[int, str]:

@@ -34,9 +34,10 @@ from .._child._dump_handler import (
     STACKS_DIR_ENV,
     TASKS_END,
     TASKS_SIGNAL,
+    read_marker,
     register,
 )
-from .._workers._proc import read_stat
+from .._workers._proc import handles_signal, read_stat, sigmasks
 from ._dump_text import idle_loop_text, rank_where
 
 if TYPE_CHECKING:
@@ -66,25 +67,6 @@ _TASKS_TIMEOUT = 1.0
 DUMP_SIGNAL_NAME = "SIGRTMIN+5"
 
 
-def _sigmasks(pid: int, sig: int = DUMP_SIGNAL) -> dict[bytes, bool]:
-    """Whether ``sig`` is in each ``Sig*`` mask of ``/proc/<pid>/status``
-    (``SigCgt``: caught, ``SigIgn``: ignored, ``SigBlk``: blocked); ``{}`` if gone."""
-    masks: dict[bytes, bool] = {}
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Sig") and line[6:7] == b":":
-                    masks[line[:6]] = bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return masks
-
-
-def handles(pid: int, sig: int) -> bool:
-    """Whether ``/proc/<pid>/status`` shows a handler for ``sig`` (``SigCgt``)."""
-    return _sigmasks(pid, sig).get(b"SigCgt", False)
-
-
 def silent_reason(pid: int, timeout: float) -> str:
     """Why ``pid``, sent the dump signal, wrote nothing within ``timeout`` (one line)."""
     stat = read_stat(pid)
@@ -101,7 +83,7 @@ def silent_reason(pid: int, timeout: float) -> str:
             f"<pid {pid} did not answer within {timeout:g}s: it is in uninterruptible sleep "
             "(D state: I/O or a driver call)>"
         )
-    masks = _sigmasks(pid)
+    masks = sigmasks(pid, DUMP_SIGNAL)
     if masks.get(b"SigBlk"):
         return (
             f"<pid {pid} did not answer within {timeout:g}s: it blocks the dump signal "
@@ -120,11 +102,14 @@ def start_time(pid: int) -> str | None:
     return None if stat is None else str(stat.starttime)
 
 
-def registered(directory: str, pid: int) -> str | None:
-    """``None`` if ``pid`` may be signalled, else why not (one line)."""
+def registered(directory: str, pid: int, sig: int = DUMP_SIGNAL, what: str = "") -> str | None:
+    """``None`` if ``pid`` is a worker registered in ``directory`` (its marker,
+    ``{pid}.ok``, names this very process) that handles ``sig`` now; else why
+    not (one line). The one check before aiolaunch signals a worker: for a
+    dump, a stack sample or an ``attach`` session (``what``: how to name ``sig``,
+    e.g. ``"the attach signal (SIGRTMIN+6)"``)."""
     try:
-        with open(os.path.join(directory, f"{pid}.ok")) as f:
-            started = f.read().strip()
+        started = read_marker(os.path.join(directory, f"{pid}.ok"))
     except OSError:
         return (
             "not registered for stack dumps (not a Python worker started by aiolaunch: "
@@ -133,16 +118,13 @@ def registered(directory: str, pid: int) -> str | None:
         )
     if started and started != start_time(pid):
         return "not registered for stack dumps (its pid belongs to another process now)"
-    masks = _sigmasks(pid)
+    masks = sigmasks(pid, sig)
+    what = what or f"the dump signal ({DUMP_SIGNAL_NAME})"
     if masks.get(b"SigIgn"):
-        return (
-            f"ignores the dump signal ({DUMP_SIGNAL_NAME}): the program set SIG_IGN for it; "
-            "leave that signal to aiolaunch"
-        )
+        return f"ignores {what}: the program set SIG_IGN for it; leave that signal to aiolaunch"
     if not masks.get(b"SigCgt"):
         return (
-            f"no longer handles the dump signal ({DUMP_SIGNAL_NAME}): it exec'd another "
-            "program, or reset the handler to SIG_DFL"
+            f"no longer handles {what}: it exec'd another program, or reset the handler to SIG_DFL"
         )
     return None
 
@@ -155,9 +137,13 @@ async def _py_spy(pid: int, timeout: float) -> str | None:
         return None
     try:
         proc = await asyncio.create_subprocess_exec(
-            exe, "dump", "--pid", str(pid),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            exe,
+            "dump",
+            "--pid",
+            str(pid),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
     except OSError:
         return None
     try:
@@ -199,7 +185,7 @@ async def dump_stacks(
     idle = {
         rank: pid
         for rank, pid in targets.items()
-        if idle_loop_text(texts.get(rank, "")) and handles(pid, TASKS_SIGNAL)
+        if idle_loop_text(texts.get(rank, "")) and handles_signal(pid, TASKS_SIGNAL)
     }
     if idle:
         bound = min(deadline, time.monotonic() + _TASKS_TIMEOUT)
@@ -284,9 +270,12 @@ class _PathDump:
 
 
 async def collect_dumps(
-    files: Mapping[int, DumpFile], sig: int, deadline: float,
-    done: Callable[[str, bool], bool], grown: dict[int, int] | None = None,
-) -> dict[int, str]:  # fmt: skip
+    files: Mapping[int, DumpFile],
+    sig: int,
+    deadline: float,
+    done: Callable[[str, bool], bool],
+    grown: dict[int, int] | None = None,
+) -> dict[int, str]:
     """Send ``sig`` to every file's pid; ``{rank: what its file grew by}``:
     once it is ``done``, or has not grown for :data:`QUIET_S`, or whatever
     came by ``deadline``. A rank whose file cannot be read or whose process

@@ -164,8 +164,10 @@ class StallDetector:
         """
         m = self._ranks.get(rank)
         if m is None or m.pid != sample.pid:  # first sight, or a new incarnation
-            self._ranks[rank] = _Memory(sample.pid, now, sample, now, sample.stack)
-            self._line(sample.last_progress, None, now)
+            m = self._ranks[rank] = _Memory(sample.pid, now, sample, now, sample.stack)
+            # Lines printed before the first sample count: the rank prints
+            # progress (it is judged by its own lines, not the group's).
+            m.printed = self._line(sample.last_progress, None, now) is not None
             return None
         # Output counts from when it happened.
         if self.progress:

@@ -72,25 +72,55 @@ _TAU_RANKS = 16
 #: Functions of ``torch.distributed`` whose frame means "waiting for peers".
 COLLECTIVES = frozenset(
     {
-        "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
-        "all_gather_object", "all_gather_coalesced", "_all_gather_base", "all_to_all",
-        "all_to_all_single", "barrier", "monitored_barrier", "broadcast",
-        "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-        "_reduce_scatter_base", "gather", "gather_object", "scatter", "scatter_object_list",
-        "send", "recv", "send_object_list", "recv_object_list", "batch_isend_irecv",
-        "wait", "wait_tensor", "wait_all", "_wait_for_work",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_gather_coalesced",
+        "_all_gather_base",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv",
+        "send_object_list",
+        "recv_object_list",
+        "batch_isend_irecv",
+        "wait",
+        "wait_tensor",
+        "wait_all",
+        "_wait_for_work",
     }
-)  # fmt: skip
+)
 
 
 #: Functions of a starting rank (importing, ``init_process_group``'s rendezvous).
 _STARTING = frozenset(
     {
-        "init_process_group", "_new_process_group_helper", "rendezvous", "_create_c10d_store",
-        "_env_rendezvous_handler", "_tcp_rendezvous_handler", "_store_based_barrier",
-        "_find_and_load", "_load_unlocked", "exec_module",
+        "init_process_group",
+        "_new_process_group_helper",
+        "rendezvous",
+        "_create_c10d_store",
+        "_env_rendezvous_handler",
+        "_tcp_rendezvous_handler",
+        "_store_based_barrier",
+        "_find_and_load",
+        "_load_unlocked",
+        "exec_module",
     }
-)  # fmt: skip
+)
 
 
 def starting(frames: list[Frame]) -> bool:
@@ -141,9 +171,16 @@ class StragglerStat:
     """The straggler statistic over a sliding window of sampling rounds."""
 
     def __init__(
-        self, *, window: int = 120, min_samples: int = 30, alpha: float = 1e-6,
-        ratio: float = 0.5, min_peers: float = 0.2, persist: int = 3, clear_ratio: float = 0.75,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        window: int = 120,
+        min_samples: int = 30,
+        alpha: float = 1e-6,
+        ratio: float = 0.5,
+        min_peers: float = 0.2,
+        persist: int = 3,
+        clear_ratio: float = 0.75,
+    ) -> None:
         self.window, self.min_samples, self.alpha = window, min_samples, alpha
         self.ratio, self.min_peers, self.persist = ratio, min_peers, persist
         self.clear_ratio = clear_ratio

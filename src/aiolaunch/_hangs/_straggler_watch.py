@@ -154,17 +154,23 @@ class StragglerWatch:
         for late in self.lateness_stat.add(arrivals, expected, time.monotonic()):
             self._emit(
                 WorkerStraggling(
-                    rank=late.rank, time=time.monotonic(), wait_share=round(1 - late.last_share, 3),
+                    rank=late.rank,
+                    time=time.monotonic(),
+                    wait_share=round(1 - late.last_share, 3),
                     peers_wait_share=round(1 - late.peers_last_share, 3),
-                    lateness_s=late.lateness_s, source="collectives",
+                    lateness_s=late.lateness_s,
+                    source="collectives",
                 )
-            )  # fmt: skip
+            )
             logger.warning(
                 "aiolaunch: rank %d of %r is a straggler: it arrived %.3fs after the earliest "
                 "rank at collectives (median of the last %d), last at %.0f%% of them",
-                late.rank, self._state.name, late.lateness_s, late.collectives,
+                late.rank,
+                self._state.name,
+                late.lateness_s,
+                late.collectives,
                 100 * late.last_share,
-            )  # fmt: skip
+            )
 
     async def _sample(self) -> dict[int, bool]:
         pids: dict[int, int] = {}
@@ -201,16 +207,23 @@ class StragglerWatch:
         for s in self.stat.add(waits):
             self._emit(
                 WorkerStraggling(
-                    rank=s.rank, time=time.monotonic(), wait_share=s.wait_share,
-                    peers_wait_share=s.peers_wait_share, lateness_s=None, source="stacks",
+                    rank=s.rank,
+                    time=time.monotonic(),
+                    wait_share=s.wait_share,
+                    peers_wait_share=s.peers_wait_share,
+                    lateness_s=None,
+                    source="stacks",
                 )
-            )  # fmt: skip
+            )
             logger.warning(
                 "aiolaunch: rank %d of %r is a straggler: it waited in collectives in %.0f%% of "
                 "its last %d stack samples, its peers in %.0f%% (they wait for it)",
-                s.rank, self._state.name, 100 * s.wait_share, s.samples,
+                s.rank,
+                self._state.name,
+                100 * s.wait_share,
+                s.samples,
                 100 * s.peers_wait_share,
-            )  # fmt: skip
+            )
 
 
 #: kernel functions a process waits in on a socket (``/proc/<pid>/wchan``)
@@ -225,6 +238,10 @@ def _on_socket(pid: int) -> bool:
 
 def _straggler(late: Late) -> Straggler:
     return Straggler(
-        late.rank, round(1 - late.last_share, 3), round(1 - late.peers_last_share, 3),
-        late.collectives, lateness_s=late.lateness_s, source="collectives",
-    )  # fmt: skip
+        late.rank,
+        round(1 - late.last_share, 3),
+        round(1 - late.peers_last_share, 3),
+        late.collectives,
+        lateness_s=late.lateness_s,
+        source="collectives",
+    )

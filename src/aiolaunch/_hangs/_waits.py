@@ -65,9 +65,14 @@ class Weighed:
 
 
 def weigh(
-    newly: list[Stall], look: Look, *, working: Callable[[int], bool],
-    busy: Callable[[int], bool], wall: float, stall_after: float,
-) -> Weighed:  # fmt: skip
+    newly: list[Stall],
+    look: Look,
+    *,
+    working: Callable[[int], bool],
+    busy: Callable[[int], bool],
+    wall: float,
+    stall_after: float,
+) -> Weighed:
     """Weigh ``newly`` (stalls of local ranks) against ``look``.
 
     :param working: whether a live local rank works now (output, or CPU with
@@ -152,9 +157,13 @@ class Weigher:
         if look is None:
             return newly
         w = weigh(
-            newly, look, working=lambda r: self.working(r, now), busy=self._detector.busy,
-            wall=time.time(), stall_after=self._detector.stall_after,
-        )  # fmt: skip
+            newly,
+            look,
+            working=lambda r: self.working(r, now),
+            busy=self._detector.busy,
+            wall=time.time(),
+            stall_after=self._detector.stall_after,
+        )
         for rank in w.excused:
             self._detector.excuse(rank, now)
             c.set_role(rank, w.roles.get(rank))
@@ -164,8 +173,10 @@ class Weigher:
                 logger.warning(
                     "aiolaunch: %s of %r wait in %s, which works: a wait on a working rank, "
                     "not a stall",
-                    ranks_text(ranks), self._state.name, what,
-                )  # fmt: skip
+                    ranks_text(ranks),
+                    self._state.name,
+                    what,
+                )
         return w.stalls
 
     def keep(self) -> CollectiveVerdict | None:

@@ -10,7 +10,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Watchdog", "matches_every_line"]
+__all__ = [
+    "MAX_STALL_AFTER",
+    "MIN_STALL_AFTER",
+    "Watchdog",
+    "matches_every_line",
+    "stall_after_problem",
+]
+
+#: the shortest ``stall_after``: the watchdog reads ``/proc`` at most once a
+#: second, so a shorter one would flag every rank at its first quiet second
+MIN_STALL_AFTER = 1.0
+#: the longest ``stall_after`` (30 days): a longer one never fires in a real job
+MAX_STALL_AFTER = 30 * 86400.0
 
 _ACTIONS = ("observe", "fail", "restart")
 
@@ -22,6 +34,18 @@ def matches_every_line(pattern: str) -> bool:
     :raises re.error: not a regular expression.
     """
     return re.compile(pattern).search("") is not None
+
+
+def stall_after_problem(seconds: float) -> str | None:
+    """What is wrong with a ``stall_after`` of ``seconds`` (a number > 0), or ``None``."""
+    if seconds < MIN_STALL_AFTER:
+        return (
+            f"is shorter than the watchdog's sampling period ({MIN_STALL_AFTER:g} s): every "
+            "rank would be flagged at its first quiet second"
+        )
+    if seconds > MAX_STALL_AFTER:
+        return "is longer than 30 days: the watchdog would never flag a stall"
+    return None
 
 
 @dataclass(frozen=True)
@@ -118,7 +142,8 @@ class Watchdog:
     Linux: activity is read from ``/proc`` (elsewhere no worker is ever
     flagged). The sampling period is ``stall_after / 10`` within [1, 30] s.
 
-    :param stall_after: seconds without activity, > 0.
+    :param stall_after: seconds without activity, from 1 (the sampling
+        period's floor) to 30 days (:data:`MAX_STALL_AFTER`).
     :param progress: a regular expression: only lines matching it count as
         output (streams the supervisor reads; a non-redirected stream is then
         piped through the supervisor).
@@ -142,7 +167,14 @@ class Watchdog:
             or self.stall_after == float("inf")
         ):
             raise ValueError(
-                f"Watchdog(stall_after={self.stall_after!r}) must be a number of seconds > 0"
+                f"Watchdog(stall_after={self.stall_after!r}) must be a number of seconds > 0, "
+                "e.g. stall_after=600"
+            )
+        why = stall_after_problem(self.stall_after)
+        if why is not None:
+            raise ValueError(
+                f"Watchdog(stall_after={self.stall_after!r}) {why}; pass e.g. stall_after=600, "
+                "or watchdog=None"
             )
         if self.stragglers is not None and (
             isinstance(self.stragglers, bool)

@@ -279,9 +279,12 @@ class StallWatcher:
             logger.warning(
                 "aiolaunch: %s of %r stalled (%s); stacks of every rank dumped. Verdict:\n%s\n"
                 "Report: %s",
-                ranks_text(s.rank for s in newly), self._state.name, newly[0].reason, verdict,
+                ranks_text(s.rank for s in newly),
+                self._state.name,
+                newly[0].reason,
+                verdict,
                 paths[1] if paths else "(not written)",
-            )  # fmt: skip
+            )
         if wd.action == "observe":
             self._episode = None
             return
@@ -292,9 +295,16 @@ class StallWatcher:
         if collective is not None and look is not None and collective.ranks:
             why = f"the collectives' verdict ({collective.verdict}): {collective.text}"
             culprits = collective_culprits(
-                stalls, collective.ranks, why, look.local, pids, verdict, dump.files,
-                self.detector, now=now,
-            )  # fmt: skip
+                stalls,
+                collective.ranks,
+                why,
+                look.local,
+                pids,
+                verdict,
+                dump.files,
+                self.detector,
+                now=now,
+            )
         else:
             if too_early(stalls, verdict, live, self.detector, age=age, stall_after=wd.stall_after):
                 self._pending = pending  # judged again with the next sample

@@ -48,36 +48,14 @@ class AttachError(Exception):
     """The rank cannot be attached to now; the message says why (and what to do)."""
 
 
-def _handles(pid: int, sig: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
 def check_attachable(stacks_dir: str, pid: int) -> None:
-    """:raises AttachError: ``pid`` is not a live aiolaunch Python worker with the handler."""
-    from .._hangs._stacks import start_time
+    """:raises AttachError: ``pid`` is not a live aiolaunch Python worker with the
+    attach handler (:func:`~aiolaunch._hangs._stacks.registered` says why)."""
+    from .._hangs._stacks import registered
 
-    try:
-        with open(os.path.join(stacks_dir, f"{pid}.ok")) as f:
-            started = f.read().strip()
-    except OSError:
-        raise AttachError(
-            f"pid {pid} is not a Python worker started by aiolaunch (function workers, or "
-            "scripts run by the aiolaunch CLI / `python -m aiolaunch._child._bootstrap`)"
-        ) from None
-    if started and started != start_time(pid):
-        raise AttachError(f"pid {pid} has exited")
-    if not _handles(pid, ATTACH_SIGNAL):
-        raise AttachError(
-            f"pid {pid} does not handle the attach signal (it exec'd another program, or "
-            f"replaced the handler of signal {ATTACH_SIGNAL})"
-        )
+    why = registered(stacks_dir, pid, ATTACH_SIGNAL, "the attach signal (SIGRTMIN+6)")
+    if why is not None:
+        raise AttachError(f"pid {pid}: {why}")
 
 
 class Session:

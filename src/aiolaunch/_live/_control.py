@@ -169,7 +169,7 @@ class ControlServer:
             # The per-user folder goes when this process exits (if no other
             # group is listed then), not with each group's last entry: that
             # was an rmdir and a mkdir per group, and some filesystems
-            # discard a freed block synchronously (ext4 -o discard: ms) (#26).
+            # discard a freed block synchronously (ext4 -o discard: ms).
             _remove_at_exit(os.path.dirname(self._entry))
             self._entry = None
         for forget in self._forget:

@@ -45,8 +45,15 @@ __all__ = [
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: every state a rank can be in (``aiolaunch_worker_state`` has one sample each)
 STATES = (
-    "starting", "running", "sleeping", "disk-sleep", "stopped", "stalled", "restarting", "exited",
-)  # fmt: skip
+    "starting",
+    "running",
+    "sleeping",
+    "disk-sleep",
+    "stopped",
+    "stalled",
+    "restarting",
+    "exited",
+)
 
 #: name, type, help, the status field it reads (per rank)
 WORKER_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -184,21 +191,16 @@ def _group_lines(snapshot: Mapping[str, Any], workers: Sequence[Mapping[str, Any
 
 def _process_values() -> dict[str, list[tuple[str, float]]]:
     """The supervisor's own ``process_*`` samples (Linux ``/proc``; none elsewhere)."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        with open("/proc/stat", "rb") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        fds = len(os.listdir("/proc/self/fd"))
-    except (OSError, StopIteration, IndexError, ValueError):
+    from .._workers._proc import boot_time, open_fds, read_stat
+
+    stat, btime, fds = read_stat("self"), boot_time(), open_fds()
+    if stat is None or btime is None or fds is None:
         return {}
-    # fields[0] is the state (field 3): utime is field 14, starttime 22, rss 24
-    cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
     return {
-        "process_cpu_seconds_total": [("", cpu)],
-        "process_resident_memory_bytes": [("", int(fields[21]) * _PAGE)],
-        "process_open_fds": [("", fds)],
-        "process_start_time_seconds": [("", btime + int(fields[19]) / _CLK_TCK)],
+        "process_cpu_seconds_total": [("", (stat.utime + stat.stime) / _CLK_TCK)],
+        "process_resident_memory_bytes": [("", stat.rss_pages * _PAGE)],
+        "process_open_fds": [("", len(fds))],
+        "process_start_time_seconds": [("", btime + stat.starttime / _CLK_TCK)],
     }
 
 
@@ -283,12 +285,12 @@ class MetricsServer:
         self,
         server: asyncio.AbstractServer,
         sock: socket.socket,
-        conns: set[asyncio.Task[None]],
+        conns: dict[asyncio.Task[None], asyncio.StreamWriter],
     ) -> None:
         self._server = server
         host, port = sock.getsockname()[:2]
         self.address: tuple[str, int] = (host, port)
-        # The connection tasks, added and removed by serve() (see start()).
+        # The connections (task, writer), added and removed by serve() (see start()).
         self._conns = conns
 
     @property
@@ -299,16 +301,16 @@ class MetricsServer:
     @classmethod
     async def start(cls, sock: socket.socket, collect: Callable[[], str]) -> MetricsServer:
         """Serve on ``sock`` (from :func:`bind_metrics`; the server owns it from here)."""
-        conns: set[asyncio.Task[None]] = set()
+        conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            conns.add(task)
+            conns[task] = writer
             try:
                 await _http(reader, writer, collect)
             finally:
-                conns.discard(task)
+                conns.pop(task, None)
                 writer.close()
 
         try:
@@ -319,10 +321,17 @@ class MetricsServer:
         return cls(server, sock, conns)
 
     def close(self) -> None:
-        """Stop listening and end open connections. Idempotent."""
+        """Stop listening and end open connections. Idempotent.
+
+        A connection ends by its transport's abort: its task sees the stream
+        end and returns. Not by cancelling the task: asyncio's server (3.10,
+        3.11) asks a cancelled connection task for its exception, and the
+        loop then logs a traceback to stderr for every connection open at
+        the end of a group (every keep-alive scraper, at every restart).
+        """
         self._server.close()
-        for task in self._conns:
-            task.cancel()
+        for writer in self._conns.values():
+            writer.transport.abort()
 
     async def aclose(self) -> None:
         """:meth:`close`, then wait for the connections' tasks to end."""
@@ -336,9 +345,13 @@ async def _http(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, collect: Callable[[], str]
 ) -> None:
     with contextlib.suppress(
-        ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-        asyncio.TimeoutError, TimeoutError, ValueError,
-    ):  # fmt: skip
+        ConnectionError,
+        asyncio.IncompleteReadError,
+        asyncio.LimitOverrunError,
+        asyncio.TimeoutError,
+        TimeoutError,
+        ValueError,
+    ):
         while True:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IDLE_S)
             lines = head.decode("latin-1").split("\r\n")

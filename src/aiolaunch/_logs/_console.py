@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .._types import PerProcess
+from .._workers._proc import HAVE_PROC
 from ._stdio import ConsoleHook, console_stream, set_console_hook, write_text
 
 __all__ = ["ConsoleHook", "ConsoleWriter", "console", "set_console_hook"]
@@ -61,9 +62,8 @@ _CLEAR_LINE = "\r\x1b[K"
 #: first - a training step, a burst of output - and the console catches up
 #: from the log files (lossless, bounded by MAX_PENDING) when a CPU is free.
 #: Idle CPUs run it at once, so latency on an unloaded host is unchanged.
-#: Measured (#26): 16 workers writing 16 MiB each, tee'd on 2 CPUs, the
-#: writers' rate 0.98x -> 1.14x torch's with the console's rate unchanged.
-#: Against a nice-0 hog per CPU it still gets ~10% of one (70 MB/s here).
+#: It buys the writers' own rate (benchmarks/README.md, "tee"); against a
+#: nice-0 hog per CPU the console still gets ~10% of one.
 CONSOLE_NICENESS = 10
 
 
@@ -331,7 +331,7 @@ def _lower_priority(by: int) -> None:
     refused, nothing changes). Relative: a supervisor started under ``nice``
     keeps its console thread below itself, never above."""
     getpriority = getattr(os, "getpriority", None)
-    if getpriority is None or not os.path.isdir("/proc/self/task"):
+    if getpriority is None or not HAVE_PROC:
         return  # not Linux: a thread id is no process id for setpriority()
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):  # refused (a sandbox's seccomp filter): as it was

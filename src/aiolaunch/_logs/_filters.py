@@ -46,7 +46,7 @@ class DuplicateFilter:
         # Line-buffered text, like torch's: only matching lines reach it, so
         # the few small writes stay on the loop thread without hurting it.
         # Opened by path (through our flags: no planted symlink is followed),
-        # so that ``file.name`` is the path, as torch's (#27 item 8).
+        # so that ``file.name`` is the path, as torch's.
         self.file: TextIO = open(  # noqa: SIM115
             path, "w", errors="replace", buffering=1, opener=lambda p, _: os.open(p, flags, 0o666)
         )

@@ -29,6 +29,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+from .._workers._proc import fd_path
 from ._growth import Growth
 from ._sink import FileRest
 
@@ -83,7 +84,7 @@ class FileFollower:
         self, fd: int, sinks: Sequence[Sink], rank: int, watches: Watches, tap: LineTap
     ) -> None:
         # Re-open the same inode (not the path: it may have been replaced).
-        self._fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = os.open(fd_path(fd), os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._start = os.fstat(self._fd).st_size
         except BaseException:
@@ -111,9 +112,7 @@ class FileFollower:
                 # The first read on the loop's next turn, not here: start()
                 # runs inside the spawn loop, and what this worker wrote while
                 # the next ranks were spawned would be framed there, between
-                # two spawns (measured: 16 tee'd workers of 16 MiB, ~15 ms of
-                # the loop thread's CPU in the spawn loop, every later rank
-                # started that much later; #26).
+                # two spawns, and every later rank would start that much later.
                 self._scheduled = True
                 asyncio.get_running_loop().call_soon(self._first_pump)
 

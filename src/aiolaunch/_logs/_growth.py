@@ -45,6 +45,7 @@ import asyncio
 import os
 from typing import TYPE_CHECKING
 
+from .._workers._proc import fd_path
 from ._inotify import HOLD_S
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class Growth:
     def want(self) -> None:
         """Someone needs the bytes: watch the file, unless it streams."""
         if self._wd is None and self._streaming is None and not self._closed:
-            self._wd = self._watches.watch(f"/proc/self/fd/{self._fd}", self._modified)
+            self._wd = self._watches.watch(fd_path(self._fd), self._modified)
             self._event_size = os.fstat(self._fd).st_size
 
     def unwant(self) -> None:

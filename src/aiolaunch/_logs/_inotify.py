@@ -48,12 +48,10 @@ HOLD_S = 0.001
 #: The tick's period after its first (Watches.repeat): while files keep
 #: growing, their bytes reach the sinks at most this late (torch's tee: its
 #: 0.1 s poll). Each tick is a wakeup of the supervisor beside CPU-bound
-#: writers, and wakeups are what it costs them: print() writers (a write()
-#: per 128-byte line) tee'd on 2 CPUs ran 3-11% faster at 4 ms than at 1 ms
-#: (10-16 interleaved trials a side, N=1/4/16; #26), and a C writer beside a
-#: process that only sleeps 1 ms at a time lost 2-3% to it, none at 4 ms.
+#: writers, and wakeups are what it costs them: print() writers tee'd on a
+#: small host run faster at 4 ms than at 1 ms (benchmarks/README.md, "tee").
 #: Under the 5 ms tail that tee lines are held to; quiet files are read on
-#: their inotify event at once, as before.
+#: their inotify event at once.
 STREAM_TICK_S = 0.004
 
 # The kernel's default queue (fs.inotify.max_queued_events = 16384) in one read.

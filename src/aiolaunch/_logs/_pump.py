@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .._cancel import move_on_after
+from .._workers._fds import read_pipe_rest
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -16,7 +17,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StreamPump"]
 
-_READ_SIZE = 1 << 20
 # After a worker is gone, how long its pipe may take to reach EOF before we
 # read what the kernel buffers and close our end (a surviving descendant in
 # another session may hold it).
@@ -130,23 +130,7 @@ class StreamPump(asyncio.Protocol):
             transport.pause_reading()
 
     def _read_rest(self) -> None:
-        transport = self.transport
-        # A closing transport either saw EOF (every byte was delivered) or was
-        # closed by us; its fd may already be closed and its number reused.
-        if transport is None or transport.is_closing():
-            return
-        pipe = transport.get_extra_info("pipe")
-        if pipe is None:  # pragma: no cover - every pipe transport sets it
-            return
-        # The transport made the fd non-blocking; read until the pipe is empty.
-        while True:
-            try:
-                data = os.read(pipe.fileno(), _READ_SIZE)
-            except (BlockingIOError, InterruptedError, OSError):
-                return
-            if not data:
-                return
-            self.data_received(data)
+        read_pipe_rest(self.transport, self.data_received)
 
     async def abandon(self) -> None:
         """Close without waiting (the worker never started)."""

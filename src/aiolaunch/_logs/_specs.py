@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from .._types import Std, StdSpec
 from .._validate import check_log_dir_not_file, check_log_dir_writable, check_std, log_dir_error
-from ._rank_dirs import BACKGROUND_MIN, RankDirs, mkdir_nofollow
-from ._spares import keep_spare, take_spare
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -33,7 +31,6 @@ __all__ = [
     "DefaultLogsSpecs",
     "LogsDest",
     "LogsSpecs",
-    "RankDirs",
     "attempt_dir_path",
     "guard_temp_dir",
     "make_run_dir",
@@ -65,13 +62,10 @@ def _mkdtemp(prefix: str) -> str:
     """``tempfile.mkdtemp(prefix=prefix)``: a new folder, mode 0700, in
     ``tempfile.gettempdir()``, named ``prefix`` + 12 random hex digits. One
     ``getrandom`` and one ``mkdir``: tempfile's Python name generator cost as
-    much as the ``mkdir`` itself on the launch path (~80 us cold, #26) - or
-    one rename, of a spare root (:mod:`._spares`)."""
+    much as the ``mkdir`` itself on the launch path (~80 us cold)."""
     root = tempfile.gettempdir()
     for _ in range(100):
         path = os.path.join(root, prefix + os.urandom(6).hex())
-        if take_spare(path):  # an emptied root of an earlier group: a rename (_spares)
-            return path
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:  # pragma: no cover - 2**48 names
@@ -87,7 +81,7 @@ def guard_temp_dir(path: str) -> None:
     :func:`prune_empty_dirs` kept it and a later run uses it). Idempotent."""
     from .._workers._guardian import WATCH_DELAY, clean_up_after
 
-    if path not in _TEMP_ROOTS:  # sent with the workers' registrations (#26)
+    if path not in _TEMP_ROOTS:  # sent with the workers' registrations: one write
         _TEMP_ROOTS[path] = clean_up_after("P", path, WATCH_DELAY)
 
 
@@ -120,11 +114,25 @@ class LogsDest:
     #: Folders aiolaunch created on its own (``log_dir=None``), deepest first:
     #: at close, what holds nothing in them is removed (see :func:`prune_empty_dirs`).
     temp_dirs: list[str] = field(default_factory=list)
-    #: Rank folders still being made in the background (``start_processes``
-    #: with ``log_dir``): wait for a rank's before spawning it.
-    rank_dirs: RankDirs | None = None
     #: The folder holding the rank folders (``""``: not known, e.g. torch's own specs).
     root: str = ""
+
+    @classmethod
+    def of(cls, dest: Any) -> LogsDest:
+        """Ours, from what a ``LogsSpecs.reify`` returned: ours as it is, or
+        torch's ``LogsDest`` (the one place its fields are read: torch before
+        2.9 has no ``filtered_*``, and no version has ``temp_dirs`` or ``root``)."""
+        if isinstance(dest, cls):
+            return dest
+        return cls(
+            stdouts=dict(dest.stdouts),
+            stderrs=dict(dest.stderrs),
+            tee_stdouts=dict(dest.tee_stdouts),
+            tee_stderrs=dict(dest.tee_stderrs),
+            error_files=dict(dest.error_files),
+            filtered_stdout=getattr(dest, "filtered_stdout", ""),
+            filtered_stderr=getattr(dest, "filtered_stderr", ""),
+        )
 
 
 class LogsSpecs(ABC):
@@ -297,8 +305,6 @@ def prune_empty_dirs(tops: Iterable[str], name: str = "") -> str | None:
         forget = _TEMP_ROOTS.pop(top, None)
         if forget is not None:
             forget()  # cleaned up here: the guardian must not touch it any more
-            if keep_spare(top):
-                continue  # empty: put aside for the next group, not removed (_spares)
         if _rmdir_quietly(top):
             continue  # the common case, one system call (not a symlink: rmdir fails there)
         if not os.path.isdir(top) or os.path.islink(top):
@@ -353,6 +359,18 @@ def _bits(spec: StdSpec, nprocs: int) -> list[int]:
     return [int(spec.get(rank, 0)) for rank in range(nprocs)]
 
 
+def mkdir_nofollow(path: str) -> None:
+    # mkdir fails on an existing entry (a planted symlink included); an
+    # existing real directory of ours is fine.
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise FileExistsError(
+                f"{path!r} exists and is not a directory aiolaunch created; refusing to follow it"
+            ) from None
+
+
 def _layout(
     base: str,
     envs: dict[int, dict[str, str]],
@@ -360,11 +378,10 @@ def _layout(
     redirects: StdSpec,
     tee: StdSpec,
     local_ranks_filter: set[int] | None,
-    background: bool = False,
     flat_errors: bool = False,
 ) -> LogsDest:
     # Plain ints: an IntFlag's ``|`` and ``&`` make enum members, ~2 us each
-    # and six a rank on the launch path (#26).
+    # and six a rank on the launch path.
     redirs, tees = _bits(redirects, nprocs), _bits(tee, nprocs)
     # torch 2.9+'s place for the duplicate filters' files (made only when used)
     dest = LogsDest(
@@ -372,17 +389,12 @@ def _layout(
         filtered_stderr=os.path.join(base, "filtered_stderr.log"),
         root=base,
     )
-    later: dict[int, str] = {}
     for rank in range(nprocs):
         rank_dir = os.path.join(base, str(rank))
         rd = redirs[rank] | tees[rank]  # tee implies redirect
         flat = flat_errors and not rd  # no folder: its error file beside the others
-        if flat:
-            pass
-        elif rank == 0 or not background or nprocs < BACKGROUND_MIN:
+        if not flat:
             mkdir_nofollow(rank_dir)
-        else:
-            later[rank] = rank_dir
         dest.stdouts[rank] = os.path.join(rank_dir, "stdout.log") if rd & _OUT else ""
         dest.stderrs[rank] = os.path.join(rank_dir, "stderr.log") if rd & _ERR else ""
         if tees[rank] & _OUT:
@@ -399,8 +411,6 @@ def _layout(
         error = f"error-{rank}.json" if flat else os.path.join(str(rank), "error.json")
         dest.error_files[rank] = os.path.join(base, error)
         envs[rank]["TORCHELASTIC_ERROR_FILE"] = dest.error_files[rank]
-    if later:
-        dest.rank_dirs = RankDirs(later)
     return dest
 
 
@@ -411,19 +421,14 @@ def plain_logs_dest(
     tee: StdSpec,
     local_ranks_filter: set[int] | None = None,
     *,
-    background: bool = False,
     flat_errors: bool = False,
 ) -> LogsDest:
     """aiolaunch's own layout: ``{log_dir}/{rank}/...`` (``log_dir`` must exist).
 
-    ``background``: rank 0's folder is made now (a bad ``log_dir`` fails
-    before anything starts), the others in the background (:class:`RankDirs`,
-    ``dest.rank_dirs``): the caller must ``wait(rank)`` before spawning a
-    rank and ``close()`` it when the group ends. ``flat_errors`` (a temporary
+    Every rank folder is made now (a bad ``log_dir`` fails before anything
+    starts; a symlink planted there is refused). ``flat_errors`` (a temporary
     ``log_dir``): a rank with no log file gets no folder, its error file is
     ``{log_dir}/error-{rank}.json`` - a folder costs a block, whose removal
-    some filesystems discard synchronously (#26).
+    some filesystems discard synchronously.
     """
-    return _layout(
-        log_dir, envs, len(envs), redirects, tee, local_ranks_filter, background, flat_errors
-    )
+    return _layout(log_dir, envs, len(envs), redirects, tee, local_ranks_filter, flat_errors)

@@ -139,7 +139,7 @@ class LogWiring:
         kept. On the loop (one rmdir per rank folder, ~10 us each): a thread
         would wait for the GIL before each one while the loop is busy.
         """
-        temp_dirs = list(getattr(self._dest, "temp_dirs", None) or ())
+        temp_dirs = list(self._dest.temp_dirs)
         if temp_dirs:
             prune_empty_dirs(temp_dirs, self._name)
 
@@ -148,11 +148,7 @@ class LogWiring:
         """Whether ``rank``'s worker writes the console itself, both streams
         (torchrun's default): no log file, pipe, sink or reader to make, close
         or start (:meth:`open` then skips the async generator and the two
-        stream plans: ~20 us a rank on the spawn path; #26). Its rank folder
-        exists once this returns."""
-        rank_dirs = getattr(self._dest, "rank_dirs", None)
-        if rank_dirs is not None:
-            rank_dirs.wait(rank)  # made in the background while earlier ranks spawned
+        stream plans: ~20 us a rank on the spawn path)."""
         dest = self._dest
         return inherits_console(
             dest.stdouts[rank], "stdout", self.lines.reads(rank, "stdout")
@@ -251,6 +247,11 @@ class LogWiring:
         known = [a for a in ages if a is not None]
         return min(known) if known else None
 
+    def unread(self, rank: int) -> bool:
+        """Whether some of ``rank``'s output has no reader here (a stream
+        inherited or discarded): :meth:`last_output` cannot see it."""
+        return len(self._by_rank.get(rank, ())) < 2
+
     # -- finish -----------------------------------------------------------------
     async def drain_rank(self, rank: int) -> None:
         """Finish ``rank``'s current streams (its worker exited; before a restart).
@@ -271,9 +272,6 @@ class LogWiring:
         if self._closed:
             return
         self._closed = True
-        rank_dirs = getattr(self._dest, "rank_dirs", None)
-        if rank_dirs is not None:
-            rank_dirs.close()  # a failed start: no folder appears after this
         readers, self._readers = self._readers, []
         self._by_rank.clear()
         try:

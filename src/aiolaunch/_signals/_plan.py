@@ -109,7 +109,7 @@ def resolve_signals(
         return parse_signals(keyword, what=what, strict=True)
     value = os.environ.get(env)
     if value is None:
-        # The usual case, on every start: parsed once (~10 us; #26).
+        # The usual case, on every start: parsed once (~10 us).
         found = _DEFAULTS.get(default)
         if found is None:
             found = _DEFAULTS[default] = parse_signals(default, what=what, strict=True)

@@ -21,16 +21,16 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .._child._bootstrap import BOOTSTRAP
+from .._workers._fds import close_fd
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
-from .._workers._handle import WorkerHandle, close_fd
+from .._workers._handle import WorkerHandle
 
 if TYPE_CHECKING:
     from .._workers._function import ResultReader
     from ._zygote import Zygote
 
 __all__ = ["ZygoteWorker", "fork_function", "script_form", "spawn_script", "start_store"]
-
-BOOTSTRAP = "aiolaunch._child._bootstrap"
 
 
 class ZygoteWorker(WorkerHandle):

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._child._zygote import load_time_items
 from .._types import PerProcess
+from .._workers import keep_for_life
 from .._workers._guardian import GUARDIAN_ENV, current_guardian, guardian
+from .._workers._proc import children
 from ._channel import Channel, frame
 from ._preload import Preload, supported
 
@@ -309,6 +311,8 @@ def _start(
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if here not in sys.path[1:]:  # aiolaunch was put on sys.path, not in the environment
         code = f"import sys; sys.path.insert(0, {here!r}); {_CODE}"
+    if preload.folder:  # the workers' sys.path[0] (`python -c` has the current folder)
+        code = f"import sys; sys.path[0] = {preload.folder!r}; {code}"
     now, later = ",".join(preload.now), ",".join(preload.later)
     argv = [sys.executable, "-c", code, "3", "4", "5", now, later, str(spares)]
     with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
@@ -372,14 +376,6 @@ def zygote_for(
     return z
 
 
-def _children(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return {int(p) for p in f.read().split()}
-    except (OSError, ValueError):
-        return set()
-
-
 def close_zygotes() -> None:
     """Stop every zygote of this process (the CLI, once its run is over)."""
     zygotes = _ZYGOTES.peek()
@@ -398,6 +394,9 @@ def zygote_helpers() -> tuple[set[int], set[int]]:
             pids.add(z.pid)
             # Its spares: the children that are no worker (the zygote may have
             # forked one the supervisor has not heard of yet).
-            pids |= (_children(z.pid) or z.spares) - set(z.workers)
+            pids |= (set(children(z.pid)) or z.spares) - set(z.workers)
         fds |= z.fds()
     return pids, fds
+
+
+keep_for_life(zygote_helpers)

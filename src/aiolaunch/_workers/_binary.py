@@ -17,7 +17,7 @@ supervisor-death protection from the guardian (``_guardian``). ``spawn``
 is ``Popen(start_new_session=True, close_fds=True)``'s own C core (vfork,
 setsid, the stdout/stderr fds, SIGPIPE and SIGXFSZ back to their default,
 every other fd closed, the program found on the worker's ``PATH``) without
-Popen's Python (#26).
+Popen's Python.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
+from ._fds import close_fd
 from ._guardian import GUARDIAN_ENV, guardian
-from ._handle import WorkerHandle, close_fd
+from ._handle import WorkerHandle
 from ._spawn import spawn
 
 if TYPE_CHECKING:

@@ -23,14 +23,13 @@ from typing import Any
 
 from .._child._function import HEADER_SIZE, RESULT_TAG, ChildSpec, PassFd, run_worker
 from .._compat import forget_child, process_popen, spawn_without_main
+from ._fds import close_fd, read_pipe_rest
 from ._guardian import GUARDIAN_ENV, guardian
-from ._handle import WorkerHandle, close_fd
+from ._handle import WorkerHandle
 from ._lifeline import lifeline_fds
-from ._proc import open_exit_fd
+from ._processes import open_exit_fd
 
 __all__ = ["FunctionWorker", "ResultReader", "settle_result", "spawn_function"]
-
-_READ_SIZE = 1 << 20
 
 
 class ResultReader(asyncio.Protocol):
@@ -74,24 +73,8 @@ class ResultReader(asyncio.Protocol):
         descendant that inherited the write end (``os.fork``) may keep it
         open, so this reads until the pipe is empty rather than until EOF.
         """
-        transport = self.transport
-        # is_closing() turns true in the same callback that sees EOF (all data
-        # delivered) and on close(); while it is false the fd is open and ours.
-        if self.eof or transport is None or transport.is_closing():
-            return
-        pipe = transport.get_extra_info("pipe")
-        if pipe is None:  # pragma: no cover - every pipe transport sets it
-            return
-        while True:
-            try:
-                # Non-blocking: connect_read_pipe set O_NONBLOCK on this fd.
-                data = os.read(pipe.fileno(), _READ_SIZE)
-            except (BlockingIOError, InterruptedError, OSError):
-                return
-            if not data:
-                self.eof = True
-                return
-            self.buf += data
+        if not self.eof and read_pipe_rest(self.transport, self.buf.extend):
+            self.eof = True
 
     def record(self) -> bytes | None:
         if len(self.buf) < HEADER_SIZE or self.buf[:1] != RESULT_TAG:
@@ -206,15 +189,12 @@ class FunctionWorker(WorkerHandle):
             self._result = None
 
 
-def _supervisor_only_fds(lifeline_w: int) -> tuple[int, ...]:
-    from .._warm._zygote import zygote_helpers
-    from ._guardian import current_guardian
+def _supervisor_only_fds(lifeline_r: int) -> tuple[int, ...]:
+    """What a child forked from the supervisor closes at once: every fd this
+    process keeps for its lifetime but the lifeline's read end (the child's)."""
+    from . import long_lived_helpers
 
-    fds = [lifeline_w, *zygote_helpers()[1]]
-    g = current_guardian()
-    if g is not None:
-        fds.append(g.fd)
-    return tuple(fds)
+    return tuple(sorted(long_lived_helpers()[1] - {lifeline_r}))
 
 
 async def spawn_function(
@@ -241,7 +221,7 @@ async def spawn_function(
         # The lifeline kills the worker's group; the guardian's token also
         # reaches descendants that left it (setsid) if the supervisor dies.
         env = {**env, GUARDIAN_ENV: g.token}
-    lifeline_r, lifeline_w = lifeline_fds()
+    lifeline_r = lifeline_fds()[0]
     # Failure cleanup (trio's _open_process): always_cleanup runs in any case,
     # cleanup_on_fail only if we never hand the worker over; pop_all() hands it.
     with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
@@ -258,7 +238,7 @@ async def spawn_function(
             stderr=PassFd(stderr) if stderr is not None else None,
             result=PassFd(result_w),
             lifeline=PassFd(lifeline_r),
-            close_after_fork=_supervisor_only_fds(lifeline_w) if start_method == "fork" else (),
+            close_after_fork=_supervisor_only_fds(lifeline_r) if start_method == "fork" else (),
             error_file=error_file,
             supervisor_pid=os.getpid(),
             check_parent=start_method != "forkserver",

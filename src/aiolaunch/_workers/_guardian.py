@@ -58,7 +58,7 @@ GUARDIAN_ENV = "AIOLAUNCH_GUARDIAN"
 
 GUARDIAN_NAME = "aiolaunch-guardian"
 
-#: Seconds a registration waits to be sent (see Guardian._queue; #26).
+#: Seconds a registration waits to be sent (see Guardian._queue).
 WATCH_DELAY = 0.02
 
 _SCRIPT = r"""
@@ -282,7 +282,7 @@ class Guardian:
             # On a loop that ended (an earlier asyncio.run()) before it sent
             # them: the lines go with this one's batch, not now - a write
             # (and the shell's wake-up) on the path of the start that queues
-            # this line (#26). As soon as the earliest of them needs.
+            # this line. As soon as the earliest of them needs.
             if self._flush is not None:
                 self._flush.cancel()
             delay = delay if self._flush_timed else 0.0
@@ -317,7 +317,7 @@ def _escape(path: str) -> str:
     """``path`` for one line of the guardian's pipe: every byte but ``[A-Za-z0-9/._-]``
     as ``\\0NNN`` (what ``printf %b`` reads back)."""
     if _SAFE_PATH.fullmatch(path):
-        return path  # the common case, without a Python step per byte (#26)
+        return path  # the common case, without a Python step per byte
     safe = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-"
     return "".join(chr(b) if b in safe else f"\\0{b:03o}" for b in os.fsencode(path))
 

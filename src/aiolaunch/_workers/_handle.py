@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._proc import signal_tree
+from ._processes import signal_tree
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -21,8 +20,12 @@ class WorkerHandle:
     """
 
     #: the worker writes its own Python exception to its error file (function
-    #: workers): a failure without one died without a Python exception
+    #: workers, scripts run by the bootstrap): a failure without one died
+    #: without a Python exception
     records_exceptions = False
+    #: its error file (``$TORCHELASTIC_ERROR_FILE``; ``""``: none): written
+    #: since it started, it was failing on its own when stopped (terminate())
+    error_file = ""
 
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
@@ -79,11 +82,3 @@ class WorkerHandle:
     def __repr__(self) -> str:
         state = "running" if self.alive else f"exited({self.returncode})"
         return f"<{type(self).__name__} rank={self.local_rank} pid={self.pid} {state}>"
-
-
-def close_fd(fd: int | None) -> None:
-    if fd is not None and fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:
-            pass

@@ -1,133 +1,103 @@
-"""Platform bits behind a tiny interface: exit fds and the process tree.
+"""``/proc``: the supervisor side's one door to it.
 
-Supervisor code never branches on ``sys.platform``; it calls these functions,
-each of which degrades to a documented no-op where the OS lacks the feature.
+Every path under ``/proc`` that the supervisor reads is named here, and every
+format it reads is parsed here (proc(5)); the rest of the package asks these
+functions and never opens ``/proc`` itself. Worker-side code has its own door
+(:mod:`aiolaunch._child._proc`), and the guardian's shell script its own
+scan (it runs where the supervisor is gone).
 
-- :func:`open_exit_fd` - a ``pidfd`` (Linux >= 5.3) that becomes readable when
-  the process exits, or ``None``.
-- :func:`signal_tree` - signal a worker's process group *and* every descendant
-  found in ``/proc`` (so grandchildren that called ``setsid()`` are reached
-  too, as long as their parent chain is intact when we look).
+Each reading degrades to a documented "not known" (``None``, ``""``, an
+empty collection) where the process is gone, the file unreadable (another
+user's), or there is no procfs (macOS): callers then fall back to what they
+can see without it.
+
+Files read every sampling period are held open (:class:`ProcFile`) and
+re-read with ``pread``: a third of the cost of open+read+close, and a held fd
+can never read a recycled pid (it fails with ``ESRCH`` once the process is gone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from collections.abc import Collection, Iterable
+from typing import NamedTuple
 
 __all__ = [
-    "CONTEXT_ENV",
+    "HAVE_PROC",
+    "ProcFile",
     "ProcStat",
-    "ProcTable",
-    "find_tagged",
-    "new_context_token",
-    "open_exit_fd",
+    "boot_time",
+    "children",
+    "cmdline",
+    "descendants",
+    "environ",
+    "fd_path",
+    "fd_target",
+    "handles_signal",
+    "is_process",
+    "last_pid",
+    "open_fds",
+    "parse_pid_list",
+    "parse_schedstat",
+    "parse_sigmasks",
     "parse_stat",
+    "parse_wchar",
     "proc_pids",
+    "read_proc_file",
     "read_stat",
-    "signal_tree",
+    "sigmasks",
+    "sysctl",
+    "task_ids",
+    "wchan",
 ]
 
-
-#: Environment variable carrying a per-context token into every worker; every
-#: descendant that inherits the environment carries it too, so ``close()``
-#: finds double-forked daemons (re-parented away, in a session of their own)
-#: that neither the process group nor the parent chain reaches.
-CONTEXT_ENV = "AIOLAUNCH_CONTEXT"
+#: whether this machine has a procfs (Linux)
+HAVE_PROC = os.path.isdir("/proc/self/fd")
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
 
-def new_context_token() -> str:
-    """A token unique to one context of one supervisor process."""
-    return f"{os.getpid()}-{os.urandom(8).hex()}"
+class ProcFile:
+    """``/proc/<pid>/<name>``, opened on the first :meth:`read` and re-read with
+    ``pread`` (see the module docstring). Where the process is out of fds it
+    is read by path each time instead. Not thread-safe; :meth:`close` it."""
 
+    __slots__ = ("_fd", "_path")
 
-def proc_pids(since: int = 0) -> list[int]:
-    """The pids listed in ``/proc`` that may belong to processes born after ``since``.
+    def __init__(self, pid: int | str, name: str) -> None:
+        self._path = f"/proc/{pid}/{name}"
+        self._fd: int | None = -1  # -1: not opened yet; None: read by path
 
-    Those at least ``since`` - and, once the pid counter wrapped around (the
-    last pid handed out is below ``since``; pid_max is 32768 on many hosts,
-    which a long test suite wraps), also those up to that last pid. ``[]``
-    without ``/proc``.
-    """
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    pids = [int(e) for e in entries if e.isdigit()]
-    if since <= 1:
-        return pids
-    # Read after the listing: every pid listed that was handed out after a
-    # wrap is at most this one.
-    wrapped_to = last_pid()
-    if wrapped_to >= since:
-        wrapped_to = 0
-    return [p for p in pids if p >= since or p <= wrapped_to]
+    def read(self, size: int = 4096) -> bytes | None:
+        """The file's first ``size`` bytes now; ``None`` once the process is gone
+        (or the file cannot be read)."""
+        fd = self._fd
+        if fd == -1:
+            try:
+                fd = os.open(self._path, _FLAGS)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    return None
+                fd = None  # out of fds: read by path each time instead
+            self._fd = fd
+        try:
+            if fd is None:
+                with open(self._path, "rb", buffering=0) as f:
+                    return f.read(size)
+            return os.pread(fd, size, 0)
+        except OSError:
+            return None
 
+    def close(self) -> None:
+        """Close the held fd. Idempotent."""
+        fd, self._fd = self._fd, -1
+        if fd is not None and fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
-def last_pid() -> int:
-    """The last pid (or thread id) handed out in our pid namespace; 0 when unknown."""
-    last = read_proc_file("sys/kernel", "ns_last_pid", 32)
-    try:
-        return int(last) if last is not None else 0
-    except ValueError:
-        return 0
-
-
-#: Pids at most that :class:`ProcTable` tries one by one instead of listing
-#: ``/proc`` (a miss costs ~4 us; the listing ~40 us warm, 250 us cold).
-PROBE_SPAN = 64
-
-
-def find_tagged(
-    token: str, since: int = 0, exclude: Iterable[int] = (), *, pids: Iterable[int] | None = None
-) -> set[int]:
-    """Live processes whose environment holds ``CONTEXT_ENV=token``.
-
-    Reads ``/proc/<pid>/environ`` - the environment the process was *exec'd*
-    with - of pids >= ``since`` (see :class:`ProcTable` for that bound), or
-    of ``pids`` when given, other than ours and ``exclude``. So it finds what
-    a binary worker and its descendants inherit; a process that only changed
-    ``os.environ`` (a function worker) passes the token on to what it execs,
-    not to its own entry.
-    Processes of other users are unreadable and skipped. Empty without
-    ``/proc``. Costs about one ``open``+``read`` per scanned process.
-    """
-    needle = f"\0{CONTEXT_ENV}={token}\0".encode()
-    skip = {os.getpid(), *exclude}
-    found: set[int] = set()
-    for pid in proc_pids(since) if pids is None else pids:
-        if pid in skip:
-            continue
-        data = _read_all(f"/proc/{pid}/environ")
-        # A zombie's environ reads empty: nothing to signal there.
-        if data is not None and needle in b"\0" + data + b"\0":
-            found.add(pid)
-    return found
-
-
-def _read_all(path: str) -> bytes | None:
-    # open + read(s) + close: a third of the system calls of open(path, "rb").read()
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        chunks = []
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    def __repr__(self) -> str:
+        return f"<ProcFile {self._path} fd={self._fd}>"
 
 
 class ProcStat(NamedTuple):
@@ -239,7 +209,179 @@ def parse_stat(raw: bytes) -> ProcStat | None:
         return None
 
 
-def _is_process(pid: int) -> bool:
+def parse_schedstat(raw: bytes) -> tuple[float, float] | None:
+    """``schedstat``: seconds on a CPU and seconds runnable waiting for one."""
+    try:
+        on_cpu, waiting, _ = raw.split(None, 2)
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except ValueError:
+        return None
+
+
+def parse_wchar(raw: bytes) -> int | None:
+    """``io``: the bytes the process passed to ``write()`` and friends (``wchar``)."""
+    i = raw.find(b"wchar:")
+    if i < 0:
+        return None
+    try:
+        return int(raw[i + 6 : raw.index(b"\n", i)])
+    except ValueError:
+        return None
+
+
+def parse_pid_list(raw: bytes) -> list[int]:
+    """A thread's ``children`` file: the pids of its children."""
+    try:
+        return [int(k) for k in raw.split()]
+    except ValueError:
+        return []
+
+
+def parse_sigmasks(raw: bytes, sig: int) -> dict[bytes, bool]:
+    """Whether ``sig`` is in each ``Sig*`` mask of a ``status`` file
+    (``SigCgt``: caught, ``SigIgn``: ignored, ``SigBlk``: blocked, ``SigPnd``)."""
+    masks: dict[bytes, bool] = {}
+    for line in raw.splitlines():
+        if line.startswith(b"Sig") and line[6:7] == b":":
+            with contextlib.suppress(ValueError, IndexError):
+                masks[line[:6]] = bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return masks
+
+
+def sigmasks(pid: int, sig: int) -> dict[bytes, bool]:
+    """:func:`parse_sigmasks` of ``/proc/<pid>/status``; ``{}`` if it is gone."""
+    raw = read_proc_file(pid, "status")
+    return {} if raw is None else parse_sigmasks(raw, sig)
+
+
+def handles_signal(pid: int, sig: int) -> bool:
+    """Whether ``pid`` has a handler installed for ``sig`` (``SigCgt``)."""
+    return sigmasks(pid, sig).get(b"SigCgt", False)
+
+
+def wchan(pid: int) -> str:
+    """The kernel function a sleeping process waits in (``""`` if unknown)."""
+    raw = read_proc_file(pid, "wchan", 256)
+    w = "" if raw is None else raw.decode(errors="replace").strip()
+    return "" if w == "0" else w
+
+
+def task_ids(pid: int | str = "self") -> list[int] | None:
+    """The thread ids of ``pid``; ``None`` when it is gone or there is no procfs."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return None
+
+
+def children(pid: int, tid: int | None = None) -> list[int]:
+    """The children of thread ``tid`` of ``pid`` (its main thread by default)."""
+    raw = read_proc_file(pid, f"task/{pid if tid is None else tid}/children", 1 << 20)
+    return [] if raw is None else parse_pid_list(raw)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every descendant of ``pid``, through every thread's children file (a
+    child started by a helper thread hangs off that thread)."""
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        for tid in task_ids(parent) or ():
+            for child in children(parent, tid):
+                if child not in found and child != pid:
+                    found.add(child)
+                    stack.append(child)
+    return found
+
+
+def environ(pid: int) -> bytes | None:
+    """The environment ``pid`` was exec'd with (NUL separated); ``None`` if
+    unreadable (gone, another user's). A zombie's reads empty."""
+    return _read_all(f"/proc/{pid}/environ")
+
+
+def cmdline(pid: int) -> list[str] | None:
+    """``pid``'s command line; ``None`` if unreadable, ``[]`` for a zombie."""
+    raw = _read_all(f"/proc/{pid}/cmdline")
+    return None if raw is None else [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def open_fds(pid: int | str = "self") -> list[int] | None:
+    """The open fds of ``pid``; ``None`` without a procfs (or when it is gone)."""
+    try:
+        return [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")]
+    except (OSError, ValueError):
+        return None
+
+
+def fd_path(fd: int) -> str:
+    """A path naming what this process's ``fd`` is open on: opening it opens
+    the same inode (even once the file was renamed or replaced)."""
+    return f"/proc/self/fd/{fd}"
+
+
+def fd_target(fd: int) -> str | None:
+    """What this process's ``fd`` points to (``"pipe:[123]"``, a path...);
+    ``None`` once it is closed, or without a procfs."""
+    try:
+        return os.readlink(fd_path(fd))
+    except OSError:
+        return None
+
+
+def boot_time() -> int | None:
+    """When the machine booted (Unix seconds), from ``/proc/stat``."""
+    raw = _read_all("/proc/stat")
+    if raw is None:
+        return None
+    for line in raw.splitlines():
+        if line.startswith(b"btime "):
+            with contextlib.suppress(ValueError, IndexError):
+                return int(line.split()[1])
+    return None
+
+
+def sysctl(name: str) -> str | None:
+    """The value of the kernel setting ``name`` (``"net/ipv4/ip_nonlocal_bind"``)."""
+    raw = read_proc_file("sys", name, 256)
+    return None if raw is None else raw.decode(errors="replace").strip()
+
+
+def proc_pids(since: int = 0) -> list[int]:
+    """The pids listed in ``/proc`` that may belong to processes born after ``since``.
+
+    Those at least ``since`` - and, once the pid counter wrapped around (the
+    last pid handed out is below ``since``; pid_max is 32768 on many hosts,
+    which a long test suite wraps), also those up to that last pid. ``[]``
+    without ``/proc``.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    pids = [int(e) for e in entries if e.isdigit()]
+    if since <= 1:
+        return pids
+    # Read after the listing: every pid listed that was handed out after a
+    # wrap is at most this one.
+    wrapped_to = last_pid()
+    if wrapped_to >= since:
+        wrapped_to = 0
+    return [p for p in pids if p >= since or p <= wrapped_to]
+
+
+def last_pid() -> int:
+    """The last pid (or thread id) handed out in our pid namespace; 0 when unknown."""
+    last = read_proc_file("sys/kernel", "ns_last_pid", 32)
+    try:
+        return int(last) if last is not None else 0
+    except ValueError:
+        return 0
+
+
+#####ISPROC
+def is_process(pid: int) -> bool:
     """Whether ``pid`` is a process (a thread group's leader), not another thread."""
     raw = read_proc_file(pid, "status")
     if raw is None:
@@ -250,132 +392,22 @@ def _is_process(pid: int) -> bool:
     return False
 
 
-def open_exit_fd(pid: int) -> int | None:
-    """Return a pidfd for ``pid`` (readable once it exits) or ``None``."""
-    pidfd_open = getattr(os, "pidfd_open", None)
-    if pidfd_open is None:
-        return None
+#####READALL
+def _read_all(path: str) -> bytes | None:
+    # open + read(s) + close: a third of the system calls of open(path, "rb").read()
     try:
-        fd: int = pidfd_open(pid)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    return fd
-
-
-class ProcTable:
-    """A snapshot of ``/proc``: parent and process-group of processes.
-
-    Only processes with a pid of at least ``since`` are read: descendants of
-    a worker are born after it, so this skips the rest of the machine (a full
-    scan costs ~20 us per process); once the pid counter wrapped around, the
-    low pids handed out since are read too (:func:`proc_pids`). When at most
-    :data:`PROBE_SPAN` pids were handed out since, those are read one by one
-    and ``/proc`` is not listed.
-
-    ``alone``: live processes born at or after ``since`` (the workers). Where
-    the pids are read one by one and no other process turns up among them,
-    these are :attr:`alone` and their own entries are not read.
-
-    Empty where there is no ``/proc`` (macOS): callers then rely on process
-    groups alone.
-    """
-
-    def __init__(self, since: int = 0, alone: Collection[int] = ()) -> None:
-        self.children: dict[int, list[int]] = {}
-        self.groups: dict[int, list[int]] = {}
-        self.stats: dict[int, ProcStat] = {}
-        #: live processes known to have nothing below them (see ``alone``)
-        self.alone: frozenset[int] = frozenset()
-        # Few pids handed out since the first worker (the common case at
-        # close(): the workers, a few helpers): each is tried in turn, no
-        # listing of /proc - most of a scan's cost. Tried pids may be thread
-        # ids, which /proc answers for as if processes, though never lists.
-        last = last_pid() if since > 1 else 0
-        probed = 0 <= last - since < PROBE_SPAN
-        known = set(alone) if probed else set()
-        pids = range(since, last + 1) if probed else proc_pids(since)
-        for pid in pids:
-            if pid not in known:
-                self._read(pid, probed)
-        if known and not self.stats:
-            # No process but those was born since the first of them: none has
-            # a descendant, alive or re-parented away. Their own stats are
-            # not read: the first read of a new process's /proc entry costs
-            # ~30 us (its inode is made), a third of a small group's close().
-            self.alone = frozenset(known)
-            return
-        for pid in known:
-            self._read(pid, probed)
-
-    def _read(self, pid: int, probed: bool) -> None:
-        stat = read_stat(pid)
-        if stat is None or (probed and stat.num_threads > 1 and not _is_process(pid)):
-            return
-        self.stats[pid] = stat
-        self.children.setdefault(stat.ppid, []).append(pid)
-        self.groups.setdefault(stat.pgid, []).append(pid)
-
-    def may_have_escaped(self, pid: int) -> bool:
-        """Whether a descendant of ``pid`` may live outside its tree (re-parented
-        away - a double-forked daemon - where only the context token finds it).
-
-        ``False`` only when ``pid`` and every process of :meth:`tree` were
-        read and none may have lost a child
-        (:attr:`ProcStat.may_have_lost_children`): nothing in the tree ever
-        died, so nothing below it was ever re-parented away; or when ``pid``
-        is :attr:`alone`.
-        """
-        if pid in self.alone:
-            return False
-        for p in (pid, *self.tree(pid)):
-            stat = self.stats.get(p)
-            if stat is None or stat.may_have_lost_children:
-                return True
-        return False
-
-    def tree(self, pid: int) -> set[int]:
-        """Descendants of ``pid`` and members of its process group, minus ``pid``.
-
-        Members of the group are found even after ``pid`` itself was reaped
-        and they were re-parented.
-        """
-        found: set[int] = set(self.groups.get(pid, ()))
-        stack = [pid, *found]
-        while stack:
-            for child in self.children.get(stack.pop(), ()):
-                if child not in found:
-                    found.add(child)
-                    stack.append(child)
-        found.discard(pid)
-        return found
-
-
-def _kill(pid: int, sig: int) -> None:
     try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def signal_tree(pid: int, sig: int, *, leader_alive: bool, extra: Iterable[int] = ()) -> None:
-    """Send ``sig`` to a worker, its process group and the given descendants.
-
-    ``killpg`` is only used while the group leader is not yet reaped: a
-    process-group id stays pinned while its leader exists (even as a zombie),
-    but once the leader is reaped and the group empties the number may be
-    recycled, and ``killpg`` could hit an unrelated group.
-    """
-    if leader_alive:
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            _kill(pid, sig)
-        except PermissionError:
-            # The child has not called setpgid() yet (fork start method race):
-            # signal it alone; it joins its own group right after.
-            _kill(pid, sig)
-        except OSError as exc:  # pragma: no cover - defensive
-            if exc.errno != errno.ESRCH:
-                raise
-    for d in extra:
-        _kill(d, sig)
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -12,7 +12,7 @@ the ``PATH`` search in the child, an exec failure sent back over a
 close-on-exec pipe. Measured from the call to the exec, one worker, caches
 cold as in the interleaved benchmark (median of 40, 2-core host): glibc's
 ``posix_spawn`` with the ``/proc/self/fd`` listing that ``close_fds`` needs
-there, 465 us; ``fork_exec``, 294 us (#26).
+there, 465 us; ``fork_exec``, 294 us.
 
 ``fork_exec`` is private and its arguments changed between Python versions
 (21 on 3.10; 22 on early 3.11, with the process group; 23 from 3.11.x on, with
@@ -220,12 +220,11 @@ def _executable(name: str, path: str | None) -> str:
 def _inheritable_fds() -> list[int]:
     """This process's inheritable fds (``close_fds`` closes them in the
     child; every other fd is close-on-exec)."""
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:  # pragma: no cover - no /proc
-        fds = list(range(3, 256))
+    from ._proc import open_fds
+
+    fds = open_fds()
     found = []
-    for fd in fds:
+    for fd in range(3, 256) if fds is None else fds:  # no procfs: the low numbers
         with contextlib.suppress(OSError):  # the listing's own fd is closed by now
             if os.get_inheritable(fd):
                 found.append(fd)

@@ -247,9 +247,13 @@ class LocalElasticAgent:
                 delay = _backoff(self._backoff, self._backoff_max, self._restart_count)
                 log.warning(
                     "[%s] worker group failed (rank %d: %s); %d/%d restarts left, restarting%s",
-                    spec.role, rank, _describe(root), remaining + 1, spec.max_restarts,
+                    spec.role,
+                    rank,
+                    _describe(root),
+                    remaining + 1,
+                    spec.max_restarts,
                     f" in {delay:g}s" if delay else "",
-                )  # fmt: skip
+                )
                 self._state = WorkerState.STOPPED
                 if delay:
                     await asyncio.sleep(delay)  # allowed: the backoff between attempts
@@ -258,8 +262,12 @@ class LocalElasticAgent:
             log.error(
                 "[%s] worker group failed after %d restart(s); "
                 "root cause: rank %d (local_rank %d) %s",
-                spec.role, self._restart_count, rank, root.local_rank, _describe(root),
-            )  # fmt: skip
+                spec.role,
+                self._restart_count,
+                rank,
+                root.local_rank,
+                _describe(root),
+            )
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _started(self, assignment: GroupAssignment, pids: dict[int, int]) -> None:
@@ -286,11 +294,18 @@ def _backoff(base: float, cap: float, restart_count: int) -> float:
 def _log_rendezvous(spec: WorkerSpec, a: GroupAssignment, restart_count: int) -> None:
     log.info(
         "[%s] rendezvous complete: run_id=%s group_rank=%d/%d ranks=%d..%d of %d "
-        "master=%s:%d restart_count=%d", spec.role, a.run_id, a.group_rank,
-        a.group_world_size, a.base_global_rank,
-        a.base_global_rank + spec.local_world_size - 1, a.global_world_size,
-        a.master_addr, a.master_port, restart_count,
-    )  # fmt: skip
+        "master=%s:%d restart_count=%d",
+        spec.role,
+        a.run_id,
+        a.group_rank,
+        a.group_world_size,
+        a.base_global_rank,
+        a.base_global_rank + spec.local_world_size - 1,
+        a.global_world_size,
+        a.master_addr,
+        a.master_port,
+        restart_count,
+    )
 
 
 def _backend_name(rdzv: Rendezvous) -> str:

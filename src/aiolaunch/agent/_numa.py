@@ -83,10 +83,12 @@ def bind_and_call(cpus: list[int], fn: Any, *args: Any) -> Any:
     """
     original = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
-    for tid in os.listdir("/proc/self/task"):
+    from .._workers._proc import task_ids
+
+    for tid in task_ids() or ():
         try:
-            if os.sched_getaffinity(int(tid)) == original:
-                os.sched_setaffinity(int(tid), cpus)
+            if os.sched_getaffinity(tid) == original:
+                os.sched_setaffinity(tid, cpus)
         except OSError:
             pass  # the thread ended meanwhile
     return fn(*args)

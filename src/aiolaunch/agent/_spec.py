@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from .._child._bootstrap import BOOTSTRAP
 from .._types import Std
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ def entrypoint_name(entrypoint: Callable[..., Any] | str, args: tuple[Any, ...])
         if entrypoint == sys.executable:
             names = [str(a) for a in args if not str(a).startswith("-")]
             # the CLI's `-m aiolaunch._child._bootstrap`
-            if names[:1] == ["aiolaunch._child._bootstrap"]:
+            if names[:1] == [BOOTSTRAP]:
                 names = names[1:]
             return names[0] if names else ""
         return entrypoint

@@ -27,7 +27,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
-from .._warm._preload import resolve_preload
+from .._warm._preload import resolve_preload, workers_folder
 from ._env import shared_env
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ class WarmStart:
         """An agent's: ``preload`` as the agent got it (checked here); the port
         is the agent's when the spec fixes none and the rendezvous lets it."""
         return cls(
-            resolve_preload(preload),
+            # a script's folder (the workers' sys.path[0]), as start_processes finds it
+            resolve_preload(preload, folder=workers_folder(spec.entrypoint, spec.args)),
             spec.local_world_size,
             auto_port=lambda: spec.master_port is None and getattr(rdzv, "auto_port", False),
         )

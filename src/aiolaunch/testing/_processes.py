@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._workers._proc import read_stat
+from .._workers._proc import HAVE_PROC, cmdline, environ, proc_pids, read_stat
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 __all__ = ["HAVE_PROC", "TOKEN_ENV", "Proc", "all_pids", "new_processes", "session_token"]
 
 TOKEN_ENV = "AIOLAUNCH_LEAKCHECK_TOKENS"
-HAVE_PROC = os.path.isdir("/proc/self/fd")
 
 _session_token: str | None = None
 
@@ -49,12 +48,7 @@ class Proc:
 
 
 def _read_cmdline(pid: int, comm: str) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return f"[{comm}]"
-    args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    args = cmdline(pid)
     return " ".join(args) if args else f"[{comm}]"  # zombies have no cmdline
 
 
@@ -62,7 +56,7 @@ def all_pids() -> set[int]:
     """Every pid on the machine now."""
     if not HAVE_PROC:  # pragma: no cover - macOS
         return set(_process_table_ps())
-    return {int(name) for name in os.listdir("/proc") if name.isdigit()}
+    return set(proc_pids())
 
 
 def _read_proc(pid: int) -> Proc | None:
@@ -102,13 +96,11 @@ def _is_descendant(pid: int, root: int, lookup: Callable[[int], Proc | None]) ->
 def _is_tagged(pid: int, token: str) -> bool:
     if not HAVE_PROC:  # pragma: no cover - macOS
         return False
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read()
-    except OSError:  # another user's, or exited
+    env = environ(pid)
+    if env is None:  # another user's, or exited
         return False
     needle = TOKEN_ENV.encode() + b"="
-    for entry in environ.split(b"\0"):
+    for entry in env.split(b"\0"):
         if entry.startswith(needle):
             return token.encode() in entry[len(needle) :].split(b":")
     return False

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
-from ._processes import HAVE_PROC
+from .._workers._proc import HAVE_PROC, fd_target
+from .._workers._proc import open_fds as _proc_fds
 
 __all__ = ["SIGNALS", "open_fds", "signal_state"]
 
@@ -15,19 +17,19 @@ SIGNALS = tuple(
     if isinstance(sig, signal.Signals)
 )
 
-_FD_DIR = "/proc/self/fd" if HAVE_PROC else "/dev/fd"
-
 
 def open_fds() -> dict[int, str]:
     """This process's open fds and what they point to: ``{fd: target}``."""
     fds: dict[int, str] = {}
-    for name in os.listdir(_FD_DIR):
-        fd = int(name)
-        try:
-            target = os.readlink(f"{_FD_DIR}/{fd}") if HAVE_PROC else _fd_kind(fd)
-        except OSError:  # the fd of the listing itself, closed by now
-            continue
-        fds[fd] = target
+    if not HAVE_PROC:  # pragma: no cover - macOS
+        for name in os.listdir("/dev/fd"):
+            with contextlib.suppress(OSError):  # the fd of the listing itself
+                fds[int(name)] = _fd_kind(int(name))
+        return fds
+    for fd in _proc_fds() or ():
+        target = fd_target(fd)
+        if target is not None:  # else: the fd of the listing itself, closed by now
+            fds[fd] = target
     return fds
 
 

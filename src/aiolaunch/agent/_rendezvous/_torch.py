@@ -156,7 +156,9 @@ def is_local_address(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError):
         return False
-    nonlocal_bind = _sysctl("/proc/sys/net/ipv4/ip_nonlocal_bind") == "1"
+    from ..._workers._proc import sysctl
+
+    nonlocal_bind = sysctl("net/ipv4/ip_nonlocal_bind") == "1"
     for family, _, _, _, sockaddr in infos:
         addr = str(sockaddr[0])
         try:
@@ -173,14 +175,6 @@ def is_local_address(host: str) -> bool:
                 continue
             return True
     return False
-
-
-def _sysctl(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def accelerator_count(kind: str) -> tuple[int, str]:
