@@ -32,11 +32,15 @@ STALL = 5
 #: Each scenario: rank 3 (rank 1 in the subgroup one) holds the others up.
 HANG = textwrap.dedent(
     """
-    import sys, time
+    import atexit, os, sys, time
+    mode = sys.argv[1]
+    if mode == "exit" and os.environ["RANK"] == "3":
+        # Registered before torch's exit handlers (and aiolaunch's): run after
+        # them. Rank 3 takes long to die: the others die first, of its leaving.
+        atexit.register(time.sleep, 3)
     import torch
     import torch.distributed as dist
 
-    mode = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     t = torch.ones(4)

@@ -122,6 +122,8 @@ class Collectives:
         self._info: dict[int, tuple[int, dict[str, object]]] = {}
         self._said: set[int] = set()
         self._written = 0
+        #: ranks that left their last words: the pid, and when they began to exit
+        self._exiting: dict[int, tuple[int, float]] = {}
         #: the last verdict kept (a stall's, or the first failure's)
         self.verdict: CollectiveVerdict | None = None
         self._roles: dict[int, str] = {}
@@ -211,23 +213,29 @@ class Collectives:
         records: dict[int, Record] = {}
         local: dict[int, int] = {}
         views: dict[int, RankView] = {}
-        exits = sorted(
-            (w.exit_time or 0.0, w.local_rank) for w in self._state.workers() if not w.alive
-        )
-        order = {rank: i for i, (_, rank) in enumerate(exits)}
+        gone: dict[int, float] = {}  # the ranks that exited or are exiting, since when
+        for w in self._state.workers():
+            fresh = pulled.get(w.local_rank)
+            if fresh is None or fresh.status != "ok":
+                self._last_words(w.local_rank, w.pid, alive=w.alive)
+            began = self._exiting.get(w.local_rank)
+            if began is not None and began[0] == w.pid:
+                gone[w.local_rank] = began[1]  # its last words: when it began to exit
+            elif not w.alive:
+                gone[w.local_rank] = w.exit_time or 0.0
+        order = {rank: i for i, rank in enumerate(sorted(gone, key=gone.__getitem__))}
         for w in self._state.workers():
             fresh = pulled.get(w.local_rank)
             answered = fresh is not None and fresh.status == "ok"
-            if not answered:
-                self._last_words(w.local_rank, w.pid, alive=w.alive)
             g = self._global(w.local_rank)
             local[g] = w.local_rank
             kept = self._records.get(w.local_rank)
-            if kept is not None and kept[0] == w.pid and (answered or not w.alive or stale):
+            current = kept is not None and kept[0] == w.pid
+            if kept is not None and current and (answered or w.local_rank in gone or stale):
                 records[g] = kept[1]
             note = "" if fresh is None else fresh.note
             views[g] = RankView(
-                exited=not w.alive,
+                exited=w.local_rank in gone and not answered,
                 exit_order=order.get(w.local_rank, 0),
                 exitcode=w.returncode,
                 busy=w.alive and busy(w.local_rank),
@@ -241,18 +249,23 @@ class Collectives:
         return Look(verdict, records, local, groups, pulled, seconds)
 
     def _last_words(self, rank: int, pid: int, *, alive: bool) -> None:
-        """Keep the record local ``rank``'s process ``pid`` left as it exited, if any."""
-        dumps = last_words(self._stacks_dir, pid)
-        if dumps is None:
+        """Keep the record local ``rank``'s process ``pid`` left as it began to
+        exit, if any (a live one is exiting: its description must name this
+        very process)."""
+        words = last_words(self._stacks_dir, pid)
+        if words is None:
             return
-        if self._info.get(rank, (0, {}))[0] != pid:
+        if self._info.get(rank, (0, {}))[0] != pid or alive:
             status, info, _ = read_info(self._stacks_dir, pid, alive=alive)
-            if status == "ok":
-                self._info[rank] = (pid, info)
+            if status != "ok":
+                return
+            self._info[rank] = (pid, info)
+        dumps, when = words
         try:
             self._records[rank] = (pid, parse_record(self._global(rank), dumps))
         except ValueError:
-            pass
+            return
+        self._exiting[rank] = (pid, when)
 
     def keep(self, look: Look) -> CollectiveVerdict:
         """Keep ``look``'s verdict: the status rows' roles, and the records

@@ -69,14 +69,16 @@ class Pulled:
     seconds: float = 0.0
 
 
-def last_words(directory: str, pid: int) -> tuple[bytes, ...] | None:
-    """The dumps ``pid`` left as it exited, or ``None``."""
+def last_words(directory: str, pid: int) -> tuple[tuple[bytes, ...], float] | None:
+    """The dumps ``pid`` left as it exited, and when it wrote them (the wall
+    clock: when it began to exit); ``None`` if it left none."""
     try:
         with open(info_path(directory, pid, LAST_SUFFIX), "rb") as f:
             raw = f.read(_MAX_BODY)
+            when = os.fstat(f.fileno()).st_mtime
     except OSError:
         return None
-    return tuple(d for d in raw.split(b"\0") if d)
+    return tuple(d for d in raw.split(b"\0") if d), when
 
 
 def read_info(directory: str, pid: int, *, alive: bool = True) -> tuple[str, dict[str, Any], str]:
