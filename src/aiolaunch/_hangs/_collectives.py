@@ -14,11 +14,11 @@ Records are kept per rank (the latest pulled, with the pid it came from). A
 rank that died, or is dying, is judged by the record it left as it exited
 (its *last words*, :func:`~aiolaunch._hangs._pull.last_words`: gloo fails the
 others' collective when a peer exits, and they all die within a second), else
-by the last one pulled. A verdict with culprits is
-kept with the ranks' records written next to the report
+by the last one pulled. A verdict kept (a stall's, the first failure's)
+has the ranks' records written next to the report
 (``{log_dir}/flight-recorder-<n>/rank_<global rank>``, torch's pickles:
-``torchfrtrace`` reads the folder). Ranks without a record (an old torch,
-no torch) are said once per group, in one warning.
+``torchfrtrace`` reads the folder). Ranks without a record (an old torch)
+are said once per group, in one warning.
 
 Global ranks: each rank's record server reports ``RANK`` and ``WORLD_SIZE``
 as its launcher set them; without them, the local rank and the group's size.
