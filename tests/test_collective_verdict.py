@@ -4,6 +4,7 @@ torch's Flight Recorder dumps in the shape gloo writes them (torch 2.13)."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -372,3 +373,28 @@ def test_status_and_top_show_what_the_records_say() -> None:
     lines = [line for line, _ in screen({"name": "g", "workers": workers}, TopState(), 160, 10)]
     assert any("STRAGGLING +0.102s" in line for line in lines), lines
     assert any("waits in all_reduce #5 of default_pg" in line for line in lines), lines
+
+
+async def test_ranks_without_a_record_are_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aiolaunch._group import GroupState
+    from aiolaunch._hangs._collectives import Collectives
+    from aiolaunch._workers._handle import WorkerHandle
+
+    state = GroupState("old", 2)
+    for rank in range(2):
+        h = WorkerHandle(rank)
+        h.pid = os.getpid()  # alive, and its description names this process
+        state.started(h)
+    why = "torch 2.7.1 keeps no collective record for gloo (torch 2.8 does)"
+    (tmp_path / f"fr-{os.getpid()}.off").write_text(why)
+    c = Collectives(state, str(tmp_path), str(tmp_path))
+    with caplog.at_level("WARNING", logger="aiolaunch"):
+        assert not c.armed() and not c.armed()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"aiolaunch: no collective record for ranks 0-1 of 'old' ({why}): hangs there are "
+        "judged by their stacks only"
+    ]
+    assert await c.look(lambda r: False) is None  # nothing to judge: the stack rule alone

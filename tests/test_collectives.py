@@ -341,6 +341,13 @@ async def test_a_rank_that_does_not_answer_is_reported_never_waited_on(tmp_path:
         assert got[0].status == "ok" and got[0].dumps, got[0]
         assert got[1].status == "silent" and got[1].note == "no answer within 1s", got[1]
         assert took < 1.5, took
+        # A build with NCCL is asked for NCCL's record too; where there is none
+        # (this CPU build answers 404), gloo's still stands.
+        info = tmp_path / f"fr-{procs[0].pid}.json"
+        info.write_text(json.dumps({**json.loads(info.read_text()), "nccl": True}))
+        got = await pull_records(str(tmp_path), {0: procs[0].pid}, 1.0)
+        assert got[0].status == "ok" and len(got[0].dumps) == 1, got[0]
+        assert got[0].note.startswith("no NCCL record: dump_nccl_trace_json: HTTP/1.1 404")
     finally:
         for p in procs:
             p.kill()

@@ -130,10 +130,19 @@ class Collectives:
 
     # -- what is known ------------------------------------------------------------
     def armed(self) -> bool:
-        """Whether some live rank serves its record (or said why it has none)."""
+        """Whether some live rank serves its record. Ranks that said why they
+        have none (an old torch) are said once, when no rank serves one."""
+        off: dict[int, str] = {}
         for w in self._state.workers():
-            if w.alive and w.pid and os.path.exists(info_path(self._stacks_dir, w.pid)):
+            if not w.alive or not w.pid:
+                continue
+            if os.path.exists(info_path(self._stacks_dir, w.pid)):
                 return True
+            if w.local_rank not in self._said:
+                status, _, note = read_info(self._stacks_dir, w.pid)
+                if status == "off":
+                    off[w.local_rank] = note
+        self._say_off(off)
         return False
 
     def role(self, rank: int) -> str | None:
@@ -170,7 +179,7 @@ class Collectives:
                     pulled[rank] = dataclasses.replace(p, status="failed", note=str(exc))
                     continue
                 self._records[rank] = (p.pid, rec)
-        self._say_off(pulled)
+        self._say_off({r: p.note for r, p in pulled.items() if p.status == "off"})
         return pulled
 
     def fresh(self, pulled: Mapping[int, Pulled]) -> dict[int, Record]:
@@ -182,8 +191,9 @@ class Collectives:
                 out[rank] = kept[1]
         return out
 
-    def _say_off(self, pulled: Mapping[int, Pulled]) -> None:
-        off = {r: p.note for r, p in pulled.items() if p.status == "off" and r not in self._said}
+    def _say_off(self, off: Mapping[int, str]) -> None:
+        """One warning for the ranks that have no record, and why (``{rank: why}``)."""
+        off = {r: why for r, why in off.items() if r not in self._said}
         if not off:
             return
         self._said.update(off)

@@ -160,17 +160,23 @@ async def _pull(directory: str, rank: int, pid: int, known: dict[str, Any] | Non
     else:
         info = known
     name = str(info.get("socket") or "")
-    handlers = ["fr_trace_json"]
-    if info.get("nccl"):
-        handlers.append("dump_nccl_trace_json")
+    nccl = None
+    if info.get("nccl"):  # its own request: NCCL's answer never costs gloo's
+        nccl = asyncio.ensure_future(_request(directory, name, "dump_nccl_trace_json"))
     try:
-        if len(handlers) == 1:  # one task less per rank
-            dumps = [await _request(directory, name, handlers[0])]
-        else:
-            dumps = await asyncio.gather(*(_request(directory, name, h) for h in handlers))
+        dumps = [await _request(directory, name, "fr_trace_json")]
     except OSError as exc:
+        if nccl is not None:
+            nccl.cancel()
+            await asyncio.gather(nccl, return_exceptions=True)
         return Pulled(rank, pid, "failed", info, note=str(exc) or type(exc).__name__)
-    return Pulled(rank, pid, "ok", info, tuple(dumps), seconds=time.monotonic() - t0)
+    note = ""
+    if nccl is not None:
+        try:
+            dumps.append(await nccl)
+        except OSError as exc:  # a build with NCCL, a job without: gloo's stands
+            note = f"no NCCL record: {exc}"
+    return Pulled(rank, pid, "ok", info, tuple(dumps), note, time.monotonic() - t0)
 
 
 async def pull_records(
