@@ -13,8 +13,8 @@
   (``TORCH_FR_BUFFER_SIZE=0``, no watchdog), recording on (a watchdog: the
   record server armed, no pulls), and with the straggler watch pulling every
   rank's record once a second and four times a second; one round of each,
-  back to back, five rounds, each compared with its own round's "off" (the
-  median of the five). Beside it, what each costs in isolation: a
+  back to back, three rounds, each compared with its own round's "off" (the
+  median of the three). Beside it, what each costs in isolation: a
   collective with recording off, at torch's default (2000 entries, recorded
   by torch 2.13 with no variable set) and at aiolaunch's (64), one rank,
   4000 all_reduces; the CPU one pull costs a rank (its record server's
@@ -203,7 +203,8 @@ ISOLATED = textwrap.dedent(
                 pass
             s.close()
         pull = (server_cpu() - c0) / 200 / 1e9
-    print(json.dumps({"collective_s": per, "pull_cpu_s": pull}))
+    print(json.dumps({"collective_s": per, "pull_cpu_s": pull}), flush=True)
+    dist.destroy_process_group()
     """
 )
 
@@ -225,8 +226,13 @@ def _isolated(tmp: str, config: str) -> dict[str, Any]:
     init = f"file://{os.path.join(tmp, f'store-{random.getrandbits(64):x}')}"
     proc = subprocess.run(
         [sys.executable, "-m", "aiolaunch._child._bootstrap", script, init],
-        capture_output=True, text=True, env=env, timeout=600, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if not proc.stdout.strip():  # its numbers come first: an abort at exit loses none
+        raise RuntimeError(f"isolated rank failed ({proc.returncode}): {proc.stderr[-2000:]}")
     data: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
     return data
 
@@ -423,7 +429,7 @@ async def main() -> None:
         if "collect" in only:
             res["collect"] = await collect(tmp, [4, 16] if args.quick else [4, 16, 64], 20)
         if "overhead" in only:
-            trials, steps = (1, 100) if args.quick else (5, 400)
+            trials, steps = (1, 100) if args.quick else (3, 200)
             res["overhead"] = await overhead(tmp, trials, steps)
         if "verdict" in only:
             res["verdict"] = await verdict(tmp)
