@@ -200,14 +200,17 @@ def training(rank: int, world: int, port: int, slow: int | None) -> None:
 @pytest.mark.slow
 async def test_the_straggler_is_named_and_a_balanced_run_names_nobody(tmp_path: Path) -> None:
     # 0.25 s: ~35 samples (up to ~90) name it; 45 s holds on a loaded host.
+    # The stack statistic: the ranks serve no collective record (that one is
+    # tests/test_collectives.py's).
     wd = Watchdog(stall_after=600, stragglers=0.25)
     ports = aiolaunch.free_port(), aiolaunch.free_port()
+    envs = {r: {"AIOLAUNCH_NO_COLLECTIVES": "1"} for r in range(4)}
     async with (
         aiolaunch.start_processes(
             "slow",
             training,
             {r: (r, 4, ports[0], 3) for r in range(4)},
-            _envs(4),
+            envs,
             log_dir=tmp_path / "slow",
             redirects=Std.ALL,
             watchdog=wd,
@@ -216,7 +219,7 @@ async def test_the_straggler_is_named_and_a_balanced_run_names_nobody(tmp_path: 
             "even",
             training,
             {r: (r, 4, ports[1], None) for r in range(4)},
-            _envs(4),
+            envs,
             log_dir=tmp_path / "even",
             redirects=Std.ALL,
             watchdog=wd,
@@ -236,6 +239,7 @@ async def test_the_straggler_is_named_and_a_balanced_run_names_nobody(tmp_path: 
         assert events, f"the straggler was never named: (waits, samples) = {shares}"
         assert {e.rank for e in events} == {3}, (events, shares)
         assert events[0].wait_share < events[0].peers_wait_share / 2
+        assert (events[0].source, events[0].lateness_s) == ("stacks", None)
         statuses = slow.status()
         assert statuses[3].state == "straggling" and statuses[3].straggling
         assert not any(s.straggling for s in statuses[:3])

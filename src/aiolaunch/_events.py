@@ -120,7 +120,10 @@ class WorkerStalled(Event):
 
     Emitted once per stall, before any stack dump or action: ``idle_s`` is
     how long it had no activity, ``reason`` says which kind (no output and
-    no CPU, no progress line, or D state).
+    no CPU, no progress line, or D state) and, where the ranks serve their
+    collective records (torch.distributed), ends with the collectives'
+    verdict: ``...; collectives: rank 3 never entered all_reduce #5 of
+    default_pg, in which ranks 0-2 wait``.
     """
 
     idle_s: float
@@ -130,17 +133,28 @@ class WorkerStalled(Event):
 @dataclass(frozen=True)
 class WorkerStraggling(Event):
     """The watchdog names a straggler (``Watchdog(stragglers=period)``): a
-    rank that waits inside ``torch.distributed`` collectives far less often
-    than its peers, so they wait for it.
+    rank its peers wait for in ``torch.distributed`` collectives.
 
-    ``wait_share`` is the fraction of its stack samples inside a collective,
-    ``peers_wait_share`` the same for the other ranks together (over the last
-    window of samples). Emitted once per straggling spell: again only after
-    the rank waited about as often as its peers in between.
+    ``source`` says how it was measured:
+
+    - ``"collectives"`` (the ranks serve their collective records): each
+      rank's arrival at each collective, against the earliest rank's;
+      ``lateness_s`` is the rank's median lateness over the window,
+      ``wait_share`` the fraction of those collectives in which it waited for
+      a later rank (was not the last to arrive), ``peers_wait_share`` the
+      same for the other ranks together;
+    - ``"stacks"`` (no record: stack samples): ``wait_share`` is the fraction
+      of its stack samples inside a collective, ``peers_wait_share`` the same
+      for the other ranks together; ``lateness_s`` is ``None``.
+
+    Emitted once per straggling spell: again only after the rank was back
+    among its peers in between.
     """
 
     wait_share: float
     peers_wait_share: float
+    lateness_s: float | None = None
+    source: str = "stacks"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ message, traceback - unless the program wrote that file itself
 
 Before the program starts, :func:`aiolaunch._child._dump_handler.register` installs the
 stack-dump handlers when ``$AIOLAUNCH_STACKS_DIR`` is set (the CLI sets it), and
-:func:`aiolaunch._child._attach.register` the ``aiolaunch attach`` one.
+:func:`aiolaunch._child._attach.register` the ``aiolaunch attach`` one, and
+:func:`aiolaunch._child._record_server.watch` serves the rank's collective
+record once the program imports torch (when the supervisor asks).
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ def main(argv: list[str], dumps: bool = True) -> None:
     if dumps:
         from aiolaunch._child._attach import register as register_attach
         from aiolaunch._child._dump_handler import register
+        from aiolaunch._child._record_server import watch
 
         register()
         register_attach()  # `aiolaunch attach RANK`: pdb on request
+        watch()  # collective records, once the program imports torch
     from ._uncaught import ErrorFileWatch
 
     error_file = ErrorFileWatch()  # before the program can write it

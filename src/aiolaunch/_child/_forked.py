@@ -298,7 +298,7 @@ def _writing_elsewhere() -> bool:
     import stat
 
     from ._dump_handler import STACKS_DIR_ENV
-    from ._proc import fd_path, open_fds
+    from ._proc import fd_target, open_fds
 
     dumps = os.path.join(os.environ.get(STACKS_DIR_ENV) or "\0", "")
     pipes: dict[tuple[int, int], set[int]] = {}  # pipe -> the access modes of our ends
@@ -318,7 +318,7 @@ def _writing_elsewhere() -> bool:
         if stat.S_ISCHR(st.st_mode) and os.isatty(fd):
             return True
         if stat.S_ISREG(st.st_mode):
-            path = fd_path(fd)
+            path = fd_target(fd)
             if path is None or not path.startswith(dumps):
                 return True
     return any(os.O_RDONLY not in modes for modes in pipes.values())

@@ -195,9 +195,11 @@ def run_worker(spec: ChildSpec) -> None:
     os.environ.update(spec.env)
     from ._attach import register as register_attach
     from ._dump_handler import register
+    from ._record_server import watch
 
     register()  # stack dumps on request (before user code: a hang can come early)
     register_attach()  # `aiolaunch attach RANK`: pdb on request
+    watch()  # collective records, once the entrypoint imports torch
     from ._uncaught import ErrorFileWatch
 
     error_file = ErrorFileWatch(spec.error_file)  # before the function can write it

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["fd_path", "library_loaded", "memory_layout", "open_fds", "start_time", "thread_ids"]
+__all__ = [
+    "fd_path",
+    "fd_target",
+    "library_loaded",
+    "memory_layout",
+    "open_fds",
+    "start_time",
+    "thread_ids",
+]
 
 
 def start_time() -> str:
@@ -79,10 +87,16 @@ def open_fds() -> list[int]:
         return list(range(256))
 
 
-def fd_path(fd: int) -> str | None:
-    """What this process's open ``fd`` names (a path, ``pipe:[N]``...); ``None``
-    where it cannot be read (closed, or no procfs)."""
+def fd_path(fd: int) -> str:
+    """A path naming what this process's ``fd`` is open on (a folder's fd: a
+    short path into it, for a unix socket whose own path is too long)."""
+    return f"/proc/self/fd/{fd}"
+
+
+def fd_target(fd: int) -> str | None:
+    """What this process's ``fd`` points to (``"socket:[123]"``, a path...);
+    ``None`` once it is closed, or without procfs."""
     try:
-        return os.readlink(f"/proc/self/fd/{fd}")
+        return os.readlink(fd_path(fd))
     except OSError:
         return None

@@ -143,7 +143,15 @@ def format_status(workers: Sequence[dict[str, Any]]) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    # What the collective records say of a rank (torch ranks, with a watchdog).
+    for w in workers:
+        late = w.get("lateness_s")
+        if w.get("straggling") and late is not None:
+            lines.append(f"rank {w['rank']}: {late:.3f}s late at collectives (median)")
+        if w.get("collective"):
+            lines.append(f"rank {w['rank']}: {w['collective']}")
+    return "\n".join(lines)
 
 
 def status_main(argv: Sequence[str]) -> int:

@@ -124,7 +124,10 @@ def _marks(w: Mapping[str, Any]) -> str:
     elif w.get("stalls"):
         marks.append(f"stalled x{w['stalls']}")
     if w.get("straggling"):
-        marks.append("STRAGGLING")
+        late = w.get("lateness_s")
+        marks.append("STRAGGLING" if late is None else f"STRAGGLING +{late:.3f}s")
+    if w.get("collective"):
+        marks.append(str(w["collective"]))
     if w.get("attached"):
         marks.append("ATTACHED")
     code = w.get("exitcode")

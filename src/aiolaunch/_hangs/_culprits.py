@@ -7,6 +7,11 @@ they do (idle, spinning, or printing "waiting"): the failure, the root cause
 and the report's root cause name the same rank, and the rest were stopped by
 aiolaunch. Without odd ones out, every stalled rank fails.
 
+Where the ranks' collective records gave a verdict with culprits
+(:mod:`aiolaunch._hangs._collective`), the culprits are the failure instead
+(:func:`collective_culprits`), stalled or not; where none of them lives here
+(exited, or on another host), the stalled ranks are.
+
 Ranks reach a hang at different times: a verdict without an odd one out while
 some live rank neither stalled nor spins may be early (that rank may be on
 its way to where the others are); the watcher then waits for the next sample,
@@ -28,7 +33,7 @@ if TYPE_CHECKING:
     from ._stacks import StackReport
     from ._stall import StallDetector
 
-__all__ = ["odd_ones", "ranks_text", "too_early"]
+__all__ = ["collective_culprits", "odd_ones", "ranks_text", "too_early"]
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -88,4 +93,36 @@ def odd_ones(
         reason = f"the odd one out: {doing} while {peers} stalled"
         s = Stall(rank, pids[rank], round(idle, 3), reason, verdict.line_for(rank) or "")
         out.append(dataclasses.replace(s, stacks_file=files.get(rank, "")))
+    return out or stalls
+
+
+def collective_culprits(
+    stalls: list[Stall],
+    culprits: Iterable[int],
+    why: str,
+    local: Mapping[int, int],
+    pids: Mapping[int, int],
+    verdict: StackReport,
+    files: Mapping[int, str],
+    detector: StallDetector,
+    *,
+    now: float,
+) -> list[Stall]:
+    """The ranks that fail by the collectives' verdict: its ``culprits``
+    (global ranks) that live here (``local``: global -> local rank; ``pids``:
+    live local ranks) - a stalled one with its stall, another with a new
+    :class:`Stall` whose reason is ``why`` - or, where none does, every
+    stalled rank."""
+    by_rank = {s.rank: s for s in stalls}
+    out: list[Stall] = []
+    for g in culprits:
+        rank = local.get(g)
+        if rank is None or rank not in pids:
+            continue
+        s = by_rank.get(rank)
+        if s is None:
+            idle = detector.idle(rank, now) or 0.0
+            s = Stall(rank, pids[rank], round(idle, 3), why, verdict.line_for(rank) or "")
+            s = dataclasses.replace(s, stacks_file=files.get(rank, ""))
+        out.append(s)
     return out or stalls

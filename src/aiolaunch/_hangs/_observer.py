@@ -14,12 +14,18 @@ each behind a narrow interface (see docs/hangs.md):
   sampling loop, the pure stall rule, and actions through the group's commands;
 - :class:`~aiolaunch._hangs._straggler_watch.StragglerWatch` (``stragglers=``):
   its own sampling loop and the pure straggler statistic;
+- :class:`~aiolaunch._hangs._collectives.Collectives` (with a watchdog): the
+  ranks' collective records (torch's Flight Recorder), read at a stall and
+  at the group's first failure, and by the straggler watch;
 - the stacks of every live rank at the group's first failure
-  (:meth:`HangObserver.before_stop`, with a watchdog);
+  (:meth:`HangObserver.before_stop`, with a watchdog), and the collectives'
+  verdict then;
 - the report (:class:`~aiolaunch._hangs._report.RunReport`).
 
 It gives every worker ``$AIOLAUNCH_STACKS_DIR`` (the bootstraps register the
-dump signal there) and writes into the group's folder
+dump signal there; with a watchdog also ``$AIOLAUNCH_COLLECTIVES``: the ranks
+serve their collective records there once they import torch) and writes into
+the group's folder
 (:class:`~aiolaunch._logs._folder.GroupFolder`): dumps and the report. What a
 status row shows of a rank's activity comes from here too (the
 :class:`~aiolaunch._live._status.RankMarks` it implements); the live view
@@ -28,14 +34,17 @@ reads it through the context, never through this object's parts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from .._child._record_server import COLLECTIVES_ENV
 from .._observer import GroupObserver
 from ._activity import Sampler
+from ._collectives import Collectives
 from ._dumper import StackDumper, check_dump_timeout
 from ._output_clock import OutputClock
-from ._report import AtFailure, RunReport, Straggler, write_report
+from ._report import AtFailure, RunReport, write_report
 from ._stack_sampler import StackSampler
 from ._stacks import STACKS_DIR_ENV, StackReport
 from ._straggler_watch import StragglerWatch
@@ -49,6 +58,7 @@ if TYPE_CHECKING:
     from .._logs._folder import GroupFolder
     from .._results import RunProcsResult
     from ._activity import RankActivity
+    from ._collective import CollectiveVerdict
     from ._dumper import Dump
     from ._watchdog import Watchdog
 
@@ -95,6 +105,9 @@ class HangObserver(GroupObserver):
         self.dumper = StackDumper(state, folder.stacks_dir, folder.rank_dir, self.sampler.rebase)
         self.stacks = StackSampler(folder.stacks_dir, self.dumper.lock)
         self.clock = OutputClock(state, self.sampler, unread or _none, self.dumper.lock)
+        self.collectives: Collectives | None = None
+        if watchdog is not None:
+            self.collectives = Collectives(state, folder.stacks_dir, folder.path)
         self.watcher: StallWatcher | None = None
         if watchdog is not None:
             self.watcher = StallWatcher(
@@ -106,6 +119,7 @@ class HangObserver(GroupObserver):
                 emit=emit,
                 restartable=restartable,
                 write_report=lambda: self.write_report(None),
+                collectives=self.collectives,
             )
         self.stragglers: StragglerWatch | None = None
         if watchdog is not None and watchdog.stragglers is not None:
@@ -115,9 +129,12 @@ class HangObserver(GroupObserver):
                 self.stacks,
                 emit=emit,
                 discount=self.sampler.discount,
+                collectives=self.collectives,
             )
         #: where every live rank was at the group's first failure (watchdog only)
         self.at_failure: AtFailure | None = None
+        #: the collectives' verdict at the group's first failure (watchdog only)
+        self.at_failure_collective: CollectiveVerdict | None = None
         #: the paths of the last report written
         self.reported: tuple[str, str] | None = None
         self._concluded = False
@@ -132,7 +149,10 @@ class HangObserver(GroupObserver):
 
     # -- GroupObserver ----------------------------------------------------------
     def env(self, rank: int) -> Mapping[str, str]:
-        """Every worker registers its dump handler in the stacks folder."""
+        """Every worker registers its dump handler in the stacks folder; with a
+        watchdog, a torch rank serves its collective record there too."""
+        if self.collectives is not None:
+            return {STACKS_DIR_ENV: self._folder.stacks_dir, COLLECTIVES_ENV: "1"}
         return {STACKS_DIR_ENV: self._folder.stacks_dir}
 
     def group_started(self) -> None:
@@ -147,9 +167,29 @@ class HangObserver(GroupObserver):
     async def before_stop(self) -> None:
         """With a watchdog, when a rank failed on its own (a stall's dump is
         done), every live rank's stacks first (:func:`dump_at_failure`), for
-        the report and the summary."""
-        if self.watcher is not None and self.at_failure is None:
-            self.at_failure = await dump_at_failure(self._state, self.dumper)
+        the report and the summary, and the collectives' verdict (read at the
+        same time)."""
+        if self.watcher is None or self.at_failure is not None:
+            return
+        stacks = dump_at_failure(self._state, self.dumper)
+        if self.collectives is None or self.at_failure_collective is not None:
+            self.at_failure = await stacks
+            return
+        self.at_failure, self.at_failure_collective = await asyncio.gather(
+            stacks, self._collective_at_failure()
+        )
+
+    async def _collective_at_failure(self) -> CollectiveVerdict | None:
+        c, w = self.collectives, self.watcher
+        failed = [r for r in self._state.failed_ranks() if r not in self._state.forced]
+        if c is None or w is None or not failed:
+            return None
+        try:
+            look = await c.look(w.detector.busy, stale=True)
+            return None if look is None else c.keep(look)
+        except Exception:  # a report must never turn into a second failure
+            logger.exception("aiolaunch: reading collective records of %r", self._state.name)
+            return None
 
     async def aclose(self) -> None:
         """Stop the watchdog, the straggler statistic and the output clock. Idempotent."""
@@ -201,6 +241,14 @@ class HangObserver(GroupObserver):
         """Whether ``rank`` is named a straggler now."""
         return self.stragglers is not None and self.stragglers.straggling(rank)
 
+    def lateness(self, rank: int) -> float | None:
+        """``rank``'s median lateness at collectives (s), where measured."""
+        return None if self.stragglers is None else self.stragglers.lateness(rank)
+
+    def collective(self, rank: int) -> str | None:
+        """What ``rank`` does in the collectives' last verdict (or waits on)."""
+        return None if self.collectives is None else self.collectives.role(rank)
+
     # -- dumps and the report ------------------------------------------------------
     async def dump(self, ranks: Sequence[int] | None, timeout: float) -> Dump:
         """A round of stack dumps (:meth:`StackDumper.dump`)."""
@@ -229,10 +277,8 @@ class HangObserver(GroupObserver):
             verdict=w.verdict if w is not None else None,
             dumps=w.dumps if w is not None else None,
             at_failure=self.at_failure,
-            stragglers=[
-                Straggler(g.rank, g.wait_share, g.peers_wait_share, g.samples)
-                for g in (self.stragglers.named() if self.stragglers is not None else ())
-            ],
+            stragglers=self.stragglers.report() if self.stragglers is not None else [],
+            collective=self.at_failure_collective or (w.collective if w is not None else None),
         )
         return write_report(report)
 

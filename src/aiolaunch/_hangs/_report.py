@@ -6,7 +6,9 @@ code or signal, the recorded exception and traceback, or for programs
 without ``@record`` the last lines of their stderr log - the ranks that
 failed on their own vs. those aiolaunch stopped, the stalled ranks with
 their stacks and the outlier verdict, where every live rank was at the
-first failure (with a watchdog), and the stragglers named.
+first failure (with a watchdog), the collectives' verdict (torch ranks, with a
+watchdog: ``"collective"``, one sentence in ``report.txt``), and the
+stragglers named.
 
 :class:`RunReport` is a plain frozen dataclass built from plain values
 (:meth:`RunReport.build`); it knows nothing of the context that made it.
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from collections.abc import Container, Iterable, Mapping
 
     from .._results import RunProcsResult
+    from ._collective import CollectiveVerdict
     from ._stacks import StackReport
     from ._stall import Stall
 
@@ -83,12 +86,19 @@ class AtFailure:
 
 @dataclass(frozen=True)
 class Straggler:
-    """A rank the watchdog named a straggler."""
+    """A rank the watchdog named a straggler.
+
+    ``source``: ``"collectives"`` (its arrivals at collectives: ``lateness_s``
+    is its median lateness, ``samples`` the collectives compared) or
+    ``"stacks"`` (stack samples: ``lateness_s`` is ``None``).
+    """
 
     rank: int
     wait_share: float
     peers_wait_share: float
     samples: int
+    lateness_s: float | None = None
+    source: str = "stacks"
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,7 @@ class RunReport:
     verdict: StackReport | None = None
     at_failure: AtFailure | None = None
     stragglers: list[Straggler] = field(default_factory=list)
+    collective: CollectiveVerdict | None = None
 
     @classmethod
     def build(
@@ -123,6 +134,7 @@ class RunReport:
         dumps: Mapping[int, str] | None = None,
         at_failure: AtFailure | None = None,
         stragglers: Iterable[Straggler] = (),
+        collective: CollectiveVerdict | None = None,
     ) -> RunReport:
         """The report of group ``name``.
 
@@ -133,6 +145,7 @@ class RunReport:
         :param stalls: the stalled ranks, with ``dumps`` their stacks.
         :param at_failure: where the live ranks were at the first failure.
         :param stragglers: the ranks named stragglers.
+        :param collective: the collectives' verdict (a stall's, or the first failure's).
         """
         outcome = "running" if result is None else ("failed" if result.is_failed() else "ok")
         cause: RootCause | None = None
@@ -177,6 +190,7 @@ class RunReport:
             verdict=verdict,
             at_failure=at_failure,
             stragglers=sorted(stragglers, key=lambda s: s.rank),
+            collective=collective,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -205,6 +219,8 @@ class RunReport:
             }
         if self.stragglers:
             data["stragglers"] = [vars(s).copy() for s in self.stragglers]
+        if self.collective is not None:
+            data["collective"] = self.collective.to_json()
         return data
 
     def to_text(self) -> str:
@@ -225,6 +241,11 @@ class RunReport:
                 out.append(f"  no stderr lines here: {root.stderr_note}")
             out.append(f"Failed on their own: {self.failed or 'none'}")
             out.append(f"Stopped by aiolaunch: {self.stopped_by_aiolaunch or 'none'}")
+        c = self.collective
+        if c is not None:
+            out += ["", f"Collectives ({c.verdict}): {c.text}."]
+            if c.dumps:
+                out.append(f"  records: {c.dumps} (torchfrtrace reads the folder)")
         if self.verdict is not None:
             out += ["", "Where every rank is (innermost frames of the main thread):"]
             out.append(str(self.verdict))
@@ -235,11 +256,19 @@ class RunReport:
             for rank, path in sorted(a.files.items()):
                 out.append(f"  rank {rank}: {path}")
         for g in self.stragglers:
-            out += [
-                "",
-                f"Straggler: rank {g.rank} waited in collectives in {100 * g.wait_share:.0f}% "
-                f"of its {g.samples} stack samples, its peers in {100 * g.peers_wait_share:.0f}%",
-            ]
+            if g.source == "collectives" and g.lateness_s is not None:
+                line = (
+                    f"Straggler: rank {g.rank} arrived {g.lateness_s:.3f}s after the earliest "
+                    f"rank at collectives (median of {g.samples}); it was the last to arrive at "
+                    f"{100 * (1 - g.wait_share):.0f}% of them"
+                )
+            else:
+                line = (
+                    f"Straggler: rank {g.rank} waited in collectives in {100 * g.wait_share:.0f}% "
+                    f"of its {g.samples} stack samples, its peers in "
+                    f"{100 * g.peers_wait_share:.0f}%"
+                )
+            out += ["", line]
         for s in self.stalled:
             out += ["", f"Stalled: rank {s.rank} (pid {s.pid}): {s.reason}"]
             if s.stacks_file:

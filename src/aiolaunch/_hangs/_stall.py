@@ -132,6 +132,8 @@ class _Memory:
     still: int = 0
     busy: int = 0
     cpu_percent: float = 0.0
+    #: the main thread (the worker, where not known) used the CPU in the last interval
+    main_busy: bool = False
 
 
 def _delta(now: float | None, before: float | None) -> float | None:
@@ -214,6 +216,7 @@ class StallDetector:
             main_busy = dt > 0 and main >= floor
             helpers = _delta(sample.helpers_s, m.last.helpers_s)
             helpers_busy = dt > 0 and helpers is not None and helpers >= floor
+        m.main_busy = main_busy
         if sample.stack is None or self._starved(m, sample, main, dt):
             # Not sampled, or starved (its stack could not move): CPU
             # anywhere in the worker.
@@ -306,6 +309,24 @@ class StallDetector:
         """Whether ``rank`` is stalled now (flagged and not active since)."""
         m = self._ranks.get(rank)
         return m is not None and m.flagged
+
+    def busy(self, rank: int) -> bool:
+        """Whether ``rank``'s main thread used the CPU in the last interval sampled
+        (at least :data:`CPU_BUSY_FRACTION` of a core): working or spinning."""
+        m = self._ranks.get(rank)
+        return m is not None and m.main_busy
+
+    def excuse(self, rank: int, now: float) -> None:
+        """Count ``rank`` as active at ``now``: a stall judged to be none (a rank
+        computing between collectives with nobody waiting for it, a rank
+        waiting in a collective for a rank that works). It is judged again
+        ``stall_after`` later."""
+        m = self._ranks.get(rank)
+        if m is not None:
+            m.last_active = now
+            m.flagged = False
+            m.quiet = m.still = m.busy = 0
+            m.cpu_percent = 0.0
 
     def flag(self, rank: int) -> None:
         """Count ``rank`` as stalled until it is active again (a stall decided

@@ -1,14 +1,23 @@
 """The straggler watch: ``Watchdog(stragglers=period)``'s sampling loop.
 
 Every ``period`` seconds (jittered ±25 %, so it cannot lock onto the
-training step's rhythm), one stack sample of every live rank at the same
-instant (:class:`~aiolaunch._hangs._stack_sampler.StackSampler`, the dump signal), each
-classified as waiting inside a ``torch.distributed`` collective or not
-(:func:`~aiolaunch._hangs._straggler.waiting_in_collective`), fed to the pure
-statistic (:class:`~aiolaunch._hangs._straggler.StragglerStat`). A rank it names
-gets a :class:`~aiolaunch.WorkerStraggling` event and a warning; ``status()``
-shows it as ``"straggling"`` and the report lists it. Nothing is ever
-stopped for it.
+training step's rhythm), one look at every live rank:
+
+- where the ranks serve their collective records
+  (:class:`~aiolaunch._hangs._collectives.Collectives`: torch.distributed with
+  torch >= 2.8), a pull of every record; each collective's arrival times on
+  its members feed the lateness statistic
+  (:class:`~aiolaunch._hangs._lateness.LatenessStat`, ``source="collectives"``);
+- else one stack sample of every live rank at the same instant
+  (:class:`~aiolaunch._hangs._stack_sampler.StackSampler`, the dump signal), each
+  classified as waiting inside a ``torch.distributed`` collective or not
+  (:func:`~aiolaunch._hangs._straggler.waiting_in_collective`), fed to the pure
+  statistic (:class:`~aiolaunch._hangs._straggler.StragglerStat`,
+  ``source="stacks"``).
+
+A rank either names gets a :class:`~aiolaunch.WorkerStraggling` event and a
+warning; ``status()`` shows it as ``"straggling"`` and the report lists it.
+Nothing is ever stopped for it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,9 @@ from typing import TYPE_CHECKING
 from .._events import WorkerStraggling
 from .._workers._proc import read_proc_file
 from ._dump_text import main_frames
+from ._lateness import LatenessStat
+from ._records import DEFAULT_PG_DESC
+from ._report import Straggler
 from ._straggler import StragglerStat, Straggling, starting, waiting_in_collective
 
 if TYPE_CHECKING:
@@ -29,6 +41,9 @@ if TYPE_CHECKING:
 
     from .._events import Event
     from .._group import GroupState
+    from ._collectives import Collectives
+    from ._lateness import Late
+    from ._records import Record
     from ._stack_sampler import StackSampler
 
 __all__ = ["StragglerWatch"]
@@ -53,9 +68,13 @@ class StragglerWatch:
         *,
         emit: Callable[[Event], None],
         discount: Callable[[int, int, int], None],
+        collectives: Collectives | None = None,
     ) -> None:
         self.period = period
         self.stat = StragglerStat()
+        #: the lateness statistic (local ranks), fed where records are served
+        self.lateness_stat = LatenessStat()
+        self._collectives = collectives
         self._state = state
         self._stacks = stacks
         self._emit = emit
@@ -76,12 +95,24 @@ class StragglerWatch:
             await asyncio.gather(task, return_exceptions=True)
 
     def straggling(self, rank: int) -> bool:
-        """Whether ``rank`` is named a straggler now."""
-        return rank in self.stat.named
+        """Whether ``rank`` is named a straggler now (by either statistic)."""
+        return rank in self.stat.named or rank in self.lateness_stat.named
+
+    def lateness(self, rank: int) -> float | None:
+        """``rank``'s median lateness at collectives (s), where measured."""
+        return self.lateness_stat.lateness(rank)
 
     def named(self) -> list[Straggling]:
-        """The ranks named now."""
+        """The ranks the stack statistic names now."""
         return [self.stat.named[r] for r in sorted(self.stat.named)]
+
+    def report(self) -> list[Straggler]:
+        """Every rank named now, as the report lists it."""
+        out = [Straggler(g.rank, g.wait_share, g.peers_wait_share, g.samples) for g in self.named()]
+        for rank in sorted(self.lateness_stat.named):
+            late = self.lateness_stat.named[rank]
+            out.append(_straggler(late))
+        return out
 
     async def _loop(self) -> None:
         jitter = random.Random()
@@ -89,9 +120,57 @@ class StragglerWatch:
             # Sampling on a period is the point; jittered so ranks' phases vary.
             await asyncio.sleep(self.period * jitter.uniform(0.75, 1.25))  # allowed: sampling
             try:
-                self._count(await self._sample())
+                c = self._collectives
+                if c is not None and c.armed():
+                    self._late(c.fresh(await c.pull()))
+                else:
+                    self._count(await self._sample())
             except Exception:  # a statistic must never stop a job
                 logger.exception("aiolaunch: straggler sample of %r failed", self._state.name)
+
+    def _late(self, records: dict[int, Record]) -> None:
+        """One pull's records (by local rank) into the lateness statistic."""
+        for rank, pid in list(self._pids.items()):
+            w = self._state.worker(rank)
+            if w is None or w.pid != pid or not w.alive:
+                self.lateness_stat.forget(rank)
+                del self._pids[rank]
+        self._pids.update({r: w.pid for r in records if (w := self._state.worker(r)) is not None})
+        arrivals: dict[tuple[str, str, int], dict[int, int]] = {}
+        expected: dict[tuple[str, str, int], set[int]] = {}
+        mention: dict[tuple[str, str], set[int]] = {}
+        default: set[tuple[str, str]] = set()
+        for rank, rec in records.items():
+            for e in rec.entries:
+                if e.p2p:
+                    continue
+                arrivals.setdefault(e.key, {})[rank] = e.created_ns
+                mention.setdefault(e.group, set()).add(rank)
+                if e.desc == DEFAULT_PG_DESC:
+                    default.add(e.group)
+        for key in arrivals:
+            group = (key[0], key[1])
+            expected[key] = set(records) if group in default else mention[group]
+        for late in self.lateness_stat.add(arrivals, expected, time.monotonic()):
+            self._emit(
+                WorkerStraggling(
+                    rank=late.rank,
+                    time=time.monotonic(),
+                    wait_share=round(1 - late.last_share, 3),
+                    peers_wait_share=round(1 - late.peers_last_share, 3),
+                    lateness_s=late.lateness_s,
+                    source="collectives",
+                )
+            )
+            logger.warning(
+                "aiolaunch: rank %d of %r is a straggler: it arrived %.3fs after the earliest "
+                "rank at collectives (median of the last %d), last at %.0f%% of them",
+                late.rank,
+                self._state.name,
+                late.lateness_s,
+                late.collectives,
+                100 * late.last_share,
+            )
 
     async def _sample(self) -> dict[int, bool]:
         pids: dict[int, int] = {}
@@ -132,6 +211,8 @@ class StragglerWatch:
                     time=time.monotonic(),
                     wait_share=s.wait_share,
                     peers_wait_share=s.peers_wait_share,
+                    lateness_s=None,
+                    source="stacks",
                 )
             )
             logger.warning(
@@ -153,3 +234,14 @@ def _on_socket(pid: int) -> bool:
     """Whether ``pid``'s main thread waits on a socket (or in poll/select) now."""
     raw = read_proc_file(pid, "wchan", 128)
     return raw is not None and raw.decode(errors="replace").startswith(_SOCKET_WAITS)
+
+
+def _straggler(late: Late) -> Straggler:
+    return Straggler(
+        late.rank,
+        round(1 - late.last_share, 3),
+        round(1 - late.peers_last_share, 3),
+        late.collectives,
+        lateness_s=late.lateness_s,
+        source="collectives",
+    )

@@ -105,6 +105,23 @@ class Watchdog:
     rank's stacks (at most ~2 s) before they are stopped: the report and the
     ``ChildFailedError`` summary (``others``) show where each rank was.
 
+    Where a Python worker imports torch (2.8 or later), it also serves its
+    collective record - torch's Flight Recorder, on torch's own per-rank
+    control socket, armed with no code in the script (docs/hangs.md,
+    "Collective forensics"; ``AIOLAUNCH_NO_COLLECTIVES=1`` in a rank's
+    environment opts it out). A stall, and the first failure, then read every
+    rank's record (at most 2 s) and say who holds the others up and where:
+    ``report.json``'s ``"collective"`` (``missing``, ``mismatch``,
+    ``in_compute``, ``exited`` or ``none``, the process group, the op, its
+    sequence number), the end of :class:`aiolaunch.WorkerStalled`'s
+    ``reason``, the culprits as the failure. And the records tell waits from
+    work: a rank waiting in a collective for ranks that work (a rank 0
+    evaluating) is not stalled; a rank computing between collectives with
+    nobody waiting for it for ``stall_after`` is not stalled whatever its
+    frames; one the others waited for that long whose stack stopped is
+    (``in_compute``). A torch older than 2.8 is said once; its ranks are
+    judged by their stacks as above.
+
     ``stragglers`` (a stack-sample period in seconds, off by default): every
     rank's stack is sampled that often (jittered), each sample classified as
     waiting inside a ``torch.distributed`` collective or not, and a rank that
@@ -116,6 +133,11 @@ class Watchdog:
     run never names anyone; a rank waiting 4 % of the time among peers at
     40 % is named after ~30-60 samples. DDP's gradient all-reduce runs in C++
     inside ``backward()``: there only explicit collectives are measured.
+    Where the ranks serve their collective records, the records are pulled
+    instead, every ``stragglers`` seconds: each rank's lateness at each
+    collective against the earliest rank (``aiolaunch._hangs._lateness``,
+    ``WorkerStraggling(source="collectives", lateness_s=...)``) - inside
+    DDP's backward too.
 
     Linux: activity is read from ``/proc`` (elsewhere no worker is ever
     flagged). The sampling period is ``stall_after / 10`` within [1, 30] s.

@@ -18,10 +18,17 @@ taken only through the group's own commands (circus's watchdog casts
 - ``fail``: ``GroupState.fail(rank, message)``: the group is decided, and
   ``wait()`` stops it through the usual path.
 
-Who fails is one story (``_culprits.py``): the odd ones out of the verdict,
-whatever they do, when the stalled ranks wait in one place; a verdict with no
-odd one out while a live rank is still on its way waits for the next sample
-(at most ``stall_after``).
+Where the ranks serve their collective records (torch.distributed, with
+:class:`~aiolaunch._hangs._collectives.Collectives`), a stall is weighed
+against them first (:class:`~aiolaunch._hangs._waits.Weigher`): a rank waiting in a
+collective for ranks that are working, and a rank computing between
+collectives with nobody waiting for it (whatever its frames), are not
+stalled; the others' reason names the collectives' verdict, and its culprits
+are the ones that fail. Without a record, who fails is one story
+(``_culprits.py``): the odd ones out of the stack verdict, whatever they do,
+when the stalled ranks wait in one place; a verdict with no odd one out while
+a live rank is still on its way waits for the next sample (at most
+``stall_after``).
 """
 
 from __future__ import annotations
@@ -35,11 +42,12 @@ import time
 from typing import TYPE_CHECKING
 
 from .._events import WorkerStalled
-from ._culprits import odd_ones, ranks_text, too_early
+from ._culprits import collective_culprits, odd_ones, ranks_text, too_early
 from ._dump_text import signature
 from ._rates import StepRate
 from ._stacks import StackReport
 from ._stall import Sample, Stall, StallDetector
+from ._waits import Weigher
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,6 +55,8 @@ if TYPE_CHECKING:
     from .._events import Event
     from .._group import GroupState
     from ._activity import Sampler
+    from ._collective import CollectiveVerdict
+    from ._collectives import Collectives
     from ._dumper import StackDumper
     from ._stack_sampler import StackSampler
     from ._watchdog import Watchdog
@@ -85,10 +95,16 @@ class StallWatcher:
         emit: Callable[[Event], None],
         restartable: Callable[[int], bool],
         write_report: Callable[[], tuple[str, str] | None],
+        collectives: Collectives | None = None,
     ) -> None:
         self.watchdog = watchdog
         self._progress = re.compile(watchdog.progress) if watchdog.progress else None
         self.detector = StallDetector(watchdog.stall_after, progress=self._progress is not None)
+        self._records = (
+            None
+            if collectives is None
+            else Weigher(collectives, state, self.detector, watchdog.period)
+        )
         self._state = state
         self._sampler = sampler
         # Costlier looks (every thread, every thread's children) for a rank
@@ -126,6 +142,11 @@ class StallWatcher:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def collective(self) -> CollectiveVerdict | None:
+        """The collectives' verdict of the last stall (with its records' folder)."""
+        return None if self._records is None else self._records.collective
 
     def stalled(self, rank: int) -> bool:
         """Whether ``rank`` is flagged now (and was not active since)."""
@@ -208,6 +229,11 @@ class StallWatcher:
                 if stall is not None:
                     self._detected[rank] = time.time()
                     newly.append(stall)
+            if self._records is not None:
+                try:
+                    newly = await self._records.weigh(newly, now)
+                except Exception:  # the records are a help: the stall rule stands without them
+                    logger.exception("aiolaunch: collective records of %r", self._state.name)
             if newly or self._pending:
                 try:
                     await self._on_stall(newly)
@@ -236,6 +262,9 @@ class StallWatcher:
         dump = await self._dumper.dump(None, _STALL_DUMP_TIMEOUT)
         verdict = StackReport.from_dumps(dump.stacks)
         self.verdict, self.dumps = verdict, dump.stacks
+        records = self._records
+        look = None if records is None else records.look
+        collective = None if records is None else records.keep()
         stalls = [
             dataclasses.replace(
                 s,
@@ -263,13 +292,27 @@ class StallWatcher:
         pids = {w.local_rank: w.pid for w in self._state.workers() if w.alive}
         live = [r for r in pids if not self._state.attached(r)]
         age = now - self._episode
-        if too_early(stalls, verdict, live, self.detector, age=age, stall_after=wd.stall_after):
-            self._pending = pending  # judged again with the next sample
-            return
+        if collective is not None and look is not None and collective.ranks:
+            why = f"the collectives' verdict ({collective.verdict}): {collective.text}"
+            culprits = collective_culprits(
+                stalls,
+                collective.ranks,
+                why,
+                look.local,
+                pids,
+                verdict,
+                dump.files,
+                self.detector,
+                now=now,
+            )
+        else:
+            if too_early(stalls, verdict, live, self.detector, age=age, stall_after=wd.stall_after):
+                self._pending = pending  # judged again with the next sample
+                return
+            culprits = odd_ones(
+                stalls, verdict, pids, dump.files, self.detector, period=wd.period, now=now
+            )
         self._episode = None
-        culprits = odd_ones(
-            stalls, verdict, pids, dump.files, self.detector, period=wd.period, now=now
-        )
         for s in culprits:
             if s.rank not in pending:  # an odd one out that had not stalled itself
                 self.detector.flag(s.rank)

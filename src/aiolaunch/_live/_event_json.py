@@ -22,7 +22,7 @@ event                 class                   fields
 ``exited``            WorkerExited            pid, exitcode, signal, stopped
 ``restarting``        WorkerRestarting        attempt, delay
 ``stalled``           WorkerStalled           idle_s, reason
-``straggling``        WorkerStraggling        wait_share, peers_wait_share
+``straggling``        WorkerStraggling        wait_share, peers_wait_share, lateness_s, source
 ``group_stopped``     GroupStopped            failed (the last message of a stream)
 ``dropped``           EventsDropped           count (this consumer fell behind)
 ``line``              LogLine                 stream, text

@@ -71,6 +71,12 @@ WORKER_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("aiolaunch_worker_stalls_total", "counter", "Stalls flagged on the rank.", "stalls"),
     ("aiolaunch_worker_straggling", "gauge", "1 while the rank straggles.", "straggling"),
+    (
+        "aiolaunch_worker_lateness_seconds",
+        "gauge",
+        "Median lateness of the rank's arrivals at collectives, against the earliest rank.",
+        "lateness_s",
+    ),
     ("aiolaunch_worker_cpu_seconds_total", "counter", "CPU time (user+system).", "cpu_s"),
     ("aiolaunch_worker_resident_memory_bytes", "gauge", "Resident memory.", "rss"),
     (

@@ -53,6 +53,13 @@ class WorkerStatus:
     :param straggling: flagged as a straggler now.
     :param attached: an ``aiolaunch attach`` session holds it now (its main
         thread waits at the pdb prompt; the watchdog leaves it alone).
+    :param lateness_s: its median lateness in arriving at collectives, against
+        the earliest rank, over the straggler watch's window (``None``: not
+        measured: no ``stragglers=``, or no collective record).
+    :param collective: what it does in the collectives' last verdict, or the
+        collective it waits in for a working rank (``"missing: all_reduce #5
+        of default_pg"``, ``"waits in all_reduce #5 of default_pg"``...);
+        ``None`` when nothing is known.
     """
 
     rank: int
@@ -69,6 +76,8 @@ class WorkerStatus:
     step_rate: float | None = None
     straggling: bool = False
     attached: bool = False
+    lateness_s: float | None = None
+    collective: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields."""
@@ -97,6 +106,12 @@ class RankMarks(Protocol):
     def straggling(self, rank: int) -> bool:
         """Whether ``rank`` is flagged as a straggler now."""
 
+    def lateness(self, rank: int) -> float | None:
+        """``rank``'s median lateness at collectives (s), where measured."""
+
+    def collective(self, rank: int) -> str | None:
+        """What ``rank`` does in the collectives' last verdict, if anything."""
+
 
 def worker_statuses(state: GroupState, marks: RankMarks) -> list[WorkerStatus]:
     """Every rank of ``state`` now: ``marks`` reads the live ones and adds the
@@ -114,6 +129,8 @@ def worker_statuses(state: GroupState, marks: RankMarks) -> list[WorkerStatus]:
             "stalls": marks.stalls(rank),
             "steps": None if steps is None else steps[0],
             "step_rate": None if steps is None else round(steps[1], 3),
+            "lateness_s": marks.lateness(rank),
+            "collective": marks.collective(rank),
         }
         if state.restarting(rank):
             out.append(WorkerStatus(rank, w.pid, "restarting", restarts, None, 0.0, 0, **extra))
