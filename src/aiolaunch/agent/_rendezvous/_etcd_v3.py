@@ -9,9 +9,10 @@ through etcd's own JSON gateway (``/v3/kv/range``, ``/v3/kv/txn``,
 - :class:`EtcdV3RendezvousBackend`: torch's ``RendezvousBackend`` (the state
   of the rendezvous under ``{key_prefix}/rendezvous/{run_id}``), set with a
   compare-and-swap on the key's ``mod_revision`` (the fencing token).
-  torch's ``DynamicRendezvousHandler`` does the rest, as for ``c10d``:
-  ``--nnodes MIN:MAX``, nodes joining, heartbeats, re-rendezvous after a
-  failure.
+  torch's ``DynamicRendezvousHandler`` does the rest, with aiolaunch's
+  rounds as for ``c10d`` (``_rounds.py``: spares, liveness, a fresh
+  workers' store per round): ``--nnodes MIN:MAX``, nodes joining,
+  heartbeats, re-rendezvous after a failure.
 - :class:`EtcdV3Store`: the ``Store`` the handler hands out (rank
   assignment, the exit barrier, the address of the workers' store), keys
   under ``{key_prefix}/store/{run_id}/``; a ``get`` of a missing key waits
@@ -70,9 +71,6 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     RendezvousBackend,
     Token,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
-    create_handler as _dynamic_handler,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 
@@ -422,7 +420,9 @@ def create_handler(params: RendezvousParameters) -> Any:
         ) from exc
     backend = EtcdV3RendezvousBackend(client, params.run_id, f"{prefix}/rendezvous")
     store = EtcdV3Store(client, f"{prefix}/store/{params.run_id}")
-    return _dynamic_handler(store, backend, params)
+    from ._rounds import create_rounds_handler
+
+    return create_rounds_handler(store, backend, params)
 
 
 def register() -> None:

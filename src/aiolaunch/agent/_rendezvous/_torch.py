@@ -12,16 +12,24 @@ aiolaunch agents and torchrun agents can share one rendezvous.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import threading
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
 from .._env import GroupAssignment
 from ._base import Rendezvous
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .._ledger import Ledger
+    from .._quarantine import QuarantinePolicy
 
 __all__ = ["TorchRendezvous", "accelerator_count", "create_handler", "require_torch"]
 
@@ -106,7 +114,6 @@ def _c10d_handler(params: Any) -> Any:
         DEFAULT_PORT,
         C10dRendezvousBackend,
     )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import (
         _matches_machine_hostname,
         parse_rendezvous_endpoint,
@@ -137,7 +144,9 @@ def _c10d_handler(params: Any) -> Any:
             log.info("this agent hosts the c10d rendezvous store on %s:%d", host, port)
         break
     backend = C10dRendezvousBackend(store, params.run_id)
-    return create_handler(store, backend, params)
+    from ._rounds import create_rounds_handler
+
+    return create_rounds_handler(store, backend, params)
 
 
 def is_local_address(host: str) -> bool:
@@ -214,6 +223,58 @@ class TorchRendezvous(Rendezvous):
         self._handler = handler
         self._store: Any = None
         self._group_world_size = 1
+        #: aiolaunch's rounds (``_rounds.RoundsHandler``): spares, liveness, records
+        self._rounds = callable(getattr(handler, "watch", None))
+        self.admits = self._rounds
+
+    @property
+    def ledger(self) -> Ledger:
+        if self._rounds:
+            ledger: Ledger = self._handler.ledger
+            return ledger
+        return super().ledger
+
+    @property
+    def host(self) -> str:
+        return str(self._handler.host) if self._rounds else super().host
+
+    @property
+    def node_id(self) -> str:
+        return str(self._handler.node_id) if self._rounds else super().node_id
+
+    def configure(
+        self,
+        *,
+        quarantine: QuarantinePolicy | None = None,
+        admit: Callable[[], str | None] | None = None,
+    ) -> None:
+        if self._rounds:
+            self._handler.configure(quarantine=quarantine, admit=admit)
+
+    def hosts(self) -> dict[str, Any] | None:
+        if not self._rounds:
+            return None
+        section: dict[str, Any] = self._handler.hosts()
+        return section
+
+    async def membership_changed(self, interval: float) -> str:
+        if not self._rounds:
+            return await super().membership_changed(interval)
+        stop = threading.Event()
+        try:
+            reason = await anyio.to_thread.run_sync(
+                self._handler.watch, stop.is_set, abandon_on_cancel=True
+            )
+        finally:
+            stop.set()
+            self._handler.wake()
+        if reason is None:  # the job is ending: the workers' exits decide
+            await asyncio.Event().wait()
+        return str(reason)
+
+    async def leave(self) -> None:
+        if self._rounds:
+            await anyio.to_thread.run_sync(self._handler.leave, abandon_on_cancel=True)
 
     @property
     def handler(self) -> Any:
@@ -278,6 +339,7 @@ class TorchRendezvous(Rendezvous):
             master_port=int(port),
             run_id=self.run_id,
             use_agent_store=bool(self._handler.use_agent_store),
+            rdzv_round=int(getattr(self._handler, "round", 0)),
         )
 
     async def num_nodes_waiting(self) -> int:
