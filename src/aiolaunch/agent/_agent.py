@@ -19,7 +19,7 @@ from ._attempt import AttemptLogs, run_attempt
 from ._elastic_events import EventRecorder
 from ._env import omp_notice
 from ._quarantine import HostExcluded
-from ._rendezvous import GroupAssignment, Rendezvous, resolve
+from ._rendezvous import GroupAssignment, Rendezvous, SpareReleased, resolve
 from ._resilience import HostKeeper, Resilience
 from ._spec import RunResult, WorkerSpec, WorkerState
 from ._warm import WarmStart
@@ -177,7 +177,12 @@ class LocalElasticAgent:
             raise RuntimeError("run() is already in progress on this agent")
         self._running = True
         try:
-            result = await self._invoke_run()
+            try:
+                result = await self._invoke_run()
+            except SpareReleased as exc:
+                log.info("[%s] %s", self._spec.role, exc)
+                self._state = WorkerState.SUCCEEDED
+                result = RunResult(state=WorkerState.SUCCEEDED)
             self._events.run_ended(result, self._last)
             return result
         except SignalException as exc:
@@ -190,6 +195,7 @@ class LocalElasticAgent:
             log.error("[%s] %s", self._spec.role, exc.reason)
             self._state = WorkerState.STOPPED
             self._events.record("FAILED", "AGENT")
+            await self._keeper.leave()
             raise
         except BaseException:
             if self._state != WorkerState.SUCCEEDED:

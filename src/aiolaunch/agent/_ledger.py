@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -126,8 +127,9 @@ class StoreLedger:
         i = int(store.add(f"round/{round_}/nev", 1)) - 1
         store.set(f"round/{round_}/ev/{i}", json.dumps(event).encode())
         outcome = f"round/{round_}/outcome"
-        claim = bytes(store.compare_set(f"round/{round_}/failed", "", self._me))
-        if claim == self._me.encode():
+        # unique per call: one agent may report a round twice (its workers
+        # failed, and it found a peer dead), which counts once
+        if self._claim(f"round/{round_}/failed"):
             restarts = int(store.add("restarts", 1))
             if store.check([f"round/{round_}/progress"]):
                 streak = 0
@@ -149,7 +151,7 @@ class StoreLedger:
         newly: list[str] = []
         if not store.check([f"round/{round_}/failed"]):
             pass  # a membership change, not a failure: nobody to charge
-        elif bytes(store.compare_set(f"round/{round_}/charged", "", self._me)) == self._me.encode():
+        elif self._claim(f"round/{round_}/charged"):
             n = int(store.add(f"round/{round_}/nev", 0))
             events = [json.loads(bytes(store.get(f"round/{round_}/ev/{i}"))) for i in range(n)]
             hosts = culprits(events)
@@ -168,12 +170,19 @@ class StoreLedger:
         self._charged.add(round_)
         return newly
 
+    def _claim(self, key: str) -> bool:
+        """Whether this call is the first to claim ``key`` (a unique token per call)."""
+        token = f"{self._me}#{os.urandom(6).hex()}"
+        return bytes(self._store.compare_set(key, "", token)) == token.encode()
+
     def table(self) -> dict[str, Any]:
         raw = self._raw_table()
         return json.loads(raw) if raw else {}
 
     def quarantined(self) -> dict[str, dict[str, Any]]:
-        """The records in force now."""
+        """The records in force now (none read without a policy: the job has none)."""
+        if self.policy is None:
+            return {}
         return in_force(self.table(), self._clock())
 
     def _raw_table(self) -> bytes:

@@ -24,7 +24,12 @@ if TYPE_CHECKING:
 #: the slowest pace of the membership check (``num_nodes_waiting``), seconds
 MEMBERSHIP_POLL_MIN = 1.0
 
-__all__ = ["Rendezvous"]
+__all__ = ["Rendezvous", "SpareReleased"]
+
+
+class SpareReleased(Exception):
+    """The job ended while this agent waited as a spare: it was not needed
+    (not a failure; torch's ``RendezvousGracefulExitError``)."""
 
 
 class Rendezvous(ABC):

@@ -20,10 +20,12 @@ of their own.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -142,15 +144,16 @@ class Bell:
     """Rings on every change of who is where; :meth:`wait` wakes at the next ring.
 
     :param store: the job's store, for ringing.
-    :param listen: a store for the blocking wait (a connection of its own for
-        a TCPStore, whose client serialises its calls), or ``None``: no
-        listener thread; :meth:`wait` then only times out (a poll).
+    :param listen: makes the store for the blocking wait, in the listener's
+        thread (a connection of its own for a TCPStore, whose client
+        serialises its calls), or ``None``: no listener thread; :meth:`wait`
+        then only times out (a poll).
     """
 
     #: how long one blocking wait of the listener lasts before it waits again
     LISTEN_TIMEOUT = timedelta(hours=1)
 
-    def __init__(self, store: Any, listen: Any | None) -> None:
+    def __init__(self, store: Any, listen: Callable[[], Any] | None) -> None:
         self._store = store
         self._listen = listen
         self._cond = threading.Condition()
@@ -164,19 +167,25 @@ class Bell:
         self._count = int(self._store.add("bell", 0))
         self._thread = threading.Thread(target=self._run, name="aiolaunch-bell", daemon=True)
         self._thread.start()
+        _open_bells.add(self)
 
     def _run(self) -> None:
-        listen = self._listen
-        assert listen is not None
+        assert self._listen is not None
+        try:
+            listen = self._listen()
+        except Exception as exc:
+            log.warning("rendezvous bell: no listener (%s); changes are seen by polling", exc)
+            return
         while not self._closed:
             with self._cond:
                 n = self._count
             try:
                 listen.wait([f"bell/{n + 1}"], self.LISTEN_TIMEOUT)
                 count = int(listen.add("bell", 0))
-            except Exception:
+            except Exception as exc:
                 if self._closed:
                     return
+                log.debug("rendezvous bell: %s", exc)
                 time.sleep(0.5)  # allowed: the store is unreachable; retry calmly
                 continue
             with self._cond:
@@ -206,8 +215,34 @@ class Bell:
         with self._cond:
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Stop listening (the thread ends at its next wake-up; it is a daemon)."""
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop listening: ring once more (closed first, so the listener does
+        not wait again) and join the listener, at most ``timeout`` seconds.
+
+        A listener still blocked in the store when the interpreter exits
+        would abort the process (torch's C++ wait throws into a finalizing
+        interpreter), so it is joined here, while the agent runs.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        thread, self._thread = self._thread, None
+        _open_bells.discard(self)
+        if thread is None:
+            return
+        try:
+            self.ring()
+        except Exception as exc:  # the store is gone: so is the listener's wait
+            log.debug("rendezvous bell: %s", exc)
+        thread.join(timeout)
+
+
+# Bells nobody closed (an agent used without shutdown()): closed before the
+# interpreter finalizes, while their listeners can still unwind.
+_open_bells: weakref.WeakSet[Bell] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_bells() -> None:
+    for bell in list(_open_bells):
+        bell.close(timeout=1.0)

@@ -11,6 +11,8 @@ step of an agent by these rules instead of torch's join operation:
   redundancy list (a hot spare); it never counts as "waiting" (no restart of
   the running round), and an agent left in the wait list of a full round moves
   there too (torch leaves it waiting, and every later round restarts for it).
+  When a round forms, the agents of the wait list (the last round's
+  survivors) join first and spares fill what is left.
 - **Leaving a round.** An agent whose attempt ended moves from the
   participants to the wait list in one step, so that it is never in neither:
   the last one to leave starts the next round (torch's epilogue), and every
@@ -176,6 +178,8 @@ def join_action(state: State, settings: Settings, facts: Facts) -> Action:
                 if me in state.redundancy_list
                 else (Action.BECOME_SPARE)
             )
+        if me in state.redundancy_list and _waiting_first(state, facts):
+            return _wait(state, settings, facts)  # the last round's hosts first
         if facts.admitted is None:
             return Action.ADMIT
         if not facts.admitted:
@@ -197,6 +201,15 @@ def join_action(state: State, settings: Settings, facts: Facts) -> Action:
         ]:
             return Action.COMPLETE  # every live agent of the job is in
     return _wait(state, settings, facts)
+
+
+def _waiting_first(state: State, facts: Facts) -> bool:
+    """Whether agents of the wait list (live, admissible) are still to join."""
+    dead = set(facts.dead)
+    return any(
+        n not in state.participants and n not in dead and facts.host(n) not in facts.quarantined
+        for n in state.wait_list
+    )
 
 
 def leave_action(state: State, settings: Settings, facts: Facts, round_: int) -> Action:

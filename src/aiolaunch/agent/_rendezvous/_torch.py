@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from .._env import GroupAssignment
-from ._base import Rendezvous
+from ._base import Rendezvous, SpareReleased
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -309,7 +309,12 @@ class TorchRendezvous(Rendezvous):
     def _next_rendezvous_blocking(
         self, role: str, local_world_size: int, master_addr: str | None, master_port: int | None
     ) -> GroupAssignment:
-        info = self._handler.next_rendezvous()
+        from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
+
+        try:
+            info = self._handler.next_rendezvous()
+        except RendezvousGracefulExitError as exc:
+            raise SpareReleased(str(exc)) from None
         store = info.store
         group_rank = int(info.rank)
         group_world_size = int(info.world_size)
