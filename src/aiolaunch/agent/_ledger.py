@@ -179,6 +179,17 @@ class StoreLedger:
         raw = self._raw_table()
         return json.loads(raw) if raw else {}
 
+    def set_members(self, round_: int, nodes: list[str]) -> None:
+        """Who ran complete round ``round_`` (its rank 0 writes it)."""
+        self._store.set(f"round/{round_}/members", json.dumps(nodes))
+
+    def members(self, round_: int) -> set[str]:
+        """Who ran complete round ``round_``, as far as written (else nobody)."""
+        key = f"round/{round_}/members"
+        if round_ < 0 or not self._store.check([key]):
+            return set()
+        return set(json.loads(bytes(self._store.get(key))))
+
     def quarantined(self) -> dict[str, dict[str, Any]]:
         """The records in force now (none read without a policy: the job has none)."""
         if self.policy is None:

@@ -21,7 +21,16 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from ._rules import MEMBERSHIP, Action, Facts, apply, join_action, leave_action, restart_reason
+from ._rules import (
+    MEMBERSHIP,
+    Action,
+    Facts,
+    apply,
+    completes,
+    join_action,
+    leave_action,
+    restart_reason,
+)
 
 if TYPE_CHECKING:
     import threading
@@ -56,8 +65,9 @@ class RoundDriver:
     :param quarantined: the hosts out now.
     :param charge: ``charge(round)``: charge a failed round to its host,
         before the next round may complete (idempotent).
-    :param on_dead: ``on_dead(round, nodes)``: participants of the complete
-        round ``round`` were found dead and removed.
+    :param on_dead: ``on_dead(round, complete, nodes)``: ``nodes`` were found
+        dead and are about to be removed from the state of round ``round``
+        (``complete``: running, else forming).
     :param tick: seconds between liveness reads while waiting.
     """
 
@@ -73,7 +83,7 @@ class RoundDriver:
         host: Callable[[Any], str],
         quarantined: Callable[[], Collection[str]],
         charge: Callable[[int], object],
-        on_dead: Callable[[int, list[Any]], object],
+        on_dead: Callable[[int, bool, list[Any]], object],
         last_call: timedelta,
         tick: float,
     ) -> None:
@@ -92,6 +102,11 @@ class RoundDriver:
         self._charged: set[int] = set()
         #: why the last ``admit()`` refused, or ``None``
         self.refusal: str | None = None
+        #: steps taken and writes that lost a race, since :meth:`stats` was last read
+        self._steps = self._lost = 0
+        self._dead: set[Any] = set()
+        self._observed: set[Any] = set()
+        self._observed_at = -1.0
 
     def _facts(self, dead: Collection[Any], admitted: bool | None = True) -> Facts:
         return Facts(
@@ -129,6 +144,12 @@ class RoundDriver:
             None,
         )
 
+    def stats(self) -> tuple[int, int]:
+        """``(steps, writes that lost a race)`` since the last call."""
+        out = (self._steps, self._lost)
+        self._steps = self._lost = 0
+        return out
+
     def wait_round_after(self, round_: int) -> bool:
         """Block until a round after ``round_`` forms (``True``) or the
         rendezvous closes (``False``): when an agent that was not admitted
@@ -156,25 +177,30 @@ class RoundDriver:
     ) -> Action:
         admitted: bool | None = None if admit is not None else True
         while True:
+            self._steps += 1
             seen = self._bell.count
+            charge = None
             with self._lock:
                 state = self._sync()
-                forming = not state.complete and state.round > 0 and not state.closed
-                charge = state.round - 1 if forming else None
-                if charge in self._charged:
-                    charge = None
-                if charge is None:
-                    dead = self._liveness.observe(_listed(state) - {self.node})
-                    facts = self._facts(dead, admitted)
-                    action = decide(state, self._settings, facts)
-                    if action in _DONE or action in (Action.ADMIT, Action.WAIT):
-                        written = False
-                    else:
-                        written = self._write(action, state, facts)
+                facts = self._facts(self._dead_among(state), admitted)
+                action = decide(state, self._settings, facts)
+                if (
+                    state.round > 0
+                    and state.round - 1 not in self._charged
+                    and completes(action, state, self._settings, facts)
+                ):
+                    # The last round's failure is charged to its host before
+                    # this one closes (a host it quarantines stays out): every
+                    # live agent of it has reported by now (each reports before
+                    # it joins), the dead were reported as they were removed.
+                    charge = state.round - 1
+                    written = False
+                elif action in _DONE or action in (Action.ADMIT, Action.WAIT):
+                    written = False
+                else:
+                    written = self._write(action, state, facts)
             if charge is not None:
-                # Before the round may complete (a host it quarantines stays
-                # out); it may wait for another agent's charge: not under the lock.
-                self._charge(charge)
+                self._charge(charge)  # may wait for another's charge: not under the lock
                 self._charged.add(charge)
                 continue
             if action in _DONE:
@@ -196,29 +222,43 @@ class RoundDriver:
         state: State = self._holder.state
         return state
 
+    def _dead_among(self, state: State) -> set[Any]:
+        """The listed agents whose beacons stopped, read at most once a tick
+        (a step does not re-read every beacon of a large job)."""
+        now = time.monotonic()
+        listed = _listed(state) - {self.node}
+        if now - self._observed_at >= self._tick or not listed <= self._observed:
+            self._dead = self._liveness.observe(listed)
+            self._observed, self._observed_at = listed, now
+        return self._dead & listed
+
     def _write(self, action: Action, state: State, facts: Facts) -> bool:
         """Apply ``action`` to ``state`` and write it; whether it landed (else the
         holder has the newer state and the caller decides again)."""
-        removed: list[Any] = []
-        if action == Action.REMOVE_DEAD and state.complete:
-            removed = [n for n in facts.dead if n in state.participants]
-        round_ = state.round
+        if action == Action.REMOVE_DEAD:
+            removed = sorted((set(facts.dead) & _listed(state)) - {self.node})
+            log.warning(
+                "round %d: %s stopped answering; removed from the rendezvous",
+                state.round,
+                ", ".join(sorted(self._host(n) for n in removed)),
+            )
+            # Reported before the removal lands: the round that charges the
+            # failure cannot close in between.
+            self._on_dead(state.round, state.complete, removed)
+        closes = completes(action, state, self._settings, facts)
         apply(action, state, self._settings, facts)
         self._holder.mark_dirty()
         landed = bool(self._holder.sync())
         if not landed:
+            self._lost += 1
             return False
-        if action in MEMBERSHIP:
-            self._ring()
         if action == Action.REMOVE_DEAD:
             self._liveness.forget(facts.dead)
-            if removed:
-                log.warning(
-                    "round %d: %s stopped answering; removed from the rendezvous",
-                    round_,
-                    ", ".join(sorted(self._host(n) for n in removed)),
-                )
-                self._on_dead(round_, removed)
+        if action in MEMBERSHIP and (action != Action.JOIN or closes or not state.wait_list):
+            # A join wakes the others only when it closes the round, or when
+            # the wait list is empty (the spares' turn): fewer wake-ups of
+            # every agent for every join of a large job.
+            self._ring()
         return True
 
     def _ring(self) -> None:

@@ -210,7 +210,8 @@ class RoundsHandler(DynamicRendezvousHandler):
         """Leave the round that ran (if any) and join the next complete one."""
         self._start()
         self._stop_heartbeats()
-        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        began = time.monotonic()
+        deadline = began + self._settings.timeout.join.total_seconds()
         driver = self._driver
         try:
             if self.round >= 0 and driver.leave_round(self.round) == Action.CLOSED:
@@ -242,8 +243,21 @@ class RoundsHandler(DynamicRendezvousHandler):
         world = len(state.participants)
         self.round = int(state.round)
         self.members = sorted(state.participants, key=state.participants.__getitem__)
+        if rank == 0:  # who ran this round, for whoever finds one of them dead later
+            self.ledger.set_members(self.round, [repr(n) for n in self.members])
+        steps, lost = driver.stats()
+        log.info(
+            "joined round %d as rank %d of %d in %.3f s (%d steps, %d writes lost a race)",
+            self.round, rank, world, time.monotonic() - began, steps, lost,
+        )  # fmt: skip
         store = self._get_store()
-        return RendezvousInfo(store, rank, world, self._bootstrap(rank, store))
+        # The workers' store of this round: a fresh one, hosted by the rank-0
+        # agent; the last round's goes (its workers are gone).
+        self._round_store = None
+        bootstrap, self._round_store = round_store(
+            rank, store, self._this_node.addr, use_agent_store=self.use_agent_store
+        )
+        return RendezvousInfo(store, rank, world, bootstrap)
 
     def _closed_while_waiting(self) -> None:
         state = self._state_holder.state
@@ -259,22 +273,6 @@ class RoundsHandler(DynamicRendezvousHandler):
         raise HostExcluded(
             f"{self.host} is quarantined until {until}: {record.get('reason', '')}", "quarantine"
         )
-
-    def _bootstrap(self, rank: int, store: Any) -> RendezvousStoreInfo:
-        """The workers' store of this round: a fresh one, hosted by the rank-0 agent."""
-        addr = self._this_node.addr
-        self._round_store = None  # the last round's goes (its workers are gone)
-        if not self.use_agent_store:
-            return RendezvousStoreInfo.build(rank, store, local_addr=addr)
-        if rank == 0:
-            server = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
-            self._round_store = server
-            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode())
-            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(server.port).encode())
-            return RendezvousStoreInfo(addr, int(server.port))
-        got_addr = bytes(store.get(RendezvousStoreInfo.MASTER_ADDR_KEY)).decode()
-        got_port = int(bytes(store.get(RendezvousStoreInfo.MASTER_PORT_KEY)).decode())
-        return RendezvousStoreInfo(got_addr, got_port)
 
     def watch(self, stop: Callable[[], bool]) -> str | None:
         """Block while the round runs; why it must re-form, or ``None`` once ``stop()``."""
@@ -311,11 +309,20 @@ class RoundsHandler(DynamicRendezvousHandler):
             now=time.time(),
         )
 
-    def _record_dead(self, round_: int, nodes: list[Any]) -> None:
+    def _record_dead(self, round_: int, complete: bool, nodes: list[Any]) -> None:
+        """``nodes`` stopped answering: those that ran in the last complete round
+        failed it (a restart of the job; their hosts are charged)."""
+        ran = round_ if complete else round_ - 1
+        members = self._members_of(ran)
         for node in nodes:
-            self.ledger.record(
-                round_, "dead", repr(node), _host(node), f"{_host(node)} stopped answering"
-            )
+            if repr(node) in members:
+                host = _host(node)
+                self.ledger.record(ran, "dead", repr(node), host, f"{host} stopped answering")
+
+    def _members_of(self, round_: int) -> set[str]:
+        if round_ == self.round:
+            return {repr(n) for n in self.members}
+        return self.ledger.members(round_)
 
     # -- the end ----------------------------------------------------------------
     def leave(self) -> None:
@@ -342,3 +349,21 @@ class RoundsHandler(DynamicRendezvousHandler):
 
 def _host(node: Any) -> str:
     return str(node.addr)
+
+
+def round_store(
+    rank: int, store: Any, addr: str, *, use_agent_store: bool
+) -> tuple[RendezvousStoreInfo, Any]:
+    """``(where the workers' store is, the server if this agent hosts it)`` for
+    one round: a new TCPStore on the rank-0 agent, its address in the round's
+    keys for the others (or torch's own way when the agent store is off)."""
+    if not use_agent_store:
+        return RendezvousStoreInfo.build(rank, store, local_addr=addr), None
+    if rank == 0:
+        server = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+        store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode())
+        store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(server.port).encode())
+        return RendezvousStoreInfo(addr, int(server.port)), server
+    got_addr = bytes(store.get(RendezvousStoreInfo.MASTER_ADDR_KEY)).decode()
+    got_port = int(bytes(store.get(RendezvousStoreInfo.MASTER_PORT_KEY)).decode())
+    return RendezvousStoreInfo(got_addr, got_port), None

@@ -13,16 +13,17 @@ step of an agent by these rules instead of torch's join operation:
   there too (torch leaves it waiting, and every later round restarts for it).
   When a round forms, the agents of the wait list (the last round's
   survivors) join first and spares fill what is left.
-- **Leaving a round.** An agent whose attempt ended moves from the
-  participants to the wait list in one step, so that it is never in neither:
-  the last one to leave starts the next round (torch's epilogue), and every
-  live agent of the job is in one of the three lists while the round forms.
+- **Leaving a round.** The first agent whose attempt ended dissolves the
+  round in one step: every participant moves to the wait list and the next
+  round begins (the others' watch sees it and restarts). One write instead
+  of one per agent, and every live agent of the job is in one of the three
+  lists while the next round forms.
 - **Dead agents** (their liveness beacon stopped, :mod:`._liveness`) are
   removed from every list at once, not after torch's keep-alive expiry.
 - **Closing a round.** The first round closes as torch's does (the maximum,
   or the minimum plus the last call). A later round closes as soon as every
   live, admissible agent of the job is in it, or it is full: no fixed last
-  call after a failure.
+  call after a failure; the join that brings the last one in closes it.
 - **Admission.** An agent joins a forming round only once its health check
   passed (``ADMIT``), and never while its host is quarantined.
 
@@ -45,7 +46,9 @@ __all__ = [
     "Facts",
     "Settings",
     "State",
+    "all_in",
     "apply",
+    "completes",
     "join_action",
     "leave_action",
     "restart_reason",
@@ -93,7 +96,7 @@ class Action(Enum):
     BECOME_SPARE = "become_spare"
     JOIN = "join"
     COMPLETE = "complete"
-    MOVE_TO_WAIT_LIST = "move_to_wait_list"  # leave the round, stay in the job
+    DISSOLVE = "dissolve"  # end the running round: everyone to the wait list
     LEAVE = "leave"  # leave every list (the agent goes)
     KEEP_ALIVE = "keep_alive"
 
@@ -106,7 +109,7 @@ MEMBERSHIP = frozenset(
         Action.BECOME_SPARE,
         Action.JOIN,
         Action.COMPLETE,
-        Action.MOVE_TO_WAIT_LIST,
+        Action.DISSOLVE,
         Action.LEAVE,
         Action.NOT_ADMITTED,
     }
@@ -187,20 +190,51 @@ def join_action(state: State, settings: Settings, facts: Facts) -> Action:
         return Action.JOIN
     if any(facts.host(n) in facts.quarantined for n in participants):
         return _wait(state, settings, facts)  # it leaves by itself
-    if full:
+    if all_in(state, settings, facts):
         return Action.COMPLETE
-    if len(participants) >= settings.min_nodes:
-        if state.round == 0:
-            # The first round: agents are still starting; torch's last call.
-            if state.deadline is not None and state.deadline <= facts.now:
-                return Action.COMPLETE
-        elif not [
-            n
-            for n in (state.wait_list | state.redundancy_list)
-            if n not in participants and facts.host(n) not in facts.quarantined
-        ]:
-            return Action.COMPLETE  # every live agent of the job is in
+    # The first round: agents are still starting; torch's last call.
+    last_call = state.deadline is not None and state.deadline <= facts.now
+    if state.round == 0 and len(participants) >= settings.min_nodes and last_call:
+        return Action.COMPLETE
     return _wait(state, settings, facts)
+
+
+def all_in(state: State, settings: Settings, facts: Facts) -> bool:
+    """Whether the forming round may close now: full, or (after the first round)
+    at least the minimum with every live, admissible agent of the job in it."""
+    participants = state.participants
+    if len(participants) >= settings.max_nodes:
+        return True
+    if state.round == 0 or len(participants) < settings.min_nodes:
+        return False
+    dead = set(facts.dead)
+    return not [
+        n
+        for n in (state.wait_list | state.redundancy_list)
+        if n not in participants and n not in dead and facts.host(n) not in facts.quarantined
+    ]
+
+
+def completes(action: Action, state: State, settings: Settings, facts: Facts) -> bool:
+    """Whether writing ``action`` closes the forming round (:func:`apply`'s rule)."""
+    if action == Action.COMPLETE:
+        return True
+    if action != Action.JOIN:
+        return False
+    after = len(state.participants) + (facts.me not in state.participants)
+    if after >= settings.max_nodes:
+        return True
+    if state.round == 0 or after < settings.min_nodes:
+        return False
+    dead = set(facts.dead)
+    return not [
+        n
+        for n in (state.wait_list | state.redundancy_list)
+        if n != facts.me
+        and n not in state.participants
+        and n not in dead
+        and facts.host(n) not in facts.quarantined
+    ]
 
 
 def _waiting_first(state: State, facts: Facts) -> bool:
@@ -213,14 +247,13 @@ def _waiting_first(state: State, facts: Facts) -> bool:
 
 
 def leave_action(state: State, settings: Settings, facts: Facts, round_: int) -> Action:
-    """The next step of an agent whose attempt of round ``round_`` ended: out of
-    that round, into the wait list (in one step; :func:`join_action` goes on)."""
+    """The next step of an agent whose attempt of round ``round_`` ended: that
+    round dissolved (by this agent, or another one first); :func:`join_action`
+    goes on."""
     if state.closed:
         return Action.CLOSED
-    if (set(facts.dead) & _known(state)) - {facts.me}:
-        return Action.REMOVE_DEAD
     if facts.me in state.participants and state.complete and state.round == round_:
-        return Action.MOVE_TO_WAIT_LIST
+        return Action.DISSOLVE
     return Action.FINISH
 
 
@@ -289,21 +322,24 @@ def apply(action: Action, state: State, settings: Settings, facts: Facts) -> Non
         state.redundancy_list.add(me)
         state.last_heartbeats[me] = now
     elif action == Action.JOIN:
+        closes = completes(action, state, settings, facts)
         state.wait_list.discard(me)
         state.redundancy_list.discard(me)
         state.participants[me] = 0
         state.last_heartbeats[me] = now
         if len(state.participants) == settings.min_nodes:
             state.deadline = now + facts.last_call
-        if len(state.participants) >= settings.max_nodes:
+        if closes:
             _complete(state)
     elif action == Action.COMPLETE:
         _complete(state)
-    elif action == Action.MOVE_TO_WAIT_LIST:
-        state.participants.pop(me, None)
-        state.wait_list.add(me)
+    elif action == Action.DISSOLVE:
+        state.wait_list |= set(state.participants)
+        state.participants.clear()
         state.last_heartbeats[me] = now
-        _epilogue(state, settings)
+        state.complete = False
+        state.deadline = None
+        state.round += 1
     elif action in (Action.LEAVE, Action.NOT_ADMITTED):
         was_in = state.participants.pop(me, None) is not None
         state.wait_list.discard(me)
