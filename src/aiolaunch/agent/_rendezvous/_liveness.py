@@ -48,8 +48,10 @@ def beat_key(node: object) -> str:
 class Beacon:
     """This agent's liveness: ``beat/{node}`` counted up every ``interval`` seconds.
 
-    :param store: the job's store (prefixed); its ``set`` must be thread-safe
-        (TCPStore's and the etcd store's are).
+    :param store: the job's store (prefixed), or a call that makes one: a
+        connection of its own for a TCPStore, whose client serialises its
+        calls - a beat must not wait behind the agent's blocking ``get`` (a
+        rank assignment waiting for a slow rank 0 would make it look dead).
     """
 
     def __init__(self, store: Any, node: object, interval: float) -> None:
@@ -64,6 +66,8 @@ class Beacon:
         """Write the first beat now (so the node is known before it is listed), then keep on."""
         if self._thread is not None:
             return
+        if callable(self._store):
+            self._store = self._store()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="aiolaunch-beacon", daemon=True)
         self._thread.start()

@@ -101,7 +101,8 @@ def create_rounds_handler(store: Any, backend: Any, params: Any) -> Any:
 
 
 def _listener(store: Any) -> Callable[[], Any] | None:
-    """How the bell's thread gets a store of its own to block in (``None``: poll)."""
+    """How the beacon and the bell get a connection of their own to the store
+    (the bell blocks in it), or ``None`` (the bell then polls)."""
     if isinstance(store, TCPStore):
         host, port = store.host, store.port
 
@@ -144,17 +145,14 @@ class RoundsHandler(DynamicRendezvousHandler):
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(node, settings, backend_name, store, state_holder)
-        job = PrefixStore(f"aiolaunch/{settings.run_id}/", store)
-        listen = _listener(store)
+        prefix = f"aiolaunch/{settings.run_id}/"
+        job = PrefixStore(prefix, store)
+        connect = _listener(store)
+        own = None if connect is None else (lambda: PrefixStore(prefix, connect()))
         self._job = job
-        self._beacon = Beacon(job, node, interval)
+        self._beacon = Beacon(own or job, node, interval)
         self._liveness = Liveness(job, timeout)
-        self._bell = Bell(
-            job,
-            None
-            if listen is None
-            else (lambda: PrefixStore(f"aiolaunch/{settings.run_id}/", listen())),
-        )
+        self._bell = Bell(job, own)
         #: the job's records (restarts, progress, hosts), shared through the store
         self.ledger = StoreLedger(job, repr(node), None)
         self._driver = RoundDriver(
