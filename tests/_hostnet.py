@@ -57,15 +57,17 @@ print("step 0", flush=True)
 if host in os.environ.get("FAIL_HOSTS", "").split(","):
     sys.exit(1)
 deadline = time.monotonic() + float(os.environ.get("RUN_FOR", "300"))
-step = 0
+stop = os.path.join(out, "stop")
 try:
-    while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
-        dist.all_reduce(t)
-        step += 1
+    while True:
+        # every rank stops in the same step: the decision is a collective too
+        flag = torch.tensor([float(os.path.exists(stop) or time.monotonic() > deadline)])
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            break
         time.sleep(0.02)
 except RuntimeError:
     os._exit(1)  # a peer is gone: fail at once, as a real job does
-dist.barrier()
 dist.destroy_process_group()
 """
 
@@ -99,7 +101,9 @@ class Net:
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
-        for ns, iface, port, addr in zip(self.names, self.ifaces, self._ports, self.addrs, strict=True):
+        for ns, iface, port, addr in zip(
+            self.names, self.ifaces, self._ports, self.addrs, strict=True
+        ):
             _ip("netns", "add", ns)
             _ip("link", "add", iface, "type", "veth", "peer", "name", port)
             _ip("link", "set", iface, "netns", ns)

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._quarantine import apply_charge, culprits, in_force
@@ -43,8 +42,12 @@ __all__ = ["Ledger", "LocalLedger", "StoreLedger"]
 
 log = logging.getLogger("aiolaunch.agent")
 
-#: how long an agent waits for another's charge of a round to be written
-_CHARGE_WAIT = timedelta(seconds=5)
+#: how long an agent waits for another's count or charge of a round
+_OTHERS_WAIT = 30.0
+#: the pace of that wait (no blocking ``get``/``wait`` on the agent's store
+#: client: it serialises calls, and the one that writes may be another
+#: thread of this very agent)
+_LOOK = 0.005
 
 
 class Ledger(Protocol):
@@ -138,7 +141,8 @@ class StoreLedger:
                 streak = int(store.add("streak", 1))
             store.set(outcome, json.dumps([restarts, streak]).encode())
             return restarts, streak
-        got = json.loads(bytes(store.get(outcome)))  # waits for the first one's count
+        self._await(outcome, _OTHERS_WAIT)  # the first one's count
+        got = json.loads(bytes(store.get(outcome)))
         return int(got[0]), int(got[1])
 
     def mark_progress(self, round_: int) -> None:
@@ -162,13 +166,21 @@ class StoreLedger:
             store.set(f"round/{round_}/charged_done", b"1")
             if newly:
                 log.warning("quarantined %s: %s", ", ".join(newly), why)
-        else:
-            try:
-                store.wait([f"round/{round_}/charged_done"], _CHARGE_WAIT)
-            except Exception:
-                log.info("round %d: the charge by another agent did not arrive; going on", round_)
+        elif not self._await(f"round/{round_}/charged_done", _OTHERS_WAIT / 6):
+            log.info("round %d: the charge by another agent did not arrive; going on", round_)
         self._charged.add(round_)
         return newly
+
+    def _await(self, key: str, timeout: float) -> bool:
+        """Whether ``key`` was written within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._store.check([key]):
+            if time.monotonic() > deadline:
+                if key.endswith("/outcome"):
+                    raise TimeoutError(f"the job's records: {key} was not written in time")
+                return False
+            time.sleep(_LOOK)  # allowed: see _LOOK
+        return True
 
     def _claim(self, key: str) -> bool:
         """Whether this call is the first to claim ``key`` (a unique token per call)."""

@@ -88,7 +88,7 @@ def create_handler(
         local_addr=local_addr,
         **config,
     )
-    if backend == "c10d" and "is_host" not in config and config.get("store_type", "tcp") == "tcp":
+    if backend == "c10d" and config.get("store_type", "tcp") == "tcp":
         return _c10d_handler(params)
     return rdzv_registry.get_rendezvous_handler(params)
 
@@ -104,7 +104,7 @@ def _c10d_handler(params: Any) -> Any:
     unless ``is_host`` is given. Here an endpoint address that this machine
     can bind (:func:`is_local_address`) also makes it the host; as in torch,
     a host that finds the port taken (another agent of the same machine got
-    there first) joins as a client.
+    there first) joins as a client - unless ``is_host`` was told.
     """
     from datetime import timedelta
 
@@ -120,12 +120,13 @@ def _c10d_handler(params: Any) -> Any:
     )
 
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    is_host = is_local_address(host) or _matches_machine_hostname(host)
+    told = params.get_as_bool("is_host")
+    is_host = is_local_address(host) or _matches_machine_hostname(host) if told is None else told
     read_timeout = params.get_as_int("read_timeout", 60)
     if read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
     store: Any = None
-    for is_server in dict.fromkeys([is_host, False]):
+    for is_server in [is_host] if told is not None else dict.fromkeys([is_host, False]):
         try:
             store = TCPStore(
                 host,
