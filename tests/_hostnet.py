@@ -12,7 +12,8 @@ compare directly.
 all_reduce (host, rank, world size, restart count, pid, time) as a JSON line
 in ``$OUT/stamps``, then keeps reducing until ``$OUT/stop`` exists, and
 exits 0. ``FAIL_HOSTS`` (addresses, comma-separated) makes the worker of
-those hosts exit 1 right after its first all_reduce.
+those hosts exit 1 right after its first all_reduce (only while the job's
+restart count is below ``FAIL_UNTIL``, when set).
 
 Used by the resilience tests (tests/engines/test_spares.py) and
 benchmarks/bench_hosts.py. Needs root (``ip netns``), iproute2 and torch.
@@ -54,7 +55,10 @@ rec = {"host": host, "rank": dist.get_rank(), "world": dist.get_world_size(),
 with open(os.path.join(out, "stamps"), "a") as f:
     f.write(json.dumps(rec) + "\\n")
 print("step 0", flush=True)
-if host in os.environ.get("FAIL_HOSTS", "").split(","):
+restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if host in os.environ.get("FAIL_HOSTS", "").split(",") and restarts < int(
+    os.environ.get("FAIL_UNTIL", "1000000")
+):
     sys.exit(1)
 deadline = time.monotonic() + float(os.environ.get("RUN_FOR", "300"))
 stop = os.path.join(out, "stop")

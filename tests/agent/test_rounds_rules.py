@@ -192,3 +192,17 @@ def test_the_last_participant_out_of_a_complete_round_starts_the_next() -> None:
     s, st = running("a/0"), Settings(min_nodes=1, max_nodes=2)
     apply(Action.LEAVE, s, st, facts("a/0"))
     assert (s.round, s.complete) == (1, False)
+
+
+def test_a_round_never_closes_with_a_quarantined_participant() -> None:
+    """b joined before the charge of the last round quarantined it: the join
+    that fills the round must not close it (b leaves by itself)."""
+    s, st = running("a/0", "b/0"), Settings()
+    apply(Action.DISSOLVE, s, st, facts("a/0"))
+    step(s, st, facts("b/0"))
+    q = {"b"}
+    assert not completes(Action.JOIN, s, st, facts("a/0", quarantined=q))
+    assert step(s, st, facts("a/0", quarantined=q)) == Action.JOIN
+    assert not s.complete
+    assert join_action(s, st, facts("a/0", quarantined=q)) == Action.WAIT
+    assert step(s, st, facts("b/0", quarantined=q)) == Action.QUARANTINED

@@ -56,9 +56,12 @@ class Ledger(Protocol):
     def restarts(self) -> int:
         """The job's restarts so far (``TORCHELASTIC_RESTART_COUNT`` of the next round)."""
 
-    def record(self, round_: int, kind: str, node: str, host: str, why: str) -> tuple[int, int]:
-        """Round ``round_`` failed (``kind``: ``"failed"`` or ``"dead"``); returns the job's
-        ``(restarts, rounds in a row without progress)`` once it is counted."""
+    def record(
+        self, round_: int, kind: str, node: str, host: str, why: str, when: float | None = None
+    ) -> tuple[int, int]:
+        """Round ``round_`` failed (``kind``: ``"failed"`` or ``"dead"``) at wall time
+        ``when`` (``None``: now); returns the job's ``(restarts, rounds in a row
+        without progress)`` once it is counted."""
 
     def mark_progress(self, round_: int) -> None:
         """Round ``round_`` made progress."""
@@ -84,7 +87,9 @@ class LocalLedger:
     def restarts(self) -> int:
         return self._restarts
 
-    def record(self, round_: int, kind: str, node: str, host: str, why: str) -> tuple[int, int]:
+    def record(
+        self, round_: int, kind: str, node: str, host: str, why: str, when: float | None = None
+    ) -> tuple[int, int]:
         self._restarts += 1
         self._streak = 0 if self._progress else self._streak + 1
         self._progress = False
@@ -124,9 +129,12 @@ class StoreLedger:
     def restarts(self) -> int:
         return int(self._store.add("restarts", 0))
 
-    def record(self, round_: int, kind: str, node: str, host: str, why: str) -> tuple[int, int]:
+    def record(
+        self, round_: int, kind: str, node: str, host: str, why: str, when: float | None = None
+    ) -> tuple[int, int]:
         store = self._store
-        event = {"kind": kind, "node": node, "host": host, "t": self._clock(), "why": why}
+        t = self._clock() if when is None else when
+        event = {"kind": kind, "node": node, "host": host, "t": t, "why": why}
         i = int(store.add(f"round/{round_}/nev", 1)) - 1
         store.set(f"round/{round_}/ev/{i}", json.dumps(event).encode())
         outcome = f"round/{round_}/outcome"

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -118,6 +119,7 @@ class HostKeeper:
         self._gate = None if check is None else HealthGate(check)
         self.progress = ProgressTracker(self.policy.progress_regex, self._report_progress)
         self._round = 0
+        self._ended_at: float | None = None
         self._attempts = 0
         self._token = ""
         self._pids: list[int] = []
@@ -165,6 +167,9 @@ class HostKeeper:
     def ending(self) -> None:
         """The attempt's outcome is known: the next round's check starts now,
         while the workers are stopped."""
+        # When this host learned its attempt ended: the host whose worker
+        # failed first learns first (its peers' workers fail after it).
+        self._ended_at = time.time()
         if self._gate is not None and self._rdzv.admits:
             self._gate.start()
 
@@ -198,8 +203,9 @@ class HostKeeper:
         rdzv = self._rdzv
         with anyio.CancelScope(shield=True):
             got = await anyio.to_thread.run_sync(
-                rdzv.ledger.record, self._round, "failed", rdzv.node_id, rdzv.host, why
-            )
+                rdzv.ledger.record, self._round, "failed", rdzv.node_id, rdzv.host, why, (
+                    self._ended_at)
+            )  # fmt: skip
         return got
 
     def crash_loop(self, streak: int, why: str) -> str | None:

@@ -195,14 +195,26 @@ def join_action(state: State, settings: Settings, facts: Facts) -> Action:
     # The first round: agents are still starting; torch's last call.
     last_call = state.deadline is not None and state.deadline <= facts.now
     if state.round == 0 and len(participants) >= settings.min_nodes and last_call:
+        if _blocked(state, facts):
+            return _wait(state, settings, facts)
         return Action.COMPLETE
     return _wait(state, settings, facts)
+
+
+def _blocked(state: State, facts: Facts) -> bool:
+    """A quarantined host is among the participants: it leaves by itself, and
+    the round must not close with it."""
+    return facts.host(facts.me) in facts.quarantined or any(
+        facts.host(n) in facts.quarantined for n in state.participants
+    )
 
 
 def all_in(state: State, settings: Settings, facts: Facts) -> bool:
     """Whether the forming round may close now: full, or (after the first round)
     at least the minimum with every live, admissible agent of the job in it."""
     participants = state.participants
+    if _blocked(state, facts):
+        return False
     if len(participants) >= settings.max_nodes:
         return True
     if state.round == 0 or len(participants) < settings.min_nodes:
@@ -219,7 +231,7 @@ def completes(action: Action, state: State, settings: Settings, facts: Facts) ->
     """Whether writing ``action`` closes the forming round (:func:`apply`'s rule)."""
     if action == Action.COMPLETE:
         return True
-    if action != Action.JOIN:
+    if action != Action.JOIN or _blocked(state, facts):
         return False
     after = len(state.participants) + (facts.me not in state.participants)
     if after >= settings.max_nodes:
