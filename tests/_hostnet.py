@@ -13,7 +13,8 @@ all_reduce (host, rank, world size, restart count, pid, time) as a JSON line
 in ``$OUT/stamps``, then keeps reducing until ``$OUT/stop`` exists, and
 exits 0. ``FAIL_HOSTS`` (addresses, comma-separated) makes the worker of
 those hosts exit 1 right after its first all_reduce (only while the job's
-restart count is below ``FAIL_UNTIL``, when set).
+restart count is below ``FAIL_UNTIL``, when set; ``FAIL_HOW=segv``: by
+SIGSEGV, a crash).
 
 Used by the resilience tests (tests/engines/test_spares.py) and
 benchmarks/bench_hosts.py. Needs root (``ip netns``), iproute2 and torch.
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["WORKER", "Net", "can_make_hosts", "net", "read_stamps", "wait_for"]
 
 WORKER = """
-import json, os, sys, time
+import json, os, signal, sys, time
 import torch
 import torch.distributed as dist
 
@@ -59,6 +60,8 @@ restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 if host in os.environ.get("FAIL_HOSTS", "").split(",") and restarts < int(
     os.environ.get("FAIL_UNTIL", "1000000")
 ):
+    if os.environ.get("FAIL_HOW") == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)  # a crash
     sys.exit(1)
 deadline = time.monotonic() + float(os.environ.get("RUN_FOR", "300"))
 stop = os.path.join(out, "stop")

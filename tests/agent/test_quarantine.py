@@ -20,6 +20,7 @@ from aiolaunch.agent._quarantine import (
     apply_charge,
     culprits,
     in_force,
+    lost_a_peer,
     summary,
 )
 
@@ -41,6 +42,21 @@ def test_without_a_death_the_earliest_failure_is_charged() -> None:
     ]
     assert culprits(events) == ["b"]
     assert culprits([]) == []
+
+
+def test_a_crash_is_charged_before_failures_that_name_a_lost_peer() -> None:
+    """A crashed worker's process can be seen after its peers' (they fail on
+    the lost connection at once): what the failures say comes first."""
+    events = [
+        {"kind": "failed", "host": "a", "t": 10.00, "peer": True},
+        {"kind": "failed", "host": "b", "t": 10.05, "signal": True},
+        {"kind": "failed", "host": "c", "t": 10.01, "peer": False},
+    ]
+    assert culprits(events) == ["b"]
+    assert culprits([e for e in events if e["host"] != "b"]) == ["c"]
+    assert lost_a_peer("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Read error ...")
+    assert lost_a_peer("torch.distributed.DistBackendError: NCCL error ... ncclRemoteError")
+    assert not lost_a_peer("ValueError: loss is nan")
 
 
 def test_n_failures_within_the_window_quarantine_for_the_ttl() -> None:

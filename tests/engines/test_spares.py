@@ -192,8 +192,9 @@ def test_a_host_that_fails_twice_is_quarantined(job_factory: Any, tmp_path: Path
     a, b, c = 0, 1, 2
     log_dir = tmp_path / "logs-a"
     job.start(a, f"--log-dir={log_dir}", "--metrics-port=9400")
-    bad = job.start(b, FAIL_HOSTS=job.net.addrs[b])
-    # b's worker fails in rounds 0 and 1; the second charge quarantines b
+    bad = job.start(b, FAIL_HOSTS=job.net.addrs[b], FAIL_HOW="segv")
+    # b's worker crashes in rounds 0 and 1 (a's fails after it, its peer lost);
+    # the second charge quarantines b
     assert bad.wait(timeout=300) == 3, job.logs()
     said = job.log(b).read_text()
     assert f"{job.net.addrs[b]} is quarantined until" in said, job.logs()

@@ -274,7 +274,7 @@ class LocalElasticAgent:
             failures = {base + r: f for r, f in result.failures.items()}
             rank, root = root_cause(failures)
             why = f"rank {rank} {_describe(root)}"
-            restarts, streak = await keeper.record_failure(why)
+            restarts, streak = await keeper.record_failure(why, failures.values())
             loop = keeper.crash_loop(streak, why)
             if loop is None and restarts <= spec.max_restarts:
                 membership_round = 0

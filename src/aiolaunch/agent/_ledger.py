@@ -57,11 +57,19 @@ class Ledger(Protocol):
         """The job's restarts so far (``TORCHELASTIC_RESTART_COUNT`` of the next round)."""
 
     def record(
-        self, round_: int, kind: str, node: str, host: str, why: str, when: float | None = None
+        self,
+        round_: int,
+        kind: str,
+        node: str,
+        host: str,
+        why: str,
+        when: float | None = None,
+        **how: bool,
     ) -> tuple[int, int]:
         """Round ``round_`` failed (``kind``: ``"failed"`` or ``"dead"``) at wall time
-        ``when`` (``None``: now); returns the job's ``(restarts, rounds in a row
-        without progress)`` once it is counted."""
+        ``when`` (``None``: now); ``how``: ``signal`` (a worker was killed by one),
+        ``peer`` (its error names a lost peer). Returns the job's ``(restarts,
+        rounds in a row without progress)`` once it is counted."""
 
     def mark_progress(self, round_: int) -> None:
         """Round ``round_`` made progress."""
@@ -88,7 +96,14 @@ class LocalLedger:
         return self._restarts
 
     def record(
-        self, round_: int, kind: str, node: str, host: str, why: str, when: float | None = None
+        self,
+        round_: int,
+        kind: str,
+        node: str,
+        host: str,
+        why: str,
+        when: float | None = None,
+        **how: bool,
     ) -> tuple[int, int]:
         self._restarts += 1
         self._streak = 0 if self._progress else self._streak + 1
@@ -130,11 +145,18 @@ class StoreLedger:
         return int(self._store.add("restarts", 0))
 
     def record(
-        self, round_: int, kind: str, node: str, host: str, why: str, when: float | None = None
+        self,
+        round_: int,
+        kind: str,
+        node: str,
+        host: str,
+        why: str,
+        when: float | None = None,
+        **how: bool,
     ) -> tuple[int, int]:
         store = self._store
         t = self._clock() if when is None else when
-        event = {"kind": kind, "node": node, "host": host, "t": t, "why": why}
+        event = {"kind": kind, "node": node, "host": host, "t": t, "why": why, **how}
         i = int(store.add(f"round/{round_}/nev", 1)) - 1
         store.set(f"round/{round_}/ev/{i}", json.dumps(event).encode())
         outcome = f"round/{round_}/outcome"

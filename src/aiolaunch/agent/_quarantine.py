@@ -4,11 +4,16 @@ Pure rules over plain values (the tables live in the rendezvous store, see
 :mod:`._ledger`):
 
 - A failed round is charged to one host: a host that *died* in it (its
-  agent stopped answering) if any, else the host whose workers failed first
-  (the earliest failure time of the round's reports; its peers' workers fail
-  after it, in the collective that lost it). Hosts are compared by the wall
-  clocks of their reports, so clocks within a few milliseconds of each other
-  (NTP) are assumed; a skewed clock can charge the wrong host.
+  agent stopped answering) if any; else the host of the failure that looks
+  least like a consequence - a worker killed by a signal (a crash, the OOM
+  killer) before one that exited with an error, and an error that does not
+  name a lost peer (:func:`lost_a_peer`: torch's and gloo's/NCCL's messages
+  when the other side of a collective went away) before one that does -
+  and among equals the one its agent saw first (its peers' workers fail
+  after it, in the collective that lost it). A worker that exits slowly
+  (a long interpreter teardown) can be seen after its peers: that order is
+  only a tie-break. Hosts are compared by the wall clocks of their agents
+  (NTP-close clocks are assumed).
 - A host charged ``after`` times within ``window`` seconds is quarantined
   for ``ttl`` seconds: its agent leaves the job and no agent on that host is
   admitted until the record expires; its failure history starts afresh.
@@ -17,6 +22,7 @@ Pure rules over plain values (the tables live in the rendezvous store, see
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +32,7 @@ __all__ = [
     "apply_charge",
     "culprits",
     "in_force",
+    "lost_a_peer",
     "summary",
 ]
 
@@ -73,16 +80,34 @@ class QuarantinePolicy:
                 )
 
 
+_LOST_PEER = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|DistBackendError|DistNetworkError"
+    r"|Socket Timeout|connectFullMesh|NCCL communicator was aborted|ncclRemoteError"
+    r"|ProcessGroupNCCL.*(?:timeout|Timeout|abort)|Read error|recvBytes|failed to recv",
+)
+
+
+def lost_a_peer(text: str) -> bool:
+    """Whether a worker's error says another process of the collective went
+    away (the failure is a consequence, not a cause)."""
+    return _LOST_PEER.search(text) is not None
+
+
 def culprits(events: list[dict[str, Any]]) -> list[str]:
     """The host(s) a failed round is charged to, from its events
-    (``{"kind": "failed"|"dead", "host": ..., "t": wall time}``)."""
+    (``{"kind": "failed"|"dead", "host", "t": wall time, "signal": bool,
+    "peer": bool}``; see the module docstring)."""
     dead = sorted({str(e["host"]) for e in events if e.get("kind") == "dead"})
     if dead:
         return dead
     failed = [e for e in events if e.get("kind") == "failed"]
     if not failed:
         return []
-    return [str(min(failed, key=lambda e: float(e["t"]))["host"])]
+
+    def order(e: dict[str, Any]) -> tuple[bool, bool, float]:
+        return (not e.get("signal", False), bool(e.get("peer", False)), float(e["t"]))
+
+    return [str(min(failed, key=order)["host"])]
 
 
 def apply_charge(

@@ -14,9 +14,11 @@ the live view.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,11 +31,12 @@ from ._clean import ATTEMPT_ENV, make_clean, parse_resources
 from ._health import HealthCheck, HealthGate
 from ._hosts import hosts_metrics
 from ._progress import ProgressTracker
-from ._quarantine import HostExcluded, QuarantinePolicy
+from ._quarantine import HostExcluded, QuarantinePolicy, lost_a_peer
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
+    from .._results import ProcessFailure
     from ._progress import ProgressProbe
     from ._rendezvous import GroupAssignment, Rendezvous
 
@@ -197,15 +200,26 @@ class HostKeeper:
 
         self._tasks.add(asyncio.ensure_future(write()))
 
-    async def record_failure(self, why: str) -> tuple[int, int]:
+    async def record_failure(self, why: str, failures: Iterable[ProcessFailure]) -> tuple[int, int]:
         """This host's workers failed: ``(the job's restarts, attempts in a row
-        without progress)``, the same on every host."""
+        without progress)``, the same on every host.
+
+        The record says whether a worker was killed by a signal (SIGABRT aside:
+        NCCL's watchdog aborts the victims of a lost peer too) and whether
+        every error names a lost peer (:func:`~._quarantine.lost_a_peer`):
+        what the charge of the round to one host weighs first.
+        """
+        failures = list(failures)
+        crashed = any(f.exitcode < 0 and -f.exitcode != signal.SIGABRT for f in failures)
+        texts = [f"{f.error_message}\n{f.py_callstack or ''}" for f in failures]
+        peer = bool(texts) and all(lost_a_peer(t) for t in texts)
         rdzv = self._rdzv
+        record = functools.partial(
+            rdzv.ledger.record, self._round, "failed", rdzv.node_id, rdzv.host, why,
+            self._ended_at, signal=crashed, peer=peer,
+        )  # fmt: skip
         with anyio.CancelScope(shield=True):
-            got = await anyio.to_thread.run_sync(
-                rdzv.ledger.record, self._round, "failed", rdzv.node_id, rdzv.host, why, (
-                    self._ended_at)
-            )  # fmt: skip
+            got = await anyio.to_thread.run_sync(record)
         return got
 
     def crash_loop(self, streak: int, why: str) -> str | None:
