@@ -206,3 +206,11 @@ def test_a_round_never_closes_with_a_quarantined_participant() -> None:
     assert not s.complete
     assert join_action(s, st, facts("a/0", quarantined=q)) == Action.WAIT
     assert step(s, st, facts("b/0", quarantined=q)) == Action.QUARANTINED
+
+
+def test_a_newcomer_checks_its_health_before_it_waits_as_a_spare() -> None:
+    s, st = running("a/0", "b/0"), Settings()
+    assert join_action(s, st, facts("c/0", admitted=None)) == Action.ADMIT
+    assert step(s, st, facts("c/0", admitted=False)) == Action.NOT_ADMITTED
+    assert "c/0" not in s.redundancy_list | s.wait_list
+    assert step(s, st, facts("c/0", admitted=True)) == Action.BECOME_SPARE

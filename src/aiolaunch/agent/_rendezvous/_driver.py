@@ -216,6 +216,8 @@ class RoundDriver:
                 self._bell.wait(seen, self._tick)
             elif written and action in _EXITS:
                 return action
+            elif written and action == Action.BECOME_SPARE and admit is not None:
+                admitted = None  # a spare checks again when it is called in
 
     def _sync(self) -> State:
         self._holder.sync()

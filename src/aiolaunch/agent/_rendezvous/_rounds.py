@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousStoreInfo,
@@ -234,6 +235,16 @@ class RoundsHandler(DynamicRendezvousHandler):
         except RoundTimeout as exc:
             self._driver.leave_job()
             raise RendezvousTimeoutError(str(exc)) from None
+        except RendezvousConnectionError:
+            if driver.refusal is None:
+                raise
+            # Kept out by its check, it lost the store: the job ended (its
+            # host went) or was lost; either way this host never ran.
+            raise HostExcluded(
+                f"{self.host} never joined: its health check failed ({driver.refusal}); "
+                "the rendezvous store is gone",
+                "health-check",
+            ) from None
         self._start_heartbeats()
         self._table, self._restarts = self.ledger.table(), self.ledger.restarts()
         state = self._state_holder.state

@@ -164,9 +164,20 @@ def join_action(state: State, settings: Settings, facts: Facts) -> Action:
         return Action.REMOVE_DEAD
     participants = state.participants
     full = len(participants) >= settings.max_nodes
-    if state.complete:
-        if me in participants:
-            return Action.FINISH
+    listed = me in state.wait_list or me in state.redundancy_list
+    if me not in participants:
+        forming = not state.complete and not full
+        if forming and me in state.redundancy_list and _waiting_first(state, facts):
+            return _wait(state, settings, facts)  # the last round's hosts first
+        # Into the job's lists (a spare too) and into a forming round only
+        # with a passing health check.
+        if forming or not listed:
+            if facts.admitted is None:
+                return Action.ADMIT
+            if not facts.admitted:
+                return Action.NOT_ADMITTED
+        if forming:
+            return Action.JOIN
         if full:
             return (
                 _wait(state, settings, facts)
@@ -174,20 +185,8 @@ def join_action(state: State, settings: Settings, facts: Facts) -> Action:
                 else (Action.BECOME_SPARE)
             )
         return _wait(state, settings, facts) if me in state.wait_list else Action.ADD_TO_WAIT_LIST
-    if me not in participants:
-        if full:
-            return (
-                _wait(state, settings, facts)
-                if me in state.redundancy_list
-                else (Action.BECOME_SPARE)
-            )
-        if me in state.redundancy_list and _waiting_first(state, facts):
-            return _wait(state, settings, facts)  # the last round's hosts first
-        if facts.admitted is None:
-            return Action.ADMIT
-        if not facts.admitted:
-            return Action.NOT_ADMITTED
-        return Action.JOIN
+    if state.complete:
+        return Action.FINISH
     if any(facts.host(n) in facts.quarantined for n in participants):
         return _wait(state, settings, facts)  # it leaves by itself
     if all_in(state, settings, facts):
