@@ -120,8 +120,6 @@ class LocalElasticAgent:
         self._backoff_max = float(restart_backoff_max)
         self._rdzv: Rendezvous = resolve(spec.rdzv_handler, local_addr=spec.local_addr)
         self._warm = WarmStart.for_agent(preload, spec, self._rdzv)
-        if resilience is not None and not isinstance(resilience, Resilience):
-            raise TypeError(f"resilience={resilience!r} must be an aiolaunch.agent.Resilience")
         self._keeper = HostKeeper(resilience, self._rdzv, self._shutdown_timeout)
         self._state = WorkerState.INIT
         self._restart_count = 0
@@ -179,23 +177,19 @@ class LocalElasticAgent:
         try:
             try:
                 result = await self._invoke_run()
-            except SpareReleased as exc:
+            except SpareReleased as exc:  # the job ended without this spare: no failure
                 log.info("[%s] %s", self._spec.role, exc)
-                self._state = WorkerState.SUCCEEDED
-                result = RunResult(state=WorkerState.SUCCEEDED)
+                self._state, result = WorkerState.SUCCEEDED, RunResult(WorkerState.SUCCEEDED)
             self._events.run_ended(result, self._last)
             return result
-        except SignalException as exc:
-            log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
+        except (SignalException, HostExcluded) as exc:
+            if isinstance(exc, SignalException):
+                log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
+            else:
+                log.error("[%s] %s", self._spec.role, exc.reason)
             self._state = WorkerState.STOPPED
             self._events.record("FAILED", "AGENT")
             await self._keeper.leave()  # the other hosts re-form at once
-            raise
-        except HostExcluded as exc:
-            log.error("[%s] %s", self._spec.role, exc.reason)
-            self._state = WorkerState.STOPPED
-            self._events.record("FAILED", "AGENT")
-            await self._keeper.leave()
             raise
         except BaseException:
             if self._state != WorkerState.SUCCEEDED:
@@ -218,20 +212,10 @@ class LocalElasticAgent:
         membership_round = 0
         await keeper.begin()
         while True:
-            rdzv_start = time.perf_counter()
-            assignment = await self._rdzv.next_rendezvous(
-                role=spec.role,
-                local_world_size=spec.local_world_size,
-                master_addr=spec.master_addr,
-                master_port=spec.master_port,
+            assignment, self._restart_count, took_ms = await _next_round(
+                self._rdzv, self._warm, keeper, spec
             )
-            assignment = await self._warm.assignment(assignment)
-            # The job's count (aiolaunch's rounds: the same on every host, a
-            # spare included); never past the limit the workers are told.
-            self._restart_count = min(await keeper.restart_count(), spec.max_restarts)
-            self._events.rendezvous_done(
-                assignment, self._restart_count, (time.perf_counter() - rdzv_start) * 1e3
-            )
+            self._events.rendezvous_done(assignment, self._restart_count, took_ms)
             _log_rendezvous(spec, assignment, self._restart_count)
             try:
                 result = await run_attempt(
@@ -247,9 +231,7 @@ class LocalElasticAgent:
                     prefix_template=self._prefix_template,
                     started=functools.partial(self._started, assignment),
                     preload=self._warm.names,
-                    extra_env=keeper.attempt_env(),
-                    ready=keeper.probe(),
-                    ending=keeper.ending,
+                    keeper=keeper,
                 )
             finally:
                 with anyio.CancelScope(shield=True):
@@ -259,7 +241,6 @@ class LocalElasticAgent:
                 # membership change: a new round, same restart count (torch:
                 # "membership changes do not count as retries")
                 membership_round += 1
-                self._state = WorkerState.STOPPED
                 await keeper.before_round()
                 continue
             base = assignment.base_global_rank
@@ -271,34 +252,14 @@ class LocalElasticAgent:
                     state=WorkerState.SUCCEEDED,
                     return_values={base + r: v for r, v in result.return_values.items()},
                 )
+            self._state = WorkerState.STOPPED
             failures = {base + r: f for r, f in result.failures.items()}
-            rank, root = root_cause(failures)
-            why = f"rank {rank} {_describe(root)}"
-            restarts, streak = await keeper.record_failure(why, failures.values())
-            loop = keeper.crash_loop(streak, why)
-            if loop is None and restarts <= spec.max_restarts:
+            final = await _restart_or_stop(keeper, spec, failures, self._backoff, self._backoff_max)
+            if final is None:
                 membership_round = 0
-                delay = _backoff(self._backoff, self._backoff_max, restarts)
-                log.warning(
-                    "[%s] worker group failed (%s); %d/%d restarts left, restarting%s",
-                    spec.role, why, spec.max_restarts - restarts + 1, spec.max_restarts,
-                    f" in {delay:g}s" if delay else "",
-                )  # fmt: skip
-                self._state = WorkerState.STOPPED
-                if delay:
-                    await asyncio.sleep(delay)  # allowed: the backoff between attempts
-                await keeper.before_round()
                 continue
             self._state = WorkerState.FAILED
-            if loop is not None:
-                log.error("[%s] %s", spec.role, loop)
-            else:
-                log.error(
-                    "[%s] worker group failed after %d restart(s); "
-                    "root cause: rank %d (local_rank %d) %s",
-                    spec.role, restarts - 1, rank, root.local_rank, _describe(root),
-                )  # fmt: skip
-            return RunResult(state=WorkerState.FAILED, failures=failures, stopped_early=loop)
+            return final
 
     def _started(self, assignment: GroupAssignment, pids: dict[int, int]) -> None:
         self._keeper.started(assignment, pids)
@@ -313,6 +274,61 @@ class LocalElasticAgent:
             f"local_world_size={self._spec.local_world_size}, run_id={self.run_id!r}, "
             f"state={self._state.value}, restart_count={self._restart_count})"
         )
+
+
+async def _next_round(
+    rdzv: Rendezvous, warm: WarmStart, keeper: HostKeeper, spec: WorkerSpec
+) -> tuple[GroupAssignment, int, float]:
+    """``(this agent's assignment, the restart count, ms it took)`` of the next round.
+
+    The restart count is the job's (with aiolaunch's rounds: the same on every
+    host, a spare that never failed included), never past ``max_restarts``.
+    """
+    began = time.perf_counter()
+    assignment = await rdzv.next_rendezvous(
+        role=spec.role,
+        local_world_size=spec.local_world_size,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
+    )
+    assignment = await warm.assignment(assignment)
+    restarts = min(await keeper.restart_count(), spec.max_restarts)
+    return assignment, restarts, (time.perf_counter() - began) * 1e3
+
+
+async def _restart_or_stop(
+    keeper: HostKeeper,
+    spec: WorkerSpec,
+    failures: dict[int, ProcessFailure],
+    backoff: float,
+    backoff_max: float,
+) -> RunResult | None:
+    """After a failed attempt: ``None`` to restart (the backoff waited, the
+    health check passed), else the final result - the job's restarts are used
+    up, or a crash loop stopped it (``stopped_early``)."""
+    rank, root = root_cause(failures)
+    why = f"rank {rank} {_describe(root)}"
+    restarts, streak = await keeper.record_failure(why, failures.values())
+    loop = keeper.crash_loop(streak, why)
+    if loop is None and restarts <= spec.max_restarts:
+        delay = _backoff(backoff, backoff_max, restarts)
+        log.warning(
+            "[%s] worker group failed (%s); %d/%d restarts left, restarting%s",
+            spec.role, why, spec.max_restarts - restarts + 1, spec.max_restarts,
+            f" in {delay:g}s" if delay else "",
+        )  # fmt: skip
+        if delay:
+            await asyncio.sleep(delay)  # allowed: the backoff between attempts
+        await keeper.before_round()
+        return None
+    if loop is not None:
+        log.error("[%s] %s", spec.role, loop)
+    else:
+        log.error(
+            "[%s] worker group failed after %d restart(s); root cause: rank %d (local_rank %d) %s",
+            spec.role, restarts - 1, rank, root.local_rank, _describe(root),
+        )  # fmt: skip
+    return RunResult(state=WorkerState.FAILED, failures=failures, stopped_early=loop)
 
 
 def _backoff(base: float, cap: float, restart_count: int) -> float:

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from .._context import PContext
-    from .._ready import ReadinessProbe
     from .._results import RunProcsResult
     from ._rendezvous import GroupAssignment, Rendezvous
+    from ._resilience import HostKeeper
     from ._spec import WorkerSpec
 
 __all__ = ["AttemptLogs", "run_attempt"]
@@ -98,18 +98,17 @@ async def run_attempt(
     prefix_template: str | None,
     started: Callable[[dict[int, int]], None],
     preload: list[str] | None = None,
-    extra_env: Mapping[str, str] | None = None,
-    ready: ReadinessProbe | None = None,
-    ending: Callable[[], None] = lambda: None,
+    keeper: HostKeeper | None = None,
 ) -> RunProcsResult | None:
     """Start one attempt and await it; ``None`` means "the round must re-form"
     (new nodes, a host gone: :meth:`Rendezvous.membership_changed`).
 
-    ``started(pids)`` is called once every worker runs; ``ending()`` once the
-    outcome is known, before the workers are stopped (what the next round
-    needs can start meanwhile). ``extra_env`` goes to every worker;
-    ``ready`` is every rank's readiness probe. The group is closed on every
-    way out (shielded: a cancelled agent leaves no worker behind).
+    ``started(pids)`` is called once every worker runs. With a ``keeper``
+    (the agent's :class:`~._resilience.HostKeeper`): its attempt marker goes
+    to every worker, its progress probe to every rank, and its ``ending()``
+    is called once the outcome is known, before the workers are stopped
+    (what the next round needs can start meanwhile). The group is closed on
+    every way out (shielded: a cancelled agent leaves no worker behind).
 
     :raises SignalException: a stop signal reached the agent meanwhile.
     """
@@ -123,8 +122,9 @@ async def run_attempt(
         environ=os.environ,
         virtual_local_rank=spec.virtual_local_rank,
     )
+    marker = keeper.attempt_env() if keeper is not None else {}
     for env in envs.values():
-        env.update(extra_env or {})
+        env.update(marker)
     args = {r: substitute_local_rank(spec.args, r) for r in range(n)}
     entrypoint = spec.entrypoint
     if spec.numa_options is not None:
@@ -153,14 +153,15 @@ async def run_attempt(
         metrics_port=spec.metrics_port,
         metrics_host=spec.metrics_host,
         preload=preload,
-        ready=ready,
+        ready=keeper.probe() if keeper is not None else None,
         **logs,
     )
     started(ctx.pids())
     try:
         return await _monitor(ctx, rdzv, spec.monitor_interval)
     finally:
-        ending()
+        if keeper is not None:
+            keeper.ending()
         # A no-op after a result; after a membership change, a signal or
         # a cancellation it stops the group. Shielded so that a cancelled
         # run() cannot leave workers behind.

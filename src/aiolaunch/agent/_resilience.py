@@ -115,6 +115,8 @@ class HostKeeper:
     """
 
     def __init__(self, policy: Resilience | None, rdzv: Rendezvous, bound: float) -> None:
+        if policy is not None and not isinstance(policy, Resilience):
+            raise TypeError(f"resilience={policy!r} must be an aiolaunch.agent.Resilience")
         self.policy = policy or Resilience()
         self._rdzv = rdzv
         self._bound = bound

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-__all__ = ["DONE", "GONE", "Beacon", "Bell", "Liveness"]
+__all__ = ["DONE", "GONE", "Beacon", "Bell", "HostNames", "Liveness"]
 
 log = logging.getLogger("aiolaunch.agent")
 
@@ -96,6 +96,28 @@ class Beacon:
         if last is not None:
             with contextlib.suppress(Exception):
                 self._store.set(self._key, last)
+
+
+class HostNames:
+    """The host of each agent, as quarantine names it: published by each agent
+    in ``hostid/{node}`` (:meth:`publish`), else its address; cached."""
+
+    def __init__(self, store: Any, me: Any, identity: str) -> None:
+        self._store = store
+        self._me = me
+        self._names: dict[Any, str] = {me: identity}
+
+    def publish(self) -> None:
+        self._store.set(f"hostid/{self._me!r}", self._names[self._me])
+
+    def __call__(self, node: Any) -> str:
+        name = self._names.get(node)
+        if name is None:
+            key = f"hostid/{node!r}"
+            known = self._store.check([key])
+            name = bytes(self._store.get(key)).decode() if known else str(node.addr)
+            self._names[node] = name
+        return name
 
 
 class Liveness:

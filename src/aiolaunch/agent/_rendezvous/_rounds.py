@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ from .._hosts import hosts_section
 from .._ledger import StoreLedger
 from .._quarantine import HostExcluded, in_force
 from ._driver import RoundDriver, RoundTimeout
-from ._liveness import DONE, GONE, Beacon, Bell, Liveness
+from ._liveness import DONE, GONE, Beacon, Bell, HostNames, Liveness
 from ._rules import Action, Facts, waiting_nodes
 
 if TYPE_CHECKING:
@@ -156,6 +157,10 @@ class RoundsHandler(DynamicRendezvousHandler):
         self._bell = Bell(job, own)
         #: the job's records (restarts, progress, hosts), shared through the store
         self.ledger = StoreLedger(job, repr(node), None)
+        # The host a quarantine record names: the machine, where the node's
+        # address is not (a pod's IP changes when it is recreated).
+        self._identity = host_identity(node.addr)
+        self.host_of = HostNames(job, node, self._identity)
         self._driver = RoundDriver(
             state_holder,
             self._heartbeat_lock,
@@ -163,7 +168,7 @@ class RoundsHandler(DynamicRendezvousHandler):
             node,
             bell=self._bell,
             liveness=self._liveness,
-            host=_host,
+            host=self.host_of,
             quarantined=lambda: set(self.ledger.quarantined()),
             charge=self.ledger.charge,
             on_dead=self._record_dead,
@@ -196,11 +201,12 @@ class RoundsHandler(DynamicRendezvousHandler):
     @property
     def host(self) -> str:
         """This agent's host: its address as the other agents see it."""
-        return _host(self._this_node)
+        return self._identity
 
     def _start(self) -> None:
         if not self._started:
             self._started = True
+            self.host_of.publish()
             self._beacon.start()
             self._bell.start()
 
@@ -298,7 +304,7 @@ class RoundsHandler(DynamicRendezvousHandler):
         with self._heartbeat_lock:
             self._state_holder.sync()
             state = self._state_holder.state
-        facts = Facts(me=self._this_node, host=_host, dead=())
+        facts = Facts(me=self._this_node, host=self.host_of, dead=())
         return len(waiting_nodes(state, self._settings, facts))
 
     # -- the job's records ----------------------------------------------------
@@ -312,7 +318,7 @@ class RoundsHandler(DynamicRendezvousHandler):
         return hosts_section(
             state=self._state_holder.state,
             me=self._this_node,
-            host=_host,
+            host=self.host_of,
             table=self._table,
             restarts=self._restarts,
             now=time.time(),
@@ -325,7 +331,7 @@ class RoundsHandler(DynamicRendezvousHandler):
         members = self._members_of(ran)
         for node in nodes:
             if repr(node) in members:
-                host = _host(node)
+                host = self.host_of(node)
                 self.ledger.record(ran, "dead", repr(node), host, f"{host} stopped answering")
 
     def _members_of(self, round_: int) -> set[str]:
@@ -356,8 +362,11 @@ class RoundsHandler(DynamicRendezvousHandler):
         self._round_store = None
 
 
-def _host(node: Any) -> str:
-    return str(node.addr)
+def host_identity(addr: str) -> str:
+    """This machine, as quarantine names it: ``$AIOLAUNCH_HOST`` (e.g. a
+    Kubernetes node's name from the downward API), ``$SLURMD_NODENAME`` under
+    Slurm, else the agent's address."""
+    return os.environ.get("AIOLAUNCH_HOST") or os.environ.get("SLURMD_NODENAME") or addr
 
 
 def round_store(
