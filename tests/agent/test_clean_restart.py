@@ -96,7 +96,7 @@ async def test_whatever_carries_the_attempts_marker_is_gone_before_the_restart(
 async def test_a_resource_held_by_another_job_bounds_the_wait_and_is_reported(
     tmp_path: Path,
 ) -> None:
-    pid, port, held = _daemon(tmp_path, None)  # not of the attempt: left alone
+    pid, port, _ = _daemon(tmp_path, None)  # not of the attempt: left alone
     try:
         began = time.monotonic()
         report = await make_clean("no-such-attempt", [], [f"port:{port}"], bound=0.5)
@@ -147,7 +147,7 @@ def test_status_metrics_and_report_carry_a_registered_section(tmp_path: Path) ->
         target = SimpleNamespace(
             name="g", log_dir=str(tmp_path), started=0.0, metrics_url=None, status=lambda: []
         )
-        answer = status_answer(target)  # type: ignore[arg-type]
+        answer = status_answer(target)
         assert answer["hosts"]["quarantine"]["10.0.0.2"]["until"] == 1600.0
         metrics = render_metrics(answer)
         assert 'aiolaunch_host_quarantined_until_seconds{host="10.0.0.2"} 1600.0' in metrics

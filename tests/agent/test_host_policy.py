@@ -107,9 +107,7 @@ def test_a_hanging_health_check_is_killed_at_its_timeout(tmp_path: Path) -> None
     token = f"{os.getpid() % 97 + 30}.{os.getpid() % 1000}"  # a sleep nobody else runs
     check = f"(sleep {token}) & sleep {token}"
     began = time.monotonic()
-    status, _, message, _ = _run(
-        tmp_path, f"--health-check={check}", "--health-check-timeout=0.5"
-    )
+    status, _, message, _ = _run(tmp_path, f"--health-check={check}", "--health-check-timeout=0.5")
     # not held up by the child's end (its sleep is 30 s or more)
     assert time.monotonic() - began < 25
     assert status == EXIT_HOST_EXCLUDED
@@ -149,3 +147,4 @@ def test_bad_options_are_named_before_anything_starts(
     status, err, message, attempts = _run(tmp_path, *flags)
     assert status == EXIT_DO_NOT_RETRY, err
     assert says in err and attempts == []
+    assert message == f"aiolaunch: error: {err.split('error: ', 1)[1].strip()}"

@@ -137,11 +137,12 @@ def job_factory(tmp_path: Path) -> Iterator[Any]:
 
 
 def _one_round_after(job: Job, since: float, world: int) -> list[dict[str, Any]]:
-    return wait_for(
+    got: list[dict[str, Any]] = wait_for(
         "the next round's first all_reduce",
         lambda: (lambda s: s if len(s) >= world else None)(job.stamps(since)),
         90,
     )
+    return got
 
 
 @pytest.mark.parametrize(("backend", "spares"), [("c10d", 1), ("etcd-v3", 2)])

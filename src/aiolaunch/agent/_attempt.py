@@ -158,10 +158,11 @@ async def run_attempt(
     )
     started(ctx.pids())
     try:
-        return await _monitor(ctx, rdzv, spec.monitor_interval)
-    finally:
+        outcome = await _monitor(ctx, rdzv, spec.monitor_interval)
         if keeper is not None:
-            keeper.ending()
+            keeper.ending(restart=outcome is None or outcome.is_failed())
+        return outcome
+    finally:
         # A no-op after a result; after a membership change, a signal or
         # a cancellation it stops the group. Shielded so that a cancelled
         # run() cannot leave workers behind.

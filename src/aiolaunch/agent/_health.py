@@ -75,8 +75,12 @@ class HealthCheck:
             )
 
 
-def run_check(check: HealthCheck) -> str | None:
-    """Run ``check`` now (blocking); ``None`` when it passed, else why not."""
+def run_check(check: HealthCheck, running: set[int] | None = None) -> str | None:
+    """Run ``check`` now (blocking); ``None`` when it passed, else why not.
+
+    ``running``: where its process group is noted while it runs (so that it
+    can be killed from another thread).
+    """
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -90,6 +94,8 @@ def run_check(check: HealthCheck) -> str | None:
         return f"could not run {check.command!r}: {exc}"
     with _running_lock:
         _running.add(proc.pid)
+        if running is not None:
+            running.add(proc.pid)
     try:
         try:
             out, _ = proc.communicate(timeout=check.timeout)
@@ -104,6 +110,8 @@ def run_check(check: HealthCheck) -> str | None:
             os.killpg(proc.pid, signal.SIGKILL)
         with _running_lock:
             _running.discard(proc.pid)
+            if running is not None:
+                running.discard(proc.pid)
     took = time.monotonic() - started
     if proc.returncode == 0:
         log.info("health check passed in %.3f s", took)
@@ -122,6 +130,8 @@ class HealthGate:
         self.check = check
         self._pending: concurrent.futures.Future[str | None] | None = None
         self._lock = threading.Lock()
+        self._running: set[int] = set()
+        self._threads: list[threading.Thread] = []
         #: the last reason a check gave, or None
         self.last_refusal: str | None = None
 
@@ -135,11 +145,25 @@ class HealthGate:
 
         def run() -> None:
             try:
-                future.set_result(run_check(self.check))
+                future.set_result(run_check(self.check, self._running))
             except BaseException as exc:  # pragma: no cover - run_check catches what it can
                 future.set_exception(exc)
 
-        threading.Thread(target=run, name="aiolaunch-health-check", daemon=True).start()
+        thread = threading.Thread(target=run, name="aiolaunch-health-check", daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def cancel(self) -> None:
+        """The agent is done: a check still running is killed, and waited for."""
+        with self._lock:
+            self._pending = None
+            groups = list(self._running)
+        for pgid in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(pgid, signal.SIGKILL)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads = []
 
     def admit(self) -> str | None:
         """The started check's result (waited for), or a check run now; ``None``: join."""

@@ -134,6 +134,12 @@ class HostKeeper:
     async def begin(self) -> None:
         """Before the first round: tell the rendezvous the policy, show the hosts."""
         rdzv = self._rdzv
+        if self.policy.quarantine_after is not None and rdzv.hosts() is None:
+            raise ValueError(
+                "quarantine_after keeps its records in the store of aiolaunch's rounds: use "
+                "a c10d or etcd-v3 handler made by aiolaunch (the command line's "
+                "--rdzv-backend c10d|etcd-v3)"
+            )
         admit = self._gate.admit if self._gate is not None and rdzv.admits else None
         rdzv.configure(quarantine=self.policy.quarantine(), admit=admit)
         if rdzv.hosts() is not None:
@@ -169,13 +175,13 @@ class HostKeeper:
         self._pids = list(pids.values())
         self.progress.attempt_started()
 
-    def ending(self) -> None:
-        """The attempt's outcome is known: the next round's check starts now,
-        while the workers are stopped."""
+    def ending(self, *, restart: bool) -> None:
+        """The attempt's outcome is known (``restart``: a next round may follow):
+        the next round's health check starts now, while the workers are stopped."""
         # When this host learned its attempt ended: the host whose worker
         # failed first learns first (its peers' workers fail after it).
         self._ended_at = time.time()
-        if self._gate is not None and self._rdzv.admits:
+        if self._gate is not None and restart:
             self._gate.start()
 
     async def after_attempt(self) -> None:
@@ -245,8 +251,11 @@ class HostKeeper:
                 log.info("could not leave the rendezvous: %s", exc)
 
     def close(self) -> None:
+        """The run is over: no section any more, no check left running."""
         self._unregister()
         self._unregister = _nothing
+        if self._gate is not None:
+            self._gate.cancel()
 
 
 def _nothing() -> None:
