@@ -10,7 +10,8 @@ stamps its first all_reduce with ``time.monotonic()`` - one clock for every
 namespace - then reduces until told to stop.
 
 - ``spare`` (``spares2``): 3 (4) namespace hosts, c10d on host A,
-  ``--nnodes 2``. A and B run; one (two) spare host(s) join mid-run;
+  ``--nnodes 2``. A and B run; one (two) spare host(s) join mid-run (20 s
+  before the loss: an agent imports torch first);
   ``disturbed`` says whether that started a new round. Host B is lost
   (SIGKILL to every process in it); ``resume_s`` = the kill -> the first
   all_reduce of the next round (the spare's); ``new_rounds``: rounds started
@@ -21,6 +22,11 @@ namespace - then reduces until told to stop.
   all_reduce. After 30 s of training (a zygote's deferred imports are done by
   then; a real job fails hours in), one agent and its worker are SIGKILLed;
   ``resume_s`` = the kill -> the survivors' first all_reduce (the later).
+- ``check``: one machine, 2 gloo ranks, one restart (rank 1 fails after its
+  first all_reduce): the failure -> the next attempt's first all_reduce,
+  without a health check, with ``--health-check true``, and with ``sleep 0.2``
+  (the check runs while the failed attempt is stopped: it costs the restart
+  only what it takes beyond that).
 - ``soak`` (aiolaunch, etcd-v3 on a host of its own): 4 training hosts,
   ``--nnodes 2`` (two spares). ``--failures`` times: a random host is lost
   at a random moment, and an agent is started on it again (a returning host:
@@ -190,7 +196,9 @@ def spare_trial(launcher: str, spares: int, tmp: Path, baseline: str | None) -> 
             return result
         for k in range(spares):
             start(2 + k)
-        time.sleep(10)  # the spares have joined (or disturbed the round) by now
+        # The spares' agents are up and waiting (or disturbed the round) by
+        # now: an agent imports torch first, seconds on a loaded machine.
+        time.sleep(20)
         result["disturbed"] = len(read_stamps(out)) > 2
         kill = net.kill(1)
         resumed = wait_until(at_least(2, out, kill), RESUME_TIMEOUT)
@@ -264,6 +272,50 @@ def agents_trial(launcher: str, n: int, tmp: Path, baseline: str | None) -> dict
             if p.poll() is None:
                 kill_all(tree(p.pid))
             p.wait()
+
+
+# -- check: what a passing health check costs a restart -----------------------------
+RESTART_WORKER = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+what = "fail" if attempt == 0 else "first"
+with open(sys.argv[1], "a") as f:
+    f.write(f"{attempt} {dist.get_rank()} {what} {time.monotonic()}\\n")
+if attempt == 0 and dist.get_rank() == 1:
+    os._exit(1)
+dist.barrier() if attempt else time.sleep(30)
+"""
+
+#: variant -> the health check (None: none)
+CHECKS = {"no check": None, "--health-check true": "true", "check sleep 0.2": "sleep 0.2"}
+
+
+def check_trial(variant: str, tmp: Path) -> dict[str, Any]:
+    """One standalone job (2 gloo ranks, one restart): rank 1's failure ->
+    the later first all_reduce of the next attempt."""
+    script = tmp / "worker.py"
+    script.write_text(RESTART_WORKER)
+    stamps = tmp / "stamps"
+    argv = [*launcher_argv("aiolaunch"), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    check = CHECKS[variant]
+    if check is not None:
+        argv.append(f"--health-check={check}")
+    env = launcher_env("aiolaunch", None) | {"LOGLEVEL": "WARNING"}
+    with open(tmp / "agent.log", "ab") as log:
+        code = subprocess.run(
+            [*argv, str(script), str(stamps)], env=env, stdout=log, stderr=subprocess.STDOUT,
+            timeout=300, check=False,
+        ).returncode  # fmt: skip
+    rows = [line.split() for line in stamps.read_text().splitlines()] if stamps.exists() else []
+    fail = [float(r[3]) for r in rows if r[2] == "fail" and r[1] == "1"]
+    first = [float(r[3]) for r in rows if r[2] == "first"]
+    ok = code == 0 and fail and len(first) == 2
+    turnaround = round((max(first) - fail[0]) * 1e3, 1) if ok else None
+    return {"variant": variant, "turnaround_ms": turnaround, "code": code}
 
 
 # -- soak --------------------------------------------------------------------------
@@ -412,6 +464,13 @@ def main() -> int:
                         rows.append({"bench": "agents", **agents_trial(launcher, n, tmp, (
                             args.baseline))})  # fmt: skip
                         print(json.dumps(rows[-1]), flush=True)
+        if "check" in only:
+            for trial in range(max(args.trials, 5)):
+                for variant in CHECKS:
+                    tmp = Path(root, f"check-{trial}-{variant.replace(' ', '_')}")
+                    tmp.mkdir()
+                    rows.append({"bench": "check", **check_trial(variant, tmp)})
+                    print(json.dumps(rows[-1]), flush=True)
         if "soak" in only:
             tmp = Path(root, "soak")
             tmp.mkdir()
@@ -446,6 +505,10 @@ def summary(rows: list[dict[str, Any]], launchers: list[str]) -> None:
                     f"  resume {median([r.get('resume_s') for r in got])}"
                     f"  codes {[r.get('codes') for r in got]}"
                 )
+    for variant in CHECKS:
+        got = [r["turnaround_ms"] for r in rows if r.get("variant") == variant]
+        if got:
+            print(f"restart with {variant:22} turnaround ms median {median(got)}  all {got}")
     for r in rows:
         if r["bench"] == "soak":
             print("soak", r)
