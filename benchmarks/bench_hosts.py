@@ -433,8 +433,17 @@ def main() -> int:
     p.add_argument("--baseline", default=None, help="another tree's src (aiolaunch-base)")
     p.add_argument("--failures", type=int, default=100)
     p.add_argument("--seed", type=int, default=45)
+    p.add_argument(
+        "--worker",
+        default="env",
+        choices=("env", "prefixed"),
+        help="env: plain env:// workers; prefixed: a store prefix per restart (torchrun's "
+        "workaround for the keys its store keeps across rounds)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.worker == "prefixed":
+        os.environ["STORE_PREFIX"] = "1"
     if os.geteuid() != 0:
         print("needs root (network namespaces)", file=sys.stderr)
         return 2
@@ -477,6 +486,8 @@ def main() -> int:
             rows.append({"bench": "soak", **soak(args.failures, tmp, args.seed)})
             print(json.dumps(rows[-1]), flush=True)
     print(f"load average at end: {os.getloadavg()}")
+    for row in rows:
+        row.setdefault("worker", args.worker)
     summary(rows, launchers)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "load": os.getloadavg()}, indent=1))

@@ -11,7 +11,8 @@ compare directly.
 :data:`WORKER` is a plain ``env://`` gloo job: it stamps its first
 all_reduce (host, rank, world size, restart count, pid, time) as a JSON line
 in ``$OUT/stamps``, then keeps reducing until ``$OUT/stop`` exists, and
-exits 0. ``FAIL_HOSTS`` (addresses, comma-separated) makes the worker of
+exits 0. With ``STORE_PREFIX`` set it keys its process group under a prefix
+per restart count (what torchrun's workers need to resume). ``FAIL_HOSTS`` (addresses, comma-separated) makes the worker of
 those hosts exit 1 right after its first all_reduce (only while the job's
 restart count is below ``FAIL_UNTIL``, when set; ``FAIL_HOW=segv``: by
 SIGSEGV, a crash).
@@ -47,7 +48,19 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 out = os.environ["OUT"]
 host = os.environ["NODE_ADDR"]
-dist.init_process_group("gloo")
+if os.environ.get("STORE_PREFIX"):
+    # torchrun's workaround: its store keeps the last round's keys; a prefix
+    # per restart keeps the rounds apart (not needed with aiolaunch's rounds)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("r" + os.environ["TORCHELASTIC_RESTART_COUNT"], store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+else:
+    dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
 rec = {"host": host, "rank": dist.get_rank(), "world": dist.get_world_size(),
