@@ -320,7 +320,8 @@ def check_trial(variant: str, tmp: Path) -> dict[str, Any]:
 
 # -- soak --------------------------------------------------------------------------
 def soak(failures: int, tmp: Path, seed: int) -> dict[str, Any]:
-    from _etcd import etcd_server  # tests/_etcd.py
+    sys.path.insert(0, str(HERE.parent / "tests" / "engines"))
+    from _etcd import etcd_server  # tests/engines/_etcd.py
 
     rng = random.Random(seed)
     hosts = 4
