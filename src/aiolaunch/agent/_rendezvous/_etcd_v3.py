@@ -121,6 +121,10 @@ class EtcdV3Client:
     def __repr__(self) -> str:
         return f"EtcdV3Client({self.host}:{self.port})"
 
+    def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call of the gateway (``path``, a JSON ``body``); its JSON answer."""
+        return self._request(path, body)
+
     def _request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         # A connection per request: the rendezvous makes a few requests a
         # second at most, and nothing stays open between them (no fd, no
@@ -340,6 +344,16 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
 
     def check(self, keys: list[str]) -> bool:
         return all(self._client.range(self._key(k))[0] for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Every key in one request (a txn of reads); a missing one is waited for."""
+        body = {"success": [_range_op(self._key(k)) for k in keys]}
+        responses = self._client.request("/v3/kv/txn", body).get("responses", [])
+        values: list[bytes] = []
+        for key, response in zip(keys, responses or [{}] * len(keys), strict=True):
+            kvs = response.get("response_range", {}).get("kvs", [])
+            values.append(_unb64(kvs[0].get("value", "")) if kvs else self.get(key))
+        return values
 
     def add(self, key: str, num: int) -> int:
         k = self._key(key)
