@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 
 from _helpers import driver
-from aiolaunch._cli._exit import EXIT_DO_NOT_RETRY, EXIT_FAILED, signal_exit_status
+from aiolaunch._cli._exit import (
+    EXIT_DO_NOT_RETRY,
+    EXIT_FAILED,
+    EXIT_HOST_EXCLUDED,
+    signal_exit_status,
+)
 
 RECIPES = Path(__file__).resolve().parent.parent / "docs" / "schedulers.md"
 AIOLAUNCH = [sys.executable, "-m", "aiolaunch"]
@@ -83,9 +88,11 @@ def _cli_sigterm(tmp_path: Path) -> int:
 
 def test_the_table_is_the_code() -> None:
     table = exit_code_table()
-    assert set(table) == {0, 1, 2, 129, 130, 131, 143}
+    assert set(table) == {0, 1, 2, 3, 129, 130, 131, 143}
     assert "failed" in table[EXIT_FAILED]
     assert "bad arguments" in table[EXIT_DO_NOT_RETRY]
+    assert "crash loop" in table[EXIT_DO_NOT_RETRY]
+    assert "quarantined" in table[EXIT_HOST_EXCLUDED]
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
         code = signal_exit_status(sig)
         assert sig.name in table[code], (code, table[code])

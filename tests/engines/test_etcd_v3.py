@@ -93,6 +93,10 @@ def test_store_waits_on_a_watch_and_counts_atomically(etcd: str) -> None:
     assert store.compare_set("c", "1", "3") == b"3"
     threading.Timer(0.3, lambda: raw.set("p/late", b"here")).start()
     assert store.get("late") == b"here"  # a watch, woken by the write
+    store.set("k2", b"w")
+    threading.Timer(0.3, lambda: raw.set("p/late2", b"x")).start()
+    # one request for the keys there, a watch for the one still missing
+    assert store.multi_get(["k", "late2", "k2"]) == [b"v", b"x", b"w"]
     store.set_timeout(timedelta(seconds=0.5))
     with pytest.raises(dist.DistStoreError, match="not set within"):
         store.get("never")

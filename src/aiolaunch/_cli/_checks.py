@@ -41,15 +41,18 @@ __all__ = [
 def watchdog_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~aiolaunch.Watchdog` of ``--stall-timeout`` and its flags, or ``None``."""
     if args.stall_timeout is None:
+        # --max-no-progress-restarts reads the progress regex too (_hosts.py)
+        progress = None if args.max_no_progress_restarts is not None else args.progress_regex
         for flag, value in (
             ("--on-stall", args.on_stall),
-            ("--progress-regex", args.progress_regex),
+            ("--progress-regex", progress),
             ("--straggler-sample", args.straggler_sample),
         ):
             if value is not None:
                 raise ValueError(f"{flag} needs --stall-timeout SECONDS (the watchdog is off)")
+        _check_progress_regex(args.progress_regex)
         return None
-    from .._hangs._watchdog import Watchdog, matches_every_line, stall_after_problem
+    from .._hangs._watchdog import Watchdog, stall_after_problem
 
     if not (math.isfinite(args.stall_timeout) and args.stall_timeout > 0):
         raise ValueError(
@@ -62,20 +65,7 @@ def watchdog_from_args(args: argparse.Namespace) -> Any:
             f"--stall-timeout={args.stall_timeout} {why}; pass seconds from 1 to 2592000 "
             "(30 days), e.g. --stall-timeout 600, or drop the flag for no watchdog"
         )
-    if args.progress_regex is not None:
-        try:
-            every = matches_every_line(args.progress_regex)
-        except re.error as exc:
-            raise ValueError(
-                f"--progress-regex={args.progress_regex!r} is not a valid regular expression "
-                f"({exc}); fix it, e.g. --progress-regex '^step '"
-            ) from None
-        if every:
-            raise ValueError(
-                f"--progress-regex={args.progress_regex!r} matches every line (it matches an "
-                "empty one), so any output would count as progress; pass a pattern of your "
-                "progress lines, e.g. --progress-regex '^step ', or drop the flag"
-            )
+    _check_progress_regex(args.progress_regex)
     sample = args.straggler_sample
     if sample is not None and not (math.isfinite(sample) and sample >= 0.1):
         raise ValueError(
@@ -88,6 +78,26 @@ def watchdog_from_args(args: argparse.Namespace) -> Any:
         action=args.on_stall or "fail",
         stragglers=None if sample is None else float(sample),
     )
+
+
+def _check_progress_regex(regex: str | None) -> None:
+    if regex is None:
+        return
+    from .._hangs._watchdog import matches_every_line
+
+    try:
+        every = matches_every_line(regex)
+    except re.error as exc:
+        raise ValueError(
+            f"--progress-regex={regex!r} is not a valid regular expression "
+            f"({exc}); fix it, e.g. --progress-regex '^step '"
+        ) from None
+    if every:
+        raise ValueError(
+            f"--progress-regex={regex!r} matches every line (it matches an "
+            "empty one), so any output would count as progress; pass a pattern of your "
+            "progress lines, e.g. --progress-regex '^step ', or drop the flag"
+        )
 
 
 def source(flag: str, value: object) -> str:

@@ -163,6 +163,9 @@ def status_main(argv: Sequence[str]) -> int:
     if args.json:
         return _print_json(answer)
     print(f"{answer['name']} ({answer['log_dir']})")
+    for name, section in sorted(answer.items()):  # the job's sections (its hosts)
+        if isinstance(section, dict) and isinstance(section.get("summary"), str):
+            print(f"{name}: {section['summary']}")
     print(format_status(answer["workers"]))
     return 0
 

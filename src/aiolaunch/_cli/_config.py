@@ -30,6 +30,7 @@ from ._checks import (
     std_setting,
     watchdog_from_args,
 )
+from ._hosts import resilience_from_args
 from ._parser import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
@@ -151,6 +152,8 @@ class LaunchConfig:
     preload: Preload | None = None
     #: --log-dir as given (also where ``logs_specs`` holds it)
     log_root: str | None = None
+    #: resilience across hosts (``_hosts.py``): an ``aiolaunch.agent.Resilience``, or None
+    resilience: Any = None
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -313,6 +316,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
     timeout = shutdown_timeout(args.shutdown_timeout)
     watchdog = watchdog_from_args(args)
+    resilience = resilience_from_args(args, rounds=callable(getattr(torch_handler, "watch", None)))
     check_metrics(args)
     spec = WorkerSpec(
         role=args.role,
@@ -351,6 +355,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         notices=[slurm] if slurm else [],
         preload=preload,
         log_root=args.log_dir,
+        resilience=resilience,
     )
 
 

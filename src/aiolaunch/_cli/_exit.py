@@ -10,7 +10,15 @@ exit status            meaning
                        ``N`` killed it)
 ``2`` (do not retry)   bad arguments, or the script, module or binary to
                        run does not exist: nothing started, and a retry
-                       of the same command fails the same way
+                       of the same command fails the same way; or a crash
+                       loop (``--max-no-progress-restarts``: attempts in
+                       a row without progress), named in the termination
+                       message
+``3`` (host excluded)  this host may not take part: it is quarantined
+                       (``--quarantine-after``) or its ``--health-check``
+                       failed until the job ended; the job goes on (or
+                       ended) on the other hosts. Retry on another host,
+                       not here
 ``128 + N``            this process was stopped by signal ``N`` (143 for
                        SIGTERM, 130 for SIGINT, 129 SIGHUP, 131 SIGQUIT);
                        the workers were stopped first
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EXIT_DO_NOT_RETRY",
     "EXIT_FAILED",
+    "EXIT_HOST_EXCLUDED",
     "EXIT_MODES",
     "TERMINATION_LOG_LIMIT",
     "failure_exit_status",
@@ -56,8 +65,10 @@ log = logging.getLogger("aiolaunch.cli")
 
 #: the workers failed (torchrun's status for every failure)
 EXIT_FAILED = 1
-#: a failure a retry cannot fix: bad arguments, nothing to run (argparse's 2)
+#: a failure a retry cannot fix: bad arguments, nothing to run (argparse's 2), a crash loop
 EXIT_DO_NOT_RETRY = 2
+#: this host is kept out of the job (quarantined, or its health check failed)
+EXIT_HOST_EXCLUDED = 3
 #: ``--exit-code`` values: ``torchrun`` (1 for any worker failure) or ``root-cause``
 EXIT_MODES = ("torchrun", "root-cause")
 #: Kubernetes reads at most this many bytes of a termination message

@@ -28,6 +28,7 @@ log = logging.getLogger("aiolaunch.cli")
 async def _launch(cfg: LaunchConfig) -> RunResult:
     from .._errors import SignalException
     from ..agent import LocalElasticAgent
+    from ..agent._quarantine import HostExcluded
 
     agent = LocalElasticAgent(
         cfg.spec,
@@ -37,13 +38,14 @@ async def _launch(cfg: LaunchConfig) -> RunResult:
         log_line_prefix_template=cfg.log_line_prefix_template,
         shutdown_timeout=cfg.shutdown_timeout,
         preload=list(cfg.preload.now) if cfg.preload is not None else None,
+        resilience=cfg.resilience,
     )
     shutdown_rdzv = True
     try:
         return await agent.run()
-    except SignalException:
+    except (SignalException, HostExcluded):
         # As torchrun: a node stopped by a signal leaves the rendezvous open,
-        # so the job can go on (or scale) without it.
+        # so the job can go on (or scale) without it; so does a host kept out.
         shutdown_rdzv = False
         raise
     finally:
@@ -109,9 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     0: every worker succeeded. 1: the group failed after its restarts (the
     root cause is summarised on stderr), as torchrun; with ``--exit-code
     root-cause``, the root cause's own exit code. 2 (do not retry): bad
-    options, or nothing to run. ``128 + N``: signal ``N`` stopped the run
-    (the workers were stopped first). On a non-zero status the root cause
-    is also written as the termination message.
+    options, nothing to run, or a crash loop. 3: this host is kept out of
+    the job (quarantined, or its health check failed). ``128 + N``: signal
+    ``N`` stopped the run (the workers were stopped first). On a non-zero
+    status the root cause is also written as the termination message.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in VERBS:
@@ -173,8 +176,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _run(cfg: LaunchConfig) -> int:
     from .._errors import ChildFailedError, SignalException
     from ..agent._numa import NumaBindingError
+    from ..agent._quarantine import HostExcluded
     from ._exit import (
         EXIT_DO_NOT_RETRY,
+        EXIT_HOST_EXCLUDED,
         failure_exit_status,
         failure_message,
         signal_exit_status,
@@ -204,6 +209,10 @@ def _run(cfg: LaunchConfig) -> int:
         print(f"aiolaunch: received {name}; all workers were stopped", file=sys.stderr)
         write_termination_message(f"aiolaunch: stopped by {name}; all workers were stopped")
         return signal_exit_status(exc.sigval)
+    except HostExcluded as exc:  # quarantined, or its health check failed: the job goes on
+        print(f"aiolaunch: {exc.reason}", file=sys.stderr)
+        write_termination_message(f"aiolaunch: {exc.reason}")
+        return EXIT_HOST_EXCLUDED
     except ImportError as exc:  # a preload module failed in the zygote: nothing started
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
         write_termination_message(f"aiolaunch: error: {exc}")
@@ -217,7 +226,12 @@ def _run(cfg: LaunchConfig) -> int:
     if result.is_failed():
         err = ChildFailedError(cfg.entrypoint_name, result.failures)
         print(err.format_msg(), file=sys.stderr)
-        write_termination_message(failure_message(cfg.entrypoint_name, result.failures))
+        message = failure_message(cfg.entrypoint_name, result.failures)
+        if result.stopped_early is not None:  # a crash loop: retrying will not help
+            print(f"aiolaunch: {result.stopped_early}", file=sys.stderr)
+            write_termination_message(f"aiolaunch: {result.stopped_early}\n{message}")
+            return EXIT_DO_NOT_RETRY
+        write_termination_message(message)
         _, root = err.get_first_failure()
         return failure_exit_status(root, cfg.exit_code)
     return 0

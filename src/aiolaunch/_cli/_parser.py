@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .._types import START_METHODS
 from ._actions import GIVEN, BadEnvironment, EnvFlag, EnvOption, comma_list, env_name, one_of
+from ._hosts import add_host_flags
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -387,6 +388,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=EnvFlag,
         help="Start every worker afresh, without a zygote (as torchrun does).",
     )
+    add_host_flags(p)  # resilience across hosts (aiolaunch's own; _hosts.py)
     add(
         "training_script",
         type=str,

@@ -219,6 +219,9 @@ def screen(
     if clock:
         title = title[: max(0, width - len(clock) - 1)].ljust(max(0, width - len(clock))) + clock
     sub = f"filter: {state.filter or 'all'}  "
+    for key, section in sorted((snapshot or {}).items()):  # the job's sections (its hosts)
+        if isinstance(section, dict) and isinstance(section.get("summary"), str):
+            sub = f"{key}: {section['summary']}  |  {sub}"
     if state.message:
         sub = f"{state.message}  |  {sub}"
     log_dir = str((snapshot or {}).get("log_dir", ""))

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._live._sections import sections as job_sections
 from .._results import root_cause, stderr_tail
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class RunReport:
     at_failure: AtFailure | None = None
     stragglers: list[Straggler] = field(default_factory=list)
     collective: CollectiveVerdict | None = None
+    #: the job's sections of the live view when it was written (its hosts)
+    sections: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -191,6 +194,7 @@ class RunReport:
             at_failure=at_failure,
             stragglers=sorted(stragglers, key=lambda s: s.rank),
             collective=collective,
+            sections=job_sections(),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -221,12 +225,14 @@ class RunReport:
             data["stragglers"] = [vars(s).copy() for s in self.stragglers]
         if self.collective is not None:
             data["collective"] = self.collective.to_json()
+        data.update(self.sections)
         return data
 
     def to_text(self) -> str:
         """``report.txt``: the report for people."""
         out = [f"aiolaunch report: group {self.name!r} ({self.outcome}), {self.time}"]
         out.append(f"log dir: {self.log_dir}")
+        out += [f"{k}: {v['summary']}" for k, v in sorted(self.sections.items()) if "summary" in v]
         root = self.root_cause
         if root is not None:
             how = f"signal {root.signal}" if root.signal else f"exit code {root.exitcode}"

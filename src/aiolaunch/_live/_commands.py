@@ -26,6 +26,7 @@ from .._hangs._dumper import check_dump_timeout
 from .._hangs._stacks import StackReport
 from ._control import Takeover, encode
 from ._event_json import event_to_json
+from ._sections import sections
 
 if TYPE_CHECKING:
     import asyncio
@@ -159,6 +160,7 @@ def status_answer(target: ControlTarget) -> Answer:
         "start_time": target.started,
         "metrics": target.metrics_url,
         "workers": [s.to_json() for s in target.status()],
+        **sections(),  # the job's: its hosts (an agent's rounds)
     }
 
 

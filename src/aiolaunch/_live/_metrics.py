@@ -27,6 +27,8 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from ._sections import section_metrics
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -160,6 +162,7 @@ def render_metrics(snapshot: Mapping[str, Any]) -> str:
             out.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}")
             out.extend(lines)
     out.extend(_group_lines(snapshot, workers))
+    out.extend(section_metrics(dict(snapshot)))  # the job's sections (its hosts)
     return "\n".join(out) + "\n"
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "environ",
     "fd_path",
     "fd_target",
+    "mapped_files",
     "handles_signal",
     "is_process",
     "last_pid",
@@ -326,13 +327,28 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-def fd_target(fd: int) -> str | None:
-    """What this process's ``fd`` points to (``"pipe:[123]"``, a path...);
-    ``None`` once it is closed, or without a procfs."""
+def fd_target(fd: int, pid: int | str = "self") -> str | None:
+    """What ``fd`` of ``pid`` (this process by default) points to
+    (``"pipe:[123]"``, a path...); ``None`` once it is closed, when the
+    process is gone or another user's, or without a procfs."""
     try:
-        return os.readlink(fd_path(fd))
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
         return None
+
+
+def mapped_files(pid: int) -> set[str]:
+    """The files ``pid`` has mapped (its libraries, a device's memory...);
+    empty when it is gone or unreadable."""
+    raw = _read_all(f"/proc/{pid}/maps")
+    if raw is None:
+        return set()
+    out = set()
+    for line in raw.decode(errors="replace").splitlines():
+        path = line.rpartition(" ")[2]
+        if path.startswith("/"):
+            out.add(path)
+    return out
 
 
 def boot_time() -> int | None:
@@ -397,7 +413,6 @@ def is_process(pid: int) -> bool:
     return False
 
 
-#####READALL
 def _read_all(path: str) -> bytes | None:
     # open + read(s) + close: a third of the system calls of open(path, "rb").read()
     try:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from ._agent import LocalElasticAgent as LocalElasticAgent
 from ._rendezvous._static import StaticRendezvous as StaticRendezvous
+from ._resilience import Resilience as Resilience
 from ._spec import RunResult as RunResult
 from ._spec import WorkerSpec as WorkerSpec
 from ._spec import WorkerState as WorkerState
 
 __all__ = [
     "LocalElasticAgent",
+    "Resilience",
     "RunResult",
     "StaticRendezvous",
     "WorkerSpec",

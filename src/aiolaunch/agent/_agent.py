@@ -9,6 +9,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from .._errors import SignalException
 from .._results import root_cause
 from .._signals._names import describe_signal
@@ -16,7 +18,9 @@ from .._validate import START_METHODS, check_log_dir_not_file
 from ._attempt import AttemptLogs, run_attempt
 from ._elastic_events import EventRecorder
 from ._env import omp_notice
-from ._rendezvous import GroupAssignment, Rendezvous, resolve
+from ._quarantine import HostExcluded
+from ._rendezvous import GroupAssignment, Rendezvous, SpareReleased, resolve
+from ._resilience import HostKeeper, Resilience
 from ._spec import RunResult, WorkerSpec, WorkerState
 from ._warm import WarmStart
 
@@ -26,9 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalElasticAgent"]
 
 log = logging.getLogger("aiolaunch.agent")
-
-#: the slowest pace of the membership check (``num_nodes_waiting``), seconds
-_MEMBERSHIP_POLL_MIN = 1.0
 
 
 class LocalElasticAgent:
@@ -70,6 +71,11 @@ class LocalElasticAgent:
         from a zygote that imported these modules once (``True``: torch),
         kept across attempts; on one node each attempt also gets a fresh
         store of the agent's own. ``None``/``False``: off.
+    :param resilience: how the job treats its hosts (:class:`Resilience`:
+        quarantine, a health check before each round, a stop to crash
+        loops, resources a restart waits for); ``None``: none of it. With
+        aiolaunch's rounds (``--rdzv-backend c10d``/``etcd-v3``) the
+        restarts are the job's, counted the same on every host.
 
     *Signals*: while the workers run, SIGTERM, SIGINT, SIGHUP and SIGQUIT to
     this process are forwarded to them and :meth:`run` raises
@@ -92,6 +98,7 @@ class LocalElasticAgent:
         restart_backoff: float = 0.0,
         restart_backoff_max: float = 30.0,
         preload: bool | list[str] | tuple[str, ...] | None = None,
+        resilience: Resilience | None = None,
     ) -> None:
         _check_args(
             spec,
@@ -113,6 +120,7 @@ class LocalElasticAgent:
         self._backoff_max = float(restart_backoff_max)
         self._rdzv: Rendezvous = resolve(spec.rdzv_handler, local_addr=spec.local_addr)
         self._warm = WarmStart.for_agent(preload, spec, self._rdzv)
+        self._keeper = HostKeeper(resilience, self._rdzv, self._shutdown_timeout)
         self._state = WorkerState.INIT
         self._restart_count = 0
         self._running = False
@@ -167,13 +175,21 @@ class LocalElasticAgent:
             raise RuntimeError("run() is already in progress on this agent")
         self._running = True
         try:
-            result = await self._invoke_run()
+            try:
+                result = await self._invoke_run()
+            except SpareReleased as exc:  # the job ended without this spare: no failure
+                log.info("[%s] %s", self._spec.role, exc)
+                self._state, result = WorkerState.SUCCEEDED, RunResult(WorkerState.SUCCEEDED)
             self._events.run_ended(result, self._last)
             return result
-        except SignalException as exc:
-            log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
+        except (SignalException, HostExcluded) as exc:
+            if isinstance(exc, SignalException):
+                log.warning("received %s, stopped the workers", describe_signal(exc.sigval))
+            else:
+                log.error("[%s] %s", self._spec.role, exc.reason)
             self._state = WorkerState.STOPPED
             self._events.record("FAILED", "AGENT")
+            await self._keeper.leave()  # the other hosts re-form at once
             raise
         except BaseException:
             if self._state != WorkerState.SUCCEEDED:
@@ -182,6 +198,7 @@ class LocalElasticAgent:
             raise
         finally:
             self._running = False
+            self._keeper.close()
             await self._warm.aclose()
             self._logs.prune()
 
@@ -190,21 +207,15 @@ class LocalElasticAgent:
         notice = omp_notice(spec.local_world_size, os.environ)
         if notice is not None:
             log.warning(notice)
-        remaining = spec.max_restarts
+        keeper = self._keeper
         self._restart_count = 0
         membership_round = 0
+        await keeper.begin()
         while True:
-            rdzv_start = time.perf_counter()
-            assignment = await self._rdzv.next_rendezvous(
-                role=spec.role,
-                local_world_size=spec.local_world_size,
-                master_addr=spec.master_addr,
-                master_port=spec.master_port,
+            assignment, self._restart_count, took_ms = await _next_round(
+                self._rdzv, self._warm, keeper, spec
             )
-            assignment = await self._warm.assignment(assignment)
-            self._events.rendezvous_done(
-                assignment, self._restart_count, (time.perf_counter() - rdzv_start) * 1e3
-            )
+            self._events.rendezvous_done(assignment, self._restart_count, took_ms)
             _log_rendezvous(spec, assignment, self._restart_count)
             try:
                 result = await run_attempt(
@@ -220,14 +231,17 @@ class LocalElasticAgent:
                     prefix_template=self._prefix_template,
                     started=functools.partial(self._started, assignment),
                     preload=self._warm.names,
+                    keeper=keeper,
                 )
             finally:
-                await self._warm.attempt_ended()
+                with anyio.CancelScope(shield=True):
+                    await self._warm.attempt_ended()
+                    await keeper.after_attempt()
             if result is None:
                 # membership change: a new round, same restart count (torch:
                 # "membership changes do not count as retries")
                 membership_round += 1
-                log.info("[%s] new nodes are waiting to join; restarting the group", spec.role)
+                await keeper.before_round()
                 continue
             base = assignment.base_global_rank
             if not result.is_failed():
@@ -238,39 +252,17 @@ class LocalElasticAgent:
                     state=WorkerState.SUCCEEDED,
                     return_values={base + r: v for r, v in result.return_values.items()},
                 )
+            self._state = WorkerState.STOPPED
             failures = {base + r: f for r, f in result.failures.items()}
-            rank, root = root_cause(failures)
-            if remaining > 0:
-                remaining -= 1
-                self._restart_count += 1
+            final = await _restart_or_stop(keeper, spec, failures, self._backoff, self._backoff_max)
+            if final is None:
                 membership_round = 0
-                delay = _backoff(self._backoff, self._backoff_max, self._restart_count)
-                log.warning(
-                    "[%s] worker group failed (rank %d: %s); %d/%d restarts left, restarting%s",
-                    spec.role,
-                    rank,
-                    _describe(root),
-                    remaining + 1,
-                    spec.max_restarts,
-                    f" in {delay:g}s" if delay else "",
-                )
-                self._state = WorkerState.STOPPED
-                if delay:
-                    await asyncio.sleep(delay)  # allowed: the backoff between attempts
                 continue
             self._state = WorkerState.FAILED
-            log.error(
-                "[%s] worker group failed after %d restart(s); "
-                "root cause: rank %d (local_rank %d) %s",
-                spec.role,
-                self._restart_count,
-                rank,
-                root.local_rank,
-                _describe(root),
-            )
-            return RunResult(state=WorkerState.FAILED, failures=failures)
+            return final
 
     def _started(self, assignment: GroupAssignment, pids: dict[int, int]) -> None:
+        self._keeper.started(assignment, pids)
         self._state = WorkerState.HEALTHY
         self._last = (assignment, pids)
         self._events.workers_started(assignment, pids)
@@ -282,6 +274,68 @@ class LocalElasticAgent:
             f"local_world_size={self._spec.local_world_size}, run_id={self.run_id!r}, "
             f"state={self._state.value}, restart_count={self._restart_count})"
         )
+
+
+async def _next_round(
+    rdzv: Rendezvous, warm: WarmStart, keeper: HostKeeper, spec: WorkerSpec
+) -> tuple[GroupAssignment, int, float]:
+    """``(this agent's assignment, the restart count, ms it took)`` of the next round.
+
+    The restart count is the job's (with aiolaunch's rounds: the same on every
+    host, a spare that never failed included), never past ``max_restarts``.
+    """
+    began = time.perf_counter()
+    assignment = await rdzv.next_rendezvous(
+        role=spec.role,
+        local_world_size=spec.local_world_size,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
+    )
+    assignment = await warm.assignment(assignment)
+    restarts = min(await keeper.restart_count(), spec.max_restarts)
+    return assignment, restarts, (time.perf_counter() - began) * 1e3
+
+
+async def _restart_or_stop(
+    keeper: HostKeeper,
+    spec: WorkerSpec,
+    failures: dict[int, ProcessFailure],
+    backoff: float,
+    backoff_max: float,
+) -> RunResult | None:
+    """After a failed attempt: ``None`` to restart (the backoff waited, the
+    health check passed), else the final result - the job's restarts are used
+    up, or a crash loop stopped it (``stopped_early``)."""
+    rank, root = root_cause(failures)
+    why = f"rank {rank} {_describe(root)}"
+    restarts, streak = await keeper.record_failure(why, failures.values())
+    loop = keeper.crash_loop(streak, why)
+    if loop is None and restarts <= spec.max_restarts:
+        delay = _backoff(backoff, backoff_max, restarts)
+        log.warning(
+            "[%s] worker group failed (%s); %d/%d restarts left, restarting%s",
+            spec.role,
+            why,
+            spec.max_restarts - restarts + 1,
+            spec.max_restarts,
+            f" in {delay:g}s" if delay else "",
+        )
+        if delay:
+            await asyncio.sleep(delay)  # allowed: the backoff between attempts
+        await keeper.before_round()
+        return None
+    if loop is not None:
+        log.error("[%s] %s", spec.role, loop)
+    else:
+        log.error(
+            "[%s] worker group failed after %d restart(s); root cause: rank %d (local_rank %d) %s",
+            spec.role,
+            restarts - 1,
+            rank,
+            root.local_rank,
+            _describe(root),
+        )
+    return RunResult(state=WorkerState.FAILED, failures=failures, stopped_early=loop)
 
 
 def _backoff(base: float, cap: float, restart_count: int) -> float:

@@ -29,14 +29,12 @@ if TYPE_CHECKING:
     from .._context import PContext
     from .._results import RunProcsResult
     from ._rendezvous import GroupAssignment, Rendezvous
+    from ._resilience import HostKeeper
     from ._spec import WorkerSpec
 
 __all__ = ["AttemptLogs", "run_attempt"]
 
 log = logging.getLogger("aiolaunch.agent")
-
-#: the slowest pace of the membership check (``num_nodes_waiting``), seconds
-_MEMBERSHIP_POLL_MIN = 1.0
 
 
 class AttemptLogs:
@@ -100,11 +98,17 @@ async def run_attempt(
     prefix_template: str | None,
     started: Callable[[dict[int, int]], None],
     preload: list[str] | None = None,
+    keeper: HostKeeper | None = None,
 ) -> RunProcsResult | None:
-    """Start one attempt and await it; ``None`` means "stopped for new nodes".
+    """Start one attempt and await it; ``None`` means "the round must re-form"
+    (new nodes, a host gone: :meth:`Rendezvous.membership_changed`).
 
-    ``started(pids)`` is called once every worker runs. The group is closed
-    on every way out (shielded: a cancelled agent leaves no worker behind).
+    ``started(pids)`` is called once every worker runs. With a ``keeper``
+    (the agent's :class:`~._resilience.HostKeeper`): its attempt marker goes
+    to every worker, its progress probe to every rank, and its ``ending()``
+    is called once the outcome is known, before the workers are stopped
+    (what the next round needs can start meanwhile). The group is closed on
+    every way out (shielded: a cancelled agent leaves no worker behind).
 
     :raises SignalException: a stop signal reached the agent meanwhile.
     """
@@ -118,6 +122,9 @@ async def run_attempt(
         environ=os.environ,
         virtual_local_rank=spec.virtual_local_rank,
     )
+    marker = keeper.attempt_env() if keeper is not None else {}
+    for env in envs.values():
+        env.update(marker)
     args = {r: substitute_local_rank(spec.args, r) for r in range(n)}
     entrypoint = spec.entrypoint
     if spec.numa_options is not None:
@@ -146,11 +153,15 @@ async def run_attempt(
         metrics_port=spec.metrics_port,
         metrics_host=spec.metrics_host,
         preload=preload,
+        ready=keeper.probe() if keeper is not None else None,
         **logs,
     )
     started(ctx.pids())
     try:
-        return await _monitor(ctx, rdzv, spec.monitor_interval)
+        outcome = await _monitor(ctx, rdzv, spec.monitor_interval)
+        if keeper is not None:
+            keeper.ending(restart=outcome is None or outcome.is_failed())
+        return outcome
     finally:
         # A no-op after a result; after a membership change, a signal or
         # a cancellation it stops the group. Shielded so that a cancelled
@@ -167,6 +178,7 @@ async def _monitor(ctx: PContext, rdzv: Rendezvous, interval: float) -> RunProcs
         return result
     wait_task = asyncio.ensure_future(ctx.wait())
     watch_task = asyncio.ensure_future(_watch_membership(rdzv, interval))
+    reason = None
     try:
         await asyncio.wait({wait_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -179,20 +191,19 @@ async def _monitor(ctx: PContext, rdzv: Rendezvous, interval: float) -> RunProcs
         result = wait_task.result()  # raises SignalException after a signal
         if result is not None:
             return result
+    if watch_task.done() and not watch_task.cancelled():
+        reason = watch_task.result()
+    log.info("the round re-forms: %s", reason)
     return None
 
 
-async def _watch_membership(rdzv: Rendezvous, interval: float) -> None:
-    """Return when new agents wait to join (torch polls this each monitor tick)."""
-    interval = max(interval, _MEMBERSHIP_POLL_MIN)
-    while True:
-        await asyncio.sleep(interval)  # allowed: torch offers no event for joining nodes
-        try:
-            waiting = await rdzv.num_nodes_waiting()
-        except Exception:
-            # The store may go away when the node hosting it finishes; the
-            # workers' exits still decide the attempt.
-            log.warning("membership check failed; no longer watching", exc_info=True)
-            await asyncio.Event().wait()
-        if waiting > 0:
-            return
+async def _watch_membership(rdzv: Rendezvous, interval: float) -> str:
+    """Why the round must re-form, once it must (new nodes, a host gone)."""
+    try:
+        return await rdzv.membership_changed(interval)
+    except Exception:
+        # The store may go away when the node hosting it finishes; the
+        # workers' exits still decide the attempt.
+        log.warning("membership check failed; no longer watching", exc_info=True)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable") from None

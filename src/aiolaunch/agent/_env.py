@@ -45,6 +45,8 @@ class GroupAssignment:
     master_port: int
     run_id: str
     use_agent_store: bool
+    #: the rendezvous round this assignment is of (the job's records key on it)
+    rdzv_round: int = 0
 
 
 def worker_envs(

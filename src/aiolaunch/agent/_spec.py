@@ -205,11 +205,15 @@ class RunResult:
     :param return_values: ``{global_rank: value}`` (binaries: ``None``) on success.
     :param failures: ``{global_rank: ProcessFailure}`` of the last attempt;
         each failure keeps its *local* rank in ``failure.local_rank``.
+    :param stopped_early: why the agent stopped restarting before
+        ``max_restarts`` was used up (a crash loop: attempts in a row without
+        progress), or ``None``.
     """
 
     state: WorkerState
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stopped_early: str | None = None
 
     def is_failed(self) -> bool:
         """Whether the group failed (after all its restarts)."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from .._env import GroupAssignment
-from ._base import Rendezvous
+from ._base import Rendezvous, SpareReleased
 
-__all__ = ["GroupAssignment", "Rendezvous", "resolve"]
+__all__ = ["GroupAssignment", "Rendezvous", "SpareReleased", "resolve"]
 
 
 def resolve(handler: Any, *, local_addr: str | None = None) -> Rendezvous:

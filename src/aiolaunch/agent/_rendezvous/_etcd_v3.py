@@ -9,9 +9,10 @@ through etcd's own JSON gateway (``/v3/kv/range``, ``/v3/kv/txn``,
 - :class:`EtcdV3RendezvousBackend`: torch's ``RendezvousBackend`` (the state
   of the rendezvous under ``{key_prefix}/rendezvous/{run_id}``), set with a
   compare-and-swap on the key's ``mod_revision`` (the fencing token).
-  torch's ``DynamicRendezvousHandler`` does the rest, as for ``c10d``:
-  ``--nnodes MIN:MAX``, nodes joining, heartbeats, re-rendezvous after a
-  failure.
+  torch's ``DynamicRendezvousHandler`` does the rest, with aiolaunch's
+  rounds as for ``c10d`` (``_rounds.py``: spares, liveness, a fresh
+  workers' store per round): ``--nnodes MIN:MAX``, nodes joining,
+  heartbeats, re-rendezvous after a failure.
 - :class:`EtcdV3Store`: the ``Store`` the handler hands out (rank
   assignment, the exit barrier, the address of the workers' store), keys
   under ``{key_prefix}/store/{run_id}/``; a ``get`` of a missing key waits
@@ -71,9 +72,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
     RendezvousBackend,
     Token,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
-    create_handler as _dynamic_handler,
-)
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 
 __all__ = [
@@ -122,6 +120,10 @@ class EtcdV3Client:
 
     def __repr__(self) -> str:
         return f"EtcdV3Client({self.host}:{self.port})"
+
+    def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call of the gateway (``path``, a JSON ``body``); its JSON answer."""
+        return self._request(path, body)
 
     def _request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         # A connection per request: the rendezvous makes a few requests a
@@ -343,6 +345,16 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
     def check(self, keys: list[str]) -> bool:
         return all(self._client.range(self._key(k))[0] for k in keys)
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Every key in one request (a txn of reads); a missing one is waited for."""
+        body = {"success": [_range_op(self._key(k)) for k in keys]}
+        responses = self._client.request("/v3/kv/txn", body).get("responses", [])
+        values: list[bytes] = []
+        for key, response in zip(keys, responses or [{}] * len(keys), strict=True):
+            kvs = response.get("response_range", {}).get("kvs", [])
+            values.append(_unb64(kvs[0].get("value", "")) if kvs else self.get(key))
+        return values
+
     def add(self, key: str, num: int) -> int:
         k = self._key(key)
         kvs, _ = self._client.range(k)
@@ -422,7 +434,9 @@ def create_handler(params: RendezvousParameters) -> Any:
         ) from exc
     backend = EtcdV3RendezvousBackend(client, params.run_id, f"{prefix}/rendezvous")
     store = EtcdV3Store(client, f"{prefix}/store/{params.run_id}")
-    return _dynamic_handler(store, backend, params)
+    from ._rounds import create_rounds_handler
+
+    return create_rounds_handler(store, backend, params)
 
 
 def register() -> None:

@@ -12,16 +12,24 @@ aiolaunch agents and torchrun agents can share one rendezvous.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import threading
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
 from .._env import GroupAssignment
-from ._base import Rendezvous
+from ._base import Rendezvous, SpareReleased
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .._ledger import Ledger
+    from .._quarantine import QuarantinePolicy
 
 __all__ = ["TorchRendezvous", "accelerator_count", "create_handler", "require_torch"]
 
@@ -80,7 +88,7 @@ def create_handler(
         local_addr=local_addr,
         **config,
     )
-    if backend == "c10d" and "is_host" not in config and config.get("store_type", "tcp") == "tcp":
+    if backend == "c10d" and config.get("store_type", "tcp") == "tcp":
         return _c10d_handler(params)
     return rdzv_registry.get_rendezvous_handler(params)
 
@@ -96,7 +104,7 @@ def _c10d_handler(params: Any) -> Any:
     unless ``is_host`` is given. Here an endpoint address that this machine
     can bind (:func:`is_local_address`) also makes it the host; as in torch,
     a host that finds the port taken (another agent of the same machine got
-    there first) joins as a client.
+    there first) joins as a client - unless ``is_host`` was told.
     """
     from datetime import timedelta
 
@@ -106,19 +114,19 @@ def _c10d_handler(params: Any) -> Any:
         DEFAULT_PORT,
         C10dRendezvousBackend,
     )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import (
         _matches_machine_hostname,
         parse_rendezvous_endpoint,
     )
 
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    is_host = is_local_address(host) or _matches_machine_hostname(host)
+    told = params.get_as_bool("is_host")
+    is_host = is_local_address(host) or _matches_machine_hostname(host) if told is None else told
     read_timeout = params.get_as_int("read_timeout", 60)
     if read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
     store: Any = None
-    for is_server in dict.fromkeys([is_host, False]):
+    for is_server in [is_host] if told is not None else dict.fromkeys([is_host, False]):
         try:
             store = TCPStore(
                 host,
@@ -137,7 +145,9 @@ def _c10d_handler(params: Any) -> Any:
             log.info("this agent hosts the c10d rendezvous store on %s:%d", host, port)
         break
     backend = C10dRendezvousBackend(store, params.run_id)
-    return create_handler(store, backend, params)
+    from ._rounds import create_rounds_handler
+
+    return create_rounds_handler(store, backend, params)
 
 
 def is_local_address(host: str) -> bool:
@@ -208,6 +218,58 @@ class TorchRendezvous(Rendezvous):
         self._handler = handler
         self._store: Any = None
         self._group_world_size = 1
+        #: aiolaunch's rounds (``_rounds.RoundsHandler``): spares, liveness, records
+        self._rounds = callable(getattr(handler, "watch", None))
+        self.admits = self._rounds
+
+    @property
+    def ledger(self) -> Ledger:
+        if self._rounds:
+            ledger: Ledger = self._handler.ledger
+            return ledger
+        return super().ledger
+
+    @property
+    def host(self) -> str:
+        return str(self._handler.host) if self._rounds else super().host
+
+    @property
+    def node_id(self) -> str:
+        return str(self._handler.node_id) if self._rounds else super().node_id
+
+    def configure(
+        self,
+        *,
+        quarantine: QuarantinePolicy | None = None,
+        admit: Callable[[], str | None] | None = None,
+    ) -> None:
+        if self._rounds:
+            self._handler.configure(quarantine=quarantine, admit=admit)
+
+    def hosts(self) -> dict[str, Any] | None:
+        if not self._rounds:
+            return None
+        section: dict[str, Any] = self._handler.hosts()
+        return section
+
+    async def membership_changed(self, interval: float) -> str:
+        if not self._rounds:
+            return await super().membership_changed(interval)
+        stop = threading.Event()
+        try:
+            reason = await anyio.to_thread.run_sync(
+                self._handler.watch, stop.is_set, abandon_on_cancel=True
+            )
+        finally:
+            stop.set()
+            self._handler.wake()
+        if reason is None:  # the job is ending: the workers' exits decide
+            await asyncio.Event().wait()
+        return str(reason)
+
+    async def leave(self) -> None:
+        if self._rounds:
+            await anyio.to_thread.run_sync(self._handler.leave, abandon_on_cancel=True)
 
     @property
     def handler(self) -> Any:
@@ -242,7 +304,12 @@ class TorchRendezvous(Rendezvous):
     def _next_rendezvous_blocking(
         self, role: str, local_world_size: int, master_addr: str | None, master_port: int | None
     ) -> GroupAssignment:
-        info = self._handler.next_rendezvous()
+        from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
+
+        try:
+            info = self._handler.next_rendezvous()
+        except RendezvousGracefulExitError as exc:
+            raise SpareReleased(str(exc)) from None
         store = info.store
         group_rank = int(info.rank)
         group_world_size = int(info.world_size)
@@ -272,6 +339,7 @@ class TorchRendezvous(Rendezvous):
             master_port=int(port),
             run_id=self.run_id,
             use_agent_store=bool(self._handler.use_agent_store),
+            rdzv_round=int(getattr(self._handler, "round", 0)),
         )
 
     async def num_nodes_waiting(self) -> int:
