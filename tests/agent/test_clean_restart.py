@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from aiolaunch._hangs._report import RunReport
 from aiolaunch._live._commands import status_answer
 from aiolaunch._live._metrics import render_metrics
-from aiolaunch._live._sections import register_section, sections
+from aiolaunch._sections import register_section, sections
 from aiolaunch.agent._clean import ATTEMPT_ENV, make_clean
 from aiolaunch.agent._hosts import hosts_metrics, hosts_section
 

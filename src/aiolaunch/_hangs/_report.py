@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._live._sections import sections as job_sections
 from .._results import root_cause, stderr_tail
+from .._sections import sections as job_sections
 
 if TYPE_CHECKING:
     from collections.abc import Container, Iterable, Mapping

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._hangs._dumper import check_dump_timeout
 from .._hangs._stacks import StackReport
+from .._sections import sections
 from ._control import Takeover, encode
 from ._event_json import event_to_json
-from ._sections import sections
 
 if TYPE_CHECKING:
     import asyncio

@@ -27,7 +27,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from ._sections import section_metrics
+from .._sections import section_metrics
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence

@@ -4,7 +4,7 @@
 an agent last read of the rendezvous state and the job's records - no I/O,
 so a ``status`` request never waits on the store. :func:`hosts_metrics`
 renders it in Prometheus' text format. The agent registers both with the
-live view's sections (``_live/_sections.py``) while it runs.
+live view's sections (``_sections.py``) while it runs.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from .._live._sections import register_section
+from .._sections import register_section
 from ._clean import ATTEMPT_ENV, make_clean, parse_resources
 from ._health import HealthCheck, HealthGate
 from ._hosts import hosts_metrics

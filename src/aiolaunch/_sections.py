@@ -8,6 +8,10 @@ section under its name, ``/metrics`` appends its samples, and ``top`` and
 ``aiolaunch status`` show its ``"summary"`` line. Providers must not block
 (they run on the event loop, answering a request): they return what was
 last read.
+
+It is part of the core, not of a wing: the live view (``status``,
+``/metrics``) and hang forensics (the report) both read it, the agent writes
+it, and neither wing may reach into the other.
 """
 
 from __future__ import annotations
