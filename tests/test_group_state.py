@@ -153,6 +153,7 @@ class _Target:
 
     started = 1.5
     metrics_url = None
+    earlier = ()
 
     async def events(self) -> AsyncIterator[Event]:
         yield WorkerStarted(rank=0, time=1.0, pid=11)

@@ -69,9 +69,10 @@ def _until(what: str, check: Callable[[], object], timeout: float = 60.0) -> Any
 
 
 @contextlib.contextmanager
-def _intruder(port: int) -> Iterator[list[int]]:
+def _intruder(port: int) -> Iterator[tuple[list[int], Callable[[], None]]]:
     """Another process's socket trying to take ``port`` every 10 ms meanwhile;
-    yields the list of its successes (a bind that took the port, then let go)."""
+    yields the list of its successes (a bind that took the port, then let go)
+    and the call that stops it (before the job ends and lets the port go)."""
     took: list[int] = []
     stop = threading.Event()
 
@@ -91,13 +92,16 @@ def _intruder(port: int) -> Iterator[list[int]]:
                     stop.wait(2.0)
             stop.wait(0.01)
 
+    def halt() -> None:
+        stop.set()
+        t.join(10)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     try:
-        yield took
+        yield took, halt
     finally:
-        stop.set()
-        t.join(10)
+        halt()
 
 
 def _scrape(url: str) -> dict[str, Any]:
@@ -144,7 +148,10 @@ def test_restarts_of_the_job_are_counted_and_the_metrics_address_outlives_attemp
         _until("attempt 0's control socket", lambda: sockets(0) and up(0))
         # From now on another process tries to take the port (the job holds it).
         events_cmd = _cli("events", str(logs), "--json")
-        with _intruder(port) as took, driver(events_cmd, env=_env(), stderr=None) as events:
+        with (
+            _intruder(port) as (took, halt),
+            driver(events_cmd, env=_env(), stderr=None) as events,
+        ):
             assert events.stdout is not None
             lines = [events.stdout.readline()]  # the stream is open: attempt 0's history
             for attempt in (1, 2):
@@ -170,6 +177,7 @@ def test_restarts_of_the_job_are_counted_and_the_metrics_address_outlives_attemp
                 check=True,
             )
             assert [w["restarts"] for w in json.loads(status.stdout)["workers"]] == [2, 2]
+            halt()  # the job ends now, and the port is free again
             (tmp_path / "done").write_text("")
             assert job.wait(timeout=120) == 0
             lines += events.stdout.readlines()
@@ -177,6 +185,29 @@ def test_restarts_of_the_job_are_counted_and_the_metrics_address_outlives_attemp
     assert took == [], "another process took the metrics port between two attempts"
     msgs = [json.loads(line) for line in lines if line.strip()]
     started = [(m["rank"], m["attempt"]) for m in msgs if m["event"] == "started"]
-    assert sorted(started) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)], msgs
+    assert sorted(started) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)], [
+        m for m in msgs if m["event"] == "started"
+    ]
     restarting = sorted((m["rank"], m["attempt"]) for m in msgs if m["event"] == "restarting")
     assert restarting == [(0, 1), (0, 2), (1, 1), (1, 2)], msgs
+
+
+def test_a_metrics_port_in_use_is_an_error_before_anything_starts(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    logs = tmp_path / "logs"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        argv = _cli(
+            "--nproc-per-node", "2", "--metrics-port", str(port), "--log-dir", str(logs),
+            str(script),
+        )  # fmt: skip
+        r = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr
+    assert "--metrics-port" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "job.py.ran").exists(), "a worker ran"
+    assert not list(logs.glob("*/attempt_*")), "an attempt's folder was made"

@@ -66,12 +66,19 @@ class JobAttempt:
     """What a group knows of the job it is one attempt of (the elastic agent's):
     how many times the job restarted before it (``restarts``: every rank's
     restart count starts there, and its first events say each rank restarts),
-    the delay before it, and the job's metrics endpoint (``None``: none; it
-    outlives the group)."""
+    the delay before it, the job's metrics endpoint (``None``: none; it
+    outlives the group) and the job's lifecycle events so far (``history``,
+    the agent's list: the group appends its own, and its ``events`` command
+    replays the earlier attempts' first, so that a follower misses none, even
+    of an attempt too short to be seen)."""
 
     restarts: int = 0
     delay: float = 0.0
     metrics: MetricsEndpoint | None = None
+    #: whether the attempt follows a failure (its ranks restart); ``False``
+    #: after a change of membership (new processes, the same restart count)
+    restarting: bool = True
+    history: list[Event] | None = None
 
 
 class PContext:
@@ -119,8 +126,9 @@ class PContext:
         self._logs = logs
         job = job or JobAttempt()
         self._state = state = GroupState(name, self.nprocs, restarts=job.restarts)
-        self._bus = bus = EventBus()
-        if job.restarts:  # the ranks of this attempt are the job's ranks restarted
+        earlier = () if job.history is None else tuple(job.history)
+        self._bus = bus = EventBus(record=job.history)
+        if job.restarts and job.restarting:  # the job's ranks, restarted
             for rank in range(self.nprocs):
                 bus.emit(
                     WorkerRestarting(
@@ -151,6 +159,7 @@ class PContext:
             status=self.status,
             dump=self._hangs.dump,
             events=bus.iterate,
+            earlier=earlier,
         )
         #: ``http://127.0.0.1:PORT/metrics`` with ``start_processes(metrics_port=)``, else None
         self.metrics_url = None if metrics is None else metrics.url

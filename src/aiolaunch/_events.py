@@ -218,10 +218,15 @@ class LogLines:
 
 
 class EventBus:
-    """Fans events out to every live iterator; keeps the lifecycle history."""
+    """Fans events out to every live iterator; keeps the lifecycle history.
 
-    def __init__(self) -> None:
+    :param record: a list that outlives the bus (a job's, over its attempts)
+        to which every lifecycle event is appended too.
+    """
+
+    def __init__(self, record: list[Event] | None = None) -> None:
         self.history: list[Event] = []
+        self._record = record
         self._subscribers: list[_Subscriber] = []
         self.closed = False
         self.wants_lines = 0
@@ -231,6 +236,8 @@ class EventBus:
     def emit(self, event: Event) -> None:
         if not isinstance(event, LogLine):
             self.history.append(event)
+            if self._record is not None:
+                self._record.append(event)
         for sub in self._subscribers:
             if isinstance(event, LogLine) and not sub.lines:
                 continue

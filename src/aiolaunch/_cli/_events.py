@@ -97,8 +97,15 @@ def _print(line: str) -> None:
         raise _ReaderGone from None
 
 
-def _stream(conn: ControlConnection, as_json: bool, seen: set[str]) -> tuple[bool, int | None]:
-    """Print one group's events; returns (its group_stopped came, the supervisor's pid)."""
+def _stream(
+    conn: ControlConnection, as_json: bool, seen: set[str], printed: set[str]
+) -> tuple[bool, int | None]:
+    """Print one group's events; returns (its group_stopped came, the supervisor's pid).
+
+    An agent's attempt replays the job's earlier attempts first (the header's
+    ``"earlier"``): those already ``printed`` are skipped, those missed (an
+    attempt that ended before this client found its socket) are printed.
+    """
     conn.send({"cmd": "events"})
     head = conn.read_answer(timeout=30.0)
     if head is None:
@@ -108,6 +115,12 @@ def _stream(conn: ControlConnection, as_json: bool, seen: set[str]) -> tuple[boo
     assert conn.path is not None
     seen.add(conn.path)
     assert conn.sock is not None
+    for _ in range(int(head.get("earlier", 0))):
+        msg = conn.read_answer(timeout=30.0)
+        if msg is None:
+            return False, head.get("supervisor_pid")
+        msg.pop("ok", None)
+        _print_once(msg, as_json, printed)
     while True:
         # A quiet job sends nothing for hours: watch our reader meanwhile.
         if not conn.has_answer and _reader_gone(None, conn.sock.fileno()):
@@ -116,9 +129,18 @@ def _stream(conn: ControlConnection, as_json: bool, seen: set[str]) -> tuple[boo
         if msg is None:
             return False, head.get("supervisor_pid")
         msg.pop("ok", None)
-        _print(json.dumps(msg) if as_json else format_event(msg))
+        _print_once(msg, as_json, printed)
         if msg.get("event") == "group_stopped":
             return True, head.get("supervisor_pid")
+
+
+def _print_once(msg: dict[str, Any], as_json: bool, printed: set[str]) -> None:
+    # An event is the same one when all but its wall "time" match: the
+    # supervisor derives that from "monotonic" anew at each sending.
+    key = json.dumps({k: v for k, v in msg.items() if k != "time"}, sort_keys=True)
+    if key not in printed:
+        printed.add(key)
+        _print(json.dumps(msg) if as_json else format_event(msg))
 
 
 def _next_attempt(conn: ControlConnection, supervisor: int, seen: set[str]) -> bool:
@@ -156,10 +178,11 @@ def events_main(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     conn = ControlConnection(args.log_dir)
     seen: set[str] = set()
+    printed: set[str] = set()
     try:
         conn.connect()
         while True:
-            stopped, supervisor = _stream(conn, args.json, seen)
+            stopped, supervisor = _stream(conn, args.json, seen, printed)
             conn.close()
             if not stopped:
                 print(

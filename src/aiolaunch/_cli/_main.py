@@ -175,6 +175,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _run(cfg: LaunchConfig) -> int:
     from .._errors import ChildFailedError, SignalException
+    from .._live._metrics import MetricsBindError
     from ..agent._numa import NumaBindingError
     from ..agent._quarantine import HostExcluded
     from ._exit import (
@@ -213,6 +214,10 @@ def _run(cfg: LaunchConfig) -> int:
         print(f"aiolaunch: {exc.reason}", file=sys.stderr)
         write_termination_message(f"aiolaunch: {exc.reason}")
         return EXIT_HOST_EXCLUDED
+    except MetricsBindError as exc:  # --metrics-port in use: nothing started
+        print(f"aiolaunch: error: {exc.strerror or exc}", file=sys.stderr)
+        write_termination_message(f"aiolaunch: error: {exc.strerror or exc}")
+        return EXIT_DO_NOT_RETRY
     except ImportError as exc:  # a preload module failed in the zygote: nothing started
         print(f"aiolaunch: error: {exc}", file=sys.stderr)
         write_termination_message(f"aiolaunch: error: {exc}")

@@ -84,6 +84,10 @@ class ControlTarget(Protocol):
     def events(self) -> AsyncIterator[Event]:
         """Its lifecycle events, history first, until it stops."""
 
+    @property
+    def earlier(self) -> Sequence[Event]:
+        """The lifecycle events of the job's earlier attempts (agent's groups)."""
+
     def attach(self, rank: int, timeout: float) -> AbstractAsyncContextManager[Session]:
         """A pdb session with ``rank``'s process for the ``async with`` block."""
 
@@ -199,8 +203,21 @@ async def _stacks(target: ControlTarget, request: Mapping[str, Any]) -> Answer:
 @command("events")
 async def _events(target: ControlTarget, request: Mapping[str, Any]) -> AsyncIterator[Answer]:
     """Stream the group's lifecycle events: a header answer, then one answer per event
-    (history first) until ``group_stopped``; ``_event_json.py`` has their fields."""
-    yield {"stream": "events", "name": target.name, "supervisor_pid": os.getpid()}
+    (history first) until ``group_stopped``; ``_event_json.py`` has their fields.
+
+    A group that is one attempt of an agent's job first replays the earlier
+    attempts' events; the header's ``"earlier"`` says how many (a follower
+    that saw them already skips them, and prints those it missed).
+    """
+    earlier = target.earlier
+    yield {
+        "stream": "events",
+        "name": target.name,
+        "supervisor_pid": os.getpid(),
+        "earlier": len(earlier),
+    }
+    for event in earlier:
+        yield event_to_json(event, version=PROTOCOL_VERSION, group=target.name)
     async for event in target.events():
         yield event_to_json(event, version=PROTOCOL_VERSION, group=target.name)
 

@@ -27,7 +27,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from .._sections import section_metrics
+from .._sections import section_metrics, sections
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -37,12 +37,14 @@ __all__ = [
     "GROUP_METRICS",
     "STATES",
     "WORKER_METRICS",
+    "MetricsBindError",
     "MetricsEndpoint",
     "MetricsServer",
     "bind_metrics",
     "closed_on_error",
     "metrics_binder",
     "render_metrics",
+    "render_sections",
     "url_of",
 ]
 
@@ -166,6 +168,13 @@ def render_metrics(snapshot: Mapping[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_sections() -> str:
+    """The job's own samples (its sections: an agent's hosts), without a
+    group's: what the job's endpoint serves between two attempts."""
+    lines = section_metrics(sections())
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def _group_lines(snapshot: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> list[str]:
     counts = dict.fromkeys(STATES, 0)
     for w in workers:
@@ -247,15 +256,21 @@ def closed_on_error(sock: socket.socket | None) -> Iterator[socket.socket | None
         raise
 
 
+class MetricsBindError(OSError):
+    """The metrics address cannot be bound; the message names it and the fix."""
+
+
 def bind_metrics(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (``port=0``: any free port).
 
-    :raises OSError: it cannot be bound; the message names the address and the fix.
+    :raises MetricsBindError: it cannot be bound; the message names the address and the fix.
     """
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise OSError(f"metrics_host={host!r} is not an address of this machine: {exc}") from exc
+        raise MetricsBindError(
+            f"metrics_host={host!r} is not an address of this machine: {exc}"
+        ) from exc
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -265,7 +280,7 @@ def bind_metrics(host: str, port: int) -> socket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise OSError(
+        raise MetricsBindError(
             exc.errno,
             f"cannot serve metrics on {host}:{port}: {exc.strerror}; pick another "
             "metrics_port (--metrics-port), or 0 for any free port",

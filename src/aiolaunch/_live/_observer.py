@@ -78,9 +78,12 @@ class LiveObserver(GroupObserver):
         status: Callable[[], list[WorkerStatus]],
         dump: Callable[[Sequence[int] | None, float], Awaitable[Dump]],
         events: Callable[[], AsyncIterator[Event]],
+        earlier: Sequence[Event] = (),
     ) -> None:
         self._state = state
         self._folder = folder
+        #: the events of the job's earlier attempts (see ``JobAttempt.history``)
+        self.earlier = earlier
         self._metrics = metrics
         self._owns_metrics = owns_metrics
         self._unshow: Callable[[], None] = lambda: None

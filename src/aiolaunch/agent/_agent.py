@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._context import JobAttempt
 from .._errors import SignalException
 from .._results import root_cause
 from .._signals._names import describe_signal
@@ -25,6 +26,8 @@ from ._spec import RunResult, WorkerSpec, WorkerState
 from ._warm import WarmStart
 
 if TYPE_CHECKING:
+    from .._events import Event
+    from .._live._metrics import MetricsEndpoint
     from .._results import ProcessFailure
 
 __all__ = ["LocalElasticAgent"]
@@ -132,6 +135,7 @@ class LocalElasticAgent:
             max_restarts=spec.max_restarts,
         )
         self._last: tuple[GroupAssignment, dict[int, int]] | None = None
+        self._metrics: MetricsEndpoint | None = None
 
     @property
     def spec(self) -> WorkerSpec:
@@ -173,8 +177,14 @@ class LocalElasticAgent:
         """
         if self._running:
             raise RuntimeError("run() is already in progress on this agent")
+        # The job's metrics address, bound before anything starts (a port in
+        # use is an error now) and kept until the run ends: each attempt's
+        # group shows itself on it, so a scraper's address outlives restarts.
+        self._metrics = _job_metrics(self._spec)
         self._running = True
         try:
+            if self._metrics is not None:
+                await self._metrics.serve()
             try:
                 result = await self._invoke_run()
             except SpareReleased as exc:  # the job ended without this spare: no failure
@@ -200,6 +210,9 @@ class LocalElasticAgent:
             self._running = False
             self._keeper.close()
             await self._warm.aclose()
+            if self._metrics is not None:
+                await self._metrics.aclose()
+                self._metrics = None
             self._logs.prune()
 
     async def _invoke_run(self) -> RunResult:
@@ -210,6 +223,8 @@ class LocalElasticAgent:
         keeper = self._keeper
         self._restart_count = 0
         membership_round = 0
+        delay = 0.0
+        history: list[Event] = []  # the job's lifecycle events, over its attempts
         await keeper.begin()
         while True:
             assignment, self._restart_count, took_ms = await _next_round(
@@ -222,7 +237,13 @@ class LocalElasticAgent:
                     spec,
                     assignment,
                     self._rdzv,
-                    restart_count=self._restart_count,
+                    job=JobAttempt(
+                        restarts=self._restart_count,
+                        delay=delay,
+                        metrics=self._metrics,
+                        restarting=membership_round == 0,
+                        history=history,
+                    ),
                     logs=self._logs.kwargs(
                         assignment.run_id, self._restart_count, membership_round
                     ),
@@ -255,8 +276,8 @@ class LocalElasticAgent:
             self._state = WorkerState.STOPPED
             failures = {base + r: f for r, f in result.failures.items()}
             final = await _restart_or_stop(keeper, spec, failures, self._backoff, self._backoff_max)
-            if final is None:
-                membership_round = 0
+            if not isinstance(final, RunResult):
+                membership_round, delay = 0, final
                 continue
             self._state = WorkerState.FAILED
             return final
@@ -302,10 +323,10 @@ async def _restart_or_stop(
     failures: dict[int, ProcessFailure],
     backoff: float,
     backoff_max: float,
-) -> RunResult | None:
-    """After a failed attempt: ``None`` to restart (the backoff waited, the
-    health check passed), else the final result - the job's restarts are used
-    up, or a crash loop stopped it (``stopped_early``)."""
+) -> RunResult | float:
+    """After a failed attempt: the seconds waited before the restart (the
+    backoff; the health check passed), else the final result - the job's
+    restarts are used up, or a crash loop stopped it (``stopped_early``)."""
     rank, root = root_cause(failures)
     why = f"rank {rank} {_describe(root)}"
     restarts, streak = await keeper.record_failure(why, failures.values())
@@ -323,7 +344,7 @@ async def _restart_or_stop(
         if delay:
             await asyncio.sleep(delay)  # allowed: the backoff between attempts
         await keeper.before_round()
-        return None
+        return delay
     if loop is not None:
         log.error("[%s] %s", spec.role, loop)
     else:
@@ -336,6 +357,19 @@ async def _restart_or_stop(
             _describe(root),
         )
     return RunResult(state=WorkerState.FAILED, failures=failures, stopped_early=loop)
+
+
+def _job_metrics(spec: WorkerSpec) -> MetricsEndpoint | None:
+    """The job's metrics endpoint of ``spec.metrics_port`` (``None``: none).
+
+    :raises OSError: the port cannot be bound (the message names the fix).
+    """
+    if spec.metrics_port is None:
+        return None
+    from .._live._metrics import MetricsEndpoint, bind_metrics, render_sections
+
+    sock = bind_metrics(spec.metrics_host, spec.metrics_port)
+    return MetricsEndpoint(sock, idle=render_sections)
 
 
 def _backoff(base: float, cap: float, restart_count: int) -> float:

@@ -26,7 +26,7 @@ from ._numa import numa_cpus, wrap_for_numa
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from .._context import PContext
+    from .._context import JobAttempt, PContext
     from .._results import RunProcsResult
     from ._rendezvous import GroupAssignment, Rendezvous
     from ._resilience import HostKeeper
@@ -91,7 +91,7 @@ async def run_attempt(
     assignment: GroupAssignment,
     rdzv: Rendezvous,
     *,
-    restart_count: int,
+    job: JobAttempt,
     logs: Mapping[str, Any],
     start_method: str,
     shutdown_timeout: float,
@@ -103,6 +103,9 @@ async def run_attempt(
     """Start one attempt and await it; ``None`` means "the round must re-form"
     (new nodes, a host gone: :meth:`Rendezvous.membership_changed`).
 
+    ``job`` is what the group knows of the job: the restart count (its
+    ranks' ``TORCHELASTIC_RESTART_COUNT`` and the live view's restarts) and
+    the job's metrics endpoint, served by the group while it runs.
     ``started(pids)`` is called once every worker runs. With a ``keeper``
     (the agent's :class:`~._resilience.HostKeeper`): its attempt marker goes
     to every worker, its progress probe to every rank, and its ``ending()``
@@ -117,7 +120,7 @@ async def run_attempt(
         role=spec.role,
         local_world_size=n,
         assignment=assignment,
-        restart_count=restart_count,
+        restart_count=job.restarts,
         max_restarts=spec.max_restarts,
         environ=os.environ,
         virtual_local_rank=spec.virtual_local_rank,
@@ -150,12 +153,10 @@ async def run_attempt(
         duplicate_stdout_filters=spec.duplicate_stdout_filters,
         duplicate_stderr_filters=spec.duplicate_stderr_filters,
         watchdog=spec.watchdog,
-        metrics_port=spec.metrics_port,
-        metrics_host=spec.metrics_host,
         preload=preload,
         ready=keeper.probe() if keeper is not None else None,
         **logs,
-    )
+    ).in_job(job)
     started(ctx.pids())
     try:
         outcome = await _monitor(ctx, rdzv, spec.monitor_interval)
