@@ -340,6 +340,62 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], tuple[str, ...]]] = [
         {"PET_EXIT_CODE": "root_cause"},
         ("--exit-code", "'root_cause' (from $PET_EXIT_CODE)", "root-cause"),
     ),
+    # resilience across hosts (#45)
+    (
+        "quarantine-after-zero",
+        ["--quarantine-after", "0"],
+        {},
+        ("--quarantine-after=0", ">= 1", "--quarantine-after 2"),
+    ),
+    (
+        "quarantine-one-machine",
+        ["--quarantine-after", "2"],
+        {},
+        ("--quarantine-after", "--rdzv-backend c10d or etcd-v3"),
+    ),
+    (
+        "quarantine-window-alone",
+        ["--quarantine-window", "5"],
+        {},
+        ("--quarantine-window needs --quarantine-after N",),
+    ),
+    (
+        "quarantine-ttl-alone",
+        ["--quarantine-ttl", "60"],
+        {},
+        ("--quarantine-ttl needs --quarantine-after N",),
+    ),
+    ("health-check-empty", ["--health-check", ""], {}, ("--health-check=''", "pass a command")),
+    (
+        "health-check-timeout-alone",
+        ["--health-check-timeout", "5"],
+        {},
+        ("--health-check-timeout needs --health-check CMD",),
+    ),
+    (
+        "no-progress-zero",
+        ["--max-no-progress-restarts", "0"],
+        {},
+        ("--max-no-progress-restarts=0", ">= 1"),
+    ),
+    (
+        "no-progress-without-regex",
+        ["--max-no-progress-restarts", "3"],
+        {},
+        ("--max-no-progress-restarts needs --progress-regex",),
+    ),
+    (
+        "restart-resources-relative",
+        ["--restart-resources", "dev/x"],
+        {},
+        ("--restart-resources", "'dev/x'", "absolute path"),
+    ),
+    (
+        "restart-resources-port",
+        ["--restart-resources", "port:x"],
+        {},
+        ("--restart-resources", "'port:x'", "port:29500"),
+    ),
 ]
 
 
