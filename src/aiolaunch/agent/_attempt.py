@@ -161,7 +161,10 @@ async def run_attempt(
     try:
         outcome = await _monitor(ctx, rdzv, spec.monitor_interval)
         if keeper is not None:
-            keeper.ending(restart=outcome is None or outcome.is_failed())
+            # A next round follows a change of membership, or a failure with
+            # restarts left (a crash loop may still stop it: known later).
+            restarts_left = job.restarts < spec.max_restarts
+            keeper.ending(restart=outcome is None or (outcome.is_failed() and restarts_left))
         return outcome
     finally:
         # A no-op after a result; after a membership change, a signal or
