@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from aiolaunch.agent._rendezvous._driver import RoundDriver
+from aiolaunch.agent._rendezvous._driver import RoundDriver, RoundTimeout
 from aiolaunch.agent._rendezvous._liveness import Beacon, Bell, Liveness
 from aiolaunch.agent._rendezvous._rules import Action, Facts, restart_reason
 
@@ -166,11 +166,17 @@ class Agent:
         self.beacon.start()
         self.bell.start()
         self.outcome: Action | None = None
+        self.error: RoundTimeout | None = None
         self._thread: threading.Thread | None = None
 
     def join(self) -> None:
         def run() -> None:
-            self.outcome = self.driver.join(time.monotonic() + 30)
+            try:
+                self.outcome = self.driver.join(time.monotonic() + 30)
+            except RoundTimeout as exc:
+                # a spare still waiting when its test ended times out later,
+                # in this daemon thread: kept, not raised into another test
+                self.error = exc
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
