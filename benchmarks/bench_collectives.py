@@ -292,7 +292,7 @@ async def overhead(tmp: str, trials: int, steps: int) -> dict[str, Any]:
 
 async def verdict(tmp: str) -> dict[str, Any]:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from test_collectives import EXPECTED, HANG
+    from test_collectives import EXPECTED, FIRST_FAILURES, HANG
 
     script = os.path.join(tmp, "hang.py")
     with open(script, "w") as f:
@@ -317,7 +317,7 @@ async def verdict(tmp: str) -> dict[str, Any]:
             c = json.load(f)["collective"]
         got = (c["verdict"], c["ranks"], c["pg"], c["op"], c["seq"], c["waiting"])
         late = None
-        if mode != "exit":
+        if mode not in FIRST_FAILURES:
             ready = max(float(x.split()[1]) for x in text.splitlines() if x.startswith("ready"))
             late = round(os.stat(c["dumps"]).st_mtime - ready - STALL, 2)
         out[mode] = {"right": got == expected, "after_stall_s": late, "text": c["text"]}
