@@ -120,6 +120,30 @@ def test_another_op_or_other_shapes_at_the_same_number_is_a_mismatch(
     )
 
 
+def test_other_sizes_that_gloo_aborts_at_once_are_a_mismatch_not_an_exit() -> None:
+    # gloo aborts an all_reduce of other sizes at once: every member's entry
+    # reads done, and they die of it, the odd one not necessarily first.
+    odd = dump(*steps(4), entry(5, sizes=[[8]], t=4000))
+    recs = records({**{r: dump(*steps(5)) for r in range(3)}, 3: odd})
+    views = {r: RankView(exited=True, exit_order=3 - r, exitcode=1) for r in range(4)}
+    v = judge(recs, views, 4)
+    assert (v.verdict, v.ranks, v.waiting, v.op, v.seq, v.shapes) == (
+        "mismatch", (3,), (0, 1, 2), "all_reduce", 5, [[4]],
+    )  # fmt: skip
+    assert v.text == (
+        "rank 3 entered all_reduce [[8]] as #5 of default_pg, where ranks 0-2 entered "
+        "all_reduce [[4]]: they can never match"
+    )
+    # The others still wait in it, the odd one died: its last words say what it entered.
+    recs = records({**{r: waiting_at_5(r) for r in range(3)}, 3: odd})
+    views = {**alive(3), 3: RankView(exited=True, exitcode=1)}
+    v = judge(recs, views, 4)
+    assert (v.verdict, v.ranks, v.waiting, v.seq) == ("mismatch", (3,), (0, 1, 2), 5)
+    # The same sizes everywhere: the first to die, inside it (as before).
+    recs = records({r: dump(*steps(5)) for r in range(4)})
+    assert judge(recs, views, 4).verdict == "exited"
+
+
 def test_a_dead_rank_the_others_wait_for_exited() -> None:
     recs = records({r: waiting_at_5(r) for r in range(3)})
     views = {**alive(3), 3: RankView(exited=True, exitcode=0)}
@@ -149,6 +173,12 @@ def test_gloo_fails_the_others_collective_at_once_the_one_that_left_is_named() -
     assert v.text == (
         "rank 3 exited (exit code 0) before all_reduce #5 of default_pg, which ranks 0-2 entered"
     )
+    # Rank 1 still waits, ranks 0 and 2 died inside (their last words): the
+    # one that left first is named, not those that died of it.
+    died = {**views, 1: RankView(), 2: RankView(exited=True, exit_order=2, exitcode=1)}
+    pending = records({0: errored, 1: waiting_at_5(1), 2: errored, 3: dump(*steps(4))})
+    v = judge(pending, died, 4)
+    assert (v.verdict, v.ranks, v.waiting, v.seq) == ("exited", (3,), (0, 1, 2), 5), v
     # Without last words, every dead member that cannot be shown inside is named.
     del recs[0], recs[3]
     assert judge(recs, views, 4).ranks == (0, 3)
@@ -258,7 +288,8 @@ def test_torchfrtrace_reads_the_dumps_and_finds_the_missing_rank(tmp_path: Path)
     pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
     recs = records({**{r: waiting_at_5(r) for r in range(3)}, 3: dump(*steps(4))})
     write_dumps(str(tmp_path / "fr"), recs, members(recs, 4))
-    assert "missing ranks: {3}" in torchfrtrace(tmp_path / "fr")
+    seen = torchfrtrace(tmp_path / "fr")
+    assert "collective: gloo:all_reduce" in seen and "missing ranks: {3}" in seen
 
 
 def torchfrtrace(folder: Path) -> str:
@@ -270,7 +301,7 @@ def torchfrtrace(folder: Path) -> str:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr  # gloo's own dumps: KeyError ('0', 3)
     text = proc.stdout + proc.stderr
-    assert "collective: gloo:all_reduce" in text, text
+    assert "collective: gloo:" in text, text  # it found the collective that went wrong
     return text
 
 

@@ -49,7 +49,8 @@ HANG = textwrap.dedent(
         dist.all_reduce(t)
     if rank < 2:
         dist.all_reduce(t, group=pair)
-    print("ready", time.time(), flush=True)
+    # One write (atomic on a pipe): the ranks' unbuffered prints interleave.
+    os.write(1, f"ready {time.time()}\\n".encode())
     if mode == "skip":  # rank 3 skips the all_reduce and waits for something else
         if rank == 3:
             time.sleep(3600)
@@ -59,6 +60,8 @@ HANG = textwrap.dedent(
             dist.all_gather([torch.zeros(4) for _ in range(4)], t)
         else:
             dist.all_reduce(t)
+    elif mode == "shapes":  # rank 3 all-reduces other sizes: gloo fails at once
+        dist.all_reduce(torch.ones(8) if rank == 3 else t)
     elif mode == "compute":  # rank 3 computes in a one-line loop while the others wait
         if rank == 3:
             x = 0
@@ -148,10 +151,15 @@ def _report(log_dir: Path) -> dict[str, Any]:
 EXPECTED = {
     "skip": ("missing", [3], "default_pg", "all_reduce", 4, [0, 1, 2]),
     "op": ("mismatch", [3], "default_pg", "all_reduce", 4, [0, 1, 2]),
+    "shapes": ("mismatch", [3], "default_pg", "all_reduce", 4, [0, 1, 2]),
     "compute": ("in_compute", [3], "default_pg", "all_reduce", 4, [0, 1, 2]),
     "subgroup": ("missing", [1], "pair01", "all_reduce", 2, [0]),
     "exit": ("exited", [3], "default_pg", "all_reduce", 4, [0, 1, 2]),
 }
+
+#: The scenarios that end in a failure, not a stall: gloo fails the collective
+#: at once (rank 3's exit; other sizes, where the others may even return).
+FIRST_FAILURES = ("exit", "shapes")
 
 
 async def test_the_collectives_name_who_holds_the_others_up(tmp_path: Path) -> None:
@@ -171,16 +179,19 @@ async def test_the_collectives_name_who_holds_the_others_up(tmp_path: Path) -> N
         assert sorted(p.name for p in dumps.iterdir()) == [f"rank_{r}" for r in range(4)]
         text = next(log_dir.glob("**/report.txt")).read_text()
         assert f"Collectives ({verdict}): {c['text']}." in text, mode
-        if mode != "exit":  # a stall: the verdict came in time, culprits first
+        if mode not in FIRST_FAILURES:  # a stall: the verdict came in time, culprits first
             ready = max(
                 float(line.split()[1]) for line in out.splitlines() if line.startswith("ready")
             )
             assert dumps.stat().st_mtime - ready < STALL + 10, mode
             assert report["root_cause"]["rank"] == culprits[0], (mode, report["root_cause"])
             assert f"collectives: {c['text']}" in report["root_cause"]["message"], mode
-    # torch's own analyzer reads a folder (the pg_config gloo leaves empty is filled).
-    seen = torchfrtrace(Path(_report(runs[0][2])["collective"]["dumps"]))
-    assert "missing ranks: {3}" in seen
+    # torch's own analyzer reads every folder (the pg_config gloo leaves empty is filled).
+    seen = await together(
+        *(asyncio.to_thread(torchfrtrace, Path(_report(r[2])["collective"]["dumps"])) for r in runs)
+    )
+    assert "missing ranks: {3}" in seen[modes.index("skip")]
+    assert "SIZE_OR_SYNTAX_MISMATCH" in seen[modes.index("shapes")]
 
 
 async def test_working_ranks_are_never_killed(tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ with a pending entry (:meth:`Record.pending`); ranks pending at the same
 ``(group, sequence number)`` wait in the same collective, and a member of
 that group who is not there holds it up. In order:
 
-1. ``mismatch``: ranks pending at the same sequence number of a group with
-   another op or other sizes than the majority there (or at another
-   sequence number of that group) - the collective can never complete;
+1. ``mismatch``: ranks that entered the same sequence number of a group
+   with another op or other sizes than the majority there - pending, or in
+   the last words of a rank that died of it - (or ranks pending at another
+   sequence number of that group): the collective can never complete;
 2. for each collective ranks wait in, its *absent* members: dead
    (``exited``), outside any collective (working: ``in_compute``; idle or
    unseen: ``missing``), or waiting in another collective. The verdict is
@@ -18,10 +19,14 @@ that group who is not there holds it up. In order:
    waiters; its absent members are the culprits. Absent members that all
    wait elsewhere form a cycle (two ranks each in a collective the other
    skipped): the smallest group's absent members are named, ``missing``;
-3. nobody pending: ``exited`` if a rank died, naming the first to die and
-   the collective the live members of its groups entered last (gloo fails
-   the others' collective at once when a peer exits: it reads done); else
-   ``none``.
+3. nobody pending, or members that died inside the collective the others
+   wait in (gloo fails it for some at once when a peer exits: their last
+   words show it done, while others still wait): ``mismatch`` if the
+   members entered the collective entered last with other ops or sizes
+   (gloo fails an all_reduce of other sizes at once, or lets some return);
+   ``exited`` if a rank died, naming the dead members that never entered
+   it, else the first to die, and the collective the members of its groups
+   entered last; else ``none``.
 
 The culprits and waiters are global ranks.
 """
@@ -153,9 +158,13 @@ def judge(
     by_group: dict[Group, list[int]] = {}
     for rank, e in pending.items():
         by_group.setdefault(e.group, []).append(rank)
-    mismatch = _mismatch(pending, at, by_group, groups)
+    mismatch = _mismatch(pending, at, by_group, records, groups)
     if mismatch is not None:
         return mismatch
+    if any(
+        views.get(r, RankView()).exited for key in at for r in _entries_at(records, key)
+    ):  # members died inside it: a peer's exit failed it for them, not for all yet
+        return _after_exit(records, views, groups)
     # The absent members of each collective ranks wait in, and what they do.
     candidates: list[tuple[tuple[str, str, int], list[int], list[int]]] = []
     for key, waiters in at.items():
@@ -232,31 +241,17 @@ def _mismatch(
     pending: Mapping[int, Entry],
     at: Mapping[tuple[str, str, int], list[int]],
     by_group: Mapping[Group, list[int]],
+    records: Mapping[int, Record],
     groups: Mapping[Group, frozenset[int]],
 ) -> CollectiveVerdict | None:
-    # Another op or other sizes at one sequence number of a group.
-    for _key, waiters in sorted(at.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        kinds = Counter(_shape_text(pending[r]) for r in waiters)
-        if len(kinds) < 2:
-            continue
-        ranked = kinds.most_common()
-        top = ranked[0][0]
-        if len(ranked) > 1 and ranked[1][1] == ranked[0][1]:
-            top = _shape_text(pending[min(waiters)])  # a tie: rank order decides
-        majority = [r for r in waiters if _shape_text(pending[r]) == top]
-        odd = [r for r in waiters if r not in majority]
-        entry, their = pending[majority[0]], pending[odd[0]]
-        return _verdict(
-            "mismatch",
-            odd,
-            majority,
-            entry,
-            groups,
-            f"{ranks_text(odd)} entered {their.op} {their.shapes} as #{entry.seq} of "
-            f"{entry.pg_label}, where {ranks_text(majority)} entered {entry.op} "
-            f"{entry.shapes}: they can never match",
-            other=f"{their.op} {their.shapes}",
-        )
+    # Another op or other sizes at one sequence number of a group: among the
+    # ranks pending there, and any other rank whose record has that entry (a
+    # rank that died of the mismatch left it in its last words).
+    for key, waiters in sorted(at.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        entered = {**_entries_at(records, key), **{r: pending[r] for r in waiters}}
+        found = _other_sizes(entered, groups, waiting=waiters)
+        if found is not None:
+            return found
     # Ranks of one group pending at different sequence numbers.
     for _group, ranks in sorted(by_group.items()):
         seqs = Counter(pending[r].seq for r in ranks)
@@ -277,6 +272,52 @@ def _mismatch(
             other=their.label,
         )
     return None
+
+
+def _entries_at(records: Mapping[int, Record], key: tuple[str, str, int]) -> dict[int, Entry]:
+    """Each rank's entry of the collective ``key``, where its record has it."""
+    found: dict[int, Entry] = {}
+    for rank, rec in records.items():
+        for e in rec.entries:
+            if e.key == key:
+                found[rank] = e
+                break
+    return found
+
+
+def _other_sizes(
+    entered: Mapping[int, Entry],
+    groups: Mapping[Group, frozenset[int]],
+    *,
+    waiting: Iterable[int] = (),
+) -> CollectiveVerdict | None:
+    """``mismatch`` where the ranks that entered one collective did so with
+    another op or other sizes than the majority (a tie: the lowest rank's
+    decides); ``None`` where they agree. The waiting ranks are the majority's
+    among ``waiting``, or the whole majority where none of them waits."""
+    kinds = Counter(_shape_text(e) for e in entered.values())
+    if len(kinds) < 2:
+        return None
+    ranked = kinds.most_common()
+    top = ranked[0][0]
+    if ranked[1][1] == ranked[0][1]:
+        top = _shape_text(entered[min(entered)])
+    majority = sorted(r for r, e in entered.items() if _shape_text(e) == top)
+    odd = sorted(r for r in entered if r not in majority)
+    entry, their = entered[majority[0]], entered[odd[0]]
+    waits = set(waiting)
+    blocked = [r for r in majority if r in waits] or majority
+    return _verdict(
+        "mismatch",
+        odd,
+        blocked,
+        entry,
+        groups,
+        f"{ranks_text(odd)} entered {their.op} {their.shapes} as #{entry.seq} of "
+        f"{entry.pg_label}, where {ranks_text(majority)} entered {entry.op} "
+        f"{entry.shapes}: they can never match",
+        other=f"{their.op} {their.shapes}",
+    )
 
 
 def _absent(
@@ -369,6 +410,10 @@ def _after_exit(
             f"{_exit_text(first, views[first])}; no record says where",
         )
     _, latest, missing, entered = max(found, key=lambda f: (f[0], f[1].created_ns))
+    if not missing:  # all of them entered it: with the same op and sizes?
+        mismatch = _other_sizes(_entries_at(records, latest.key), groups)
+        if mismatch is not None:
+            return mismatch
     if missing:
         codes = ", ".join(_exit_text(r, views[r]) for r in missing)
         return _verdict(
