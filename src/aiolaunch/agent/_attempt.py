@@ -161,7 +161,11 @@ async def run_attempt(
     try:
         outcome = await _monitor(ctx, rdzv, spec.monitor_interval)
         if keeper is not None:
-            keeper.ending(restart=outcome is None or outcome.is_failed())
+            # A failure restarts only while the job has restarts left (this
+            # attempt's failure is the job's restart number job.restarts + 1);
+            # a re-forming round always follows.
+            failed = outcome is not None and outcome.is_failed()
+            keeper.ending(restart=outcome is None or (failed and job.restarts < spec.max_restarts))
         return outcome
     finally:
         # A no-op after a result; after a membership change, a signal or
