@@ -8,7 +8,8 @@ three or four hosts, ``--nnodes 2``:
   job's restart count on every host, over c10d and over etcd-v3;
 - a host whose workers fail twice (``--quarantine-after 2``) leaves with exit
   status 3 and its reason, a fresh agent on it is refused, ``status`` and
-  ``/metrics`` of the others show the record, and the job goes on;
+  ``/metrics`` of the others show the record, and the job goes on, over
+  c10d and over etcd-v3;
 - a host whose ``--health-check`` hangs never joins and says why; the others'
   check runs before every round.
 
@@ -189,8 +190,12 @@ def _status(log_dir: Path) -> dict[str, Any]:
     return answer
 
 
-def test_a_host_that_fails_twice_is_quarantined(job_factory: Any, tmp_path: Path) -> None:
-    job: Job = job_factory(3, "c10d", "--quarantine-after=2", "--quarantine-ttl=600")
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+def test_a_host_that_fails_twice_is_quarantined(
+    job_factory: Any, tmp_path: Path, backend: str
+) -> None:
+    # the record lives in the rendezvous store: torch's TCPStore, or etcd
+    job: Job = job_factory(3, backend, "--quarantine-after=2", "--quarantine-ttl=600")
     a, b, c = 0, 1, 2
     log_dir = tmp_path / "logs-a"
     job.start(a, f"--log-dir={log_dir}", "--metrics-port=9400")
