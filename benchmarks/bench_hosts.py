@@ -1,7 +1,7 @@
 """Resilience across hosts (issue #45): a host lost, survived in seconds; beside torchrun.
 
-    python benchmarks/bench_hosts.py [--only spare,spares2,agents,soak] [--sizes 8,16,32]
-                                     [--trials 2] [--baseline SRC] [--json OUT]
+    python benchmarks/bench_hosts.py [--only spare,spares2,agents,check,soak] [--sizes 8,16,32]
+                                     [--trials 2] [--baseline SRC] [--json OUT] [--keep]
 
 Needs root (network namespaces), iproute2 and torch; ``soak`` needs etcd.
 Every job runs ``tests/_hostnet.py``'s worker: plain ``env://`` gloo
@@ -348,6 +348,7 @@ def soak(failures: int, tmp: Path, seed: int) -> dict[str, Any]:
         "left_processes": len(left),
         "turnaround_p50_s": round(statistics.median(turnarounds), 2) if turnarounds else None,
         "turnaround_max_s": round(max(turnarounds), 2) if turnarounds else None,
+        "turnarounds_s": sorted(round(t, 2) for t in turnarounds),
     }
 
 
@@ -442,6 +443,7 @@ def main() -> int:
         "workaround for the keys its store keeps across rounds)",
     )
     p.add_argument("--json", default=None)
+    p.add_argument("--keep", action="store_true", help="keep the jobs' folders (logs)")
     args = p.parse_args()
     if args.worker == "prefixed":
         os.environ["STORE_PREFIX"] = "1"
@@ -454,7 +456,10 @@ def main() -> int:
     only = args.only.split(",")
     print(f"load average at start: {os.getloadavg()}", flush=True)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench_hosts_") as root:
+    prefix = "bench_hosts_"
+    kept = tempfile.mkdtemp(prefix=prefix) if args.keep else None
+    folder = contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix=prefix)
+    with folder as root:
         for what in ("spare", "spares2"):
             if what not in only:
                 continue
@@ -487,6 +492,8 @@ def main() -> int:
             rows.append({"bench": "soak", **soak(args.failures, tmp, args.seed)})
             print(json.dumps(rows[-1]), flush=True)
     print(f"load average at end: {os.getloadavg()}")
+    if kept:
+        print(f"the jobs' folders: {kept}")
     for row in rows:
         row.setdefault("worker", args.worker)
     summary(rows, launchers)
