@@ -86,7 +86,7 @@ def add_host_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="Stop restarting after N attempts in a row without progress (no line matching "
-        "--progress-regex on any host, no completed collective): exit status 2 (do not retry) "
+        "--progress-regex on any host): exit status 2 (do not retry) "
         "and a termination message naming the crash loop. Needs --progress-regex.",
     )
     add(

@@ -1,15 +1,14 @@
 """Did an attempt make progress? (``--max-no-progress-restarts``)
 
-Two signals, either enough:
+Progress is a worker line matching ``--progress-regex``:
+:class:`ProgressProbe` is a readiness probe (``start_processes(ready=...)``,
+public API) that reads every stream of every rank and reports its first
+matching line - the supervisor stops feeding it after that, so progress costs
+nothing once seen.
 
-- a worker line matching ``--progress-regex``: :class:`ProgressProbe` is a
-  readiness probe (``start_processes(ready=...)``, public API) that reads
-  every stream of every rank and reports its first matching line - the
-  supervisor stops feeding it after that, so progress costs nothing once seen;
-- a completed collective: :meth:`ProgressTracker.collective_completed` is the
-  hook for the collective record (torch's Flight Recorder, read by the
-  collective forensics): call it with the rank whenever a rank's collective
-  sequence number moved past a completed one.
+A completed collective is not counted: DDP's construction alone completes
+five (four broadcasts and an all_gather), so an attempt that fails at its
+first step would count as progress, and a crash loop there would never stop.
 
 :class:`ProgressTracker` is one agent's: per attempt, whether progress was
 seen, and the first sighting is written to the job's records (so a round
@@ -77,13 +76,6 @@ class ProgressTracker:
 
     def line_seen(self, rank: int) -> None:
         """``rank`` printed a progress line."""
-        self._progress()
-
-    def collective_completed(self, rank: int) -> None:
-        """``rank`` completed a collective (the collective record's hook)."""
-        self._progress()
-
-    def _progress(self) -> None:
         if not self.made_progress:
             self.made_progress = True
             self._report()

@@ -57,7 +57,7 @@ class Resilience:
         keeps the host out of that round.
     :param max_no_progress_restarts: stop restarting after this many attempts
         in a row that made no progress (no line matching ``progress_regex``
-        in any rank of any host, no completed collective).
+        in any rank of any host).
     :param progress_regex: what a progress line looks like (``re.search``).
     :param restart_resources: paths or globs (``/dev/nvidia*``) and
         ``port:N`` that no process of an attempt may still hold when the
@@ -245,7 +245,7 @@ class HostKeeper:
             return None
         return (
             f"crash loop: {streak} attempt(s) in a row made no progress (no line matching "
-            f"--progress-regex {self.policy.progress_regex!r}, no completed collective); "
+            f"--progress-regex {self.policy.progress_regex!r} on any host); "
             f"stopped (--max-no-progress-restarts {n}): a retry fails the same way until "
             f"the cause is fixed. Last failure: {why}"
         )
