@@ -997,6 +997,13 @@ def main() -> int:
                     xs = samples.get(v, {}).get(t.metric)
                     if xs:
                         kept.setdefault(v, {})[t.metric] = [float(f"{x:.6g}") for x in xs]
+            # --baseline: the A/B pair's trials of the row's main metric too
+            if "aiolaunch-base" in samples and case.metrics:
+                main = case.metrics[0]
+                for v in ("aiolaunch", "aiolaunch-base"):
+                    xs = samples.get(v, {}).get(main)
+                    if xs:
+                        kept.setdefault(v, {})[main] = [float(f"{x:.6g}") for x in xs]
             row["samples"] = kept
             # A row fails when aiolaunch (or the raw floor, i.e. the benchmark
             # itself) fails a correctness check; torch failing its own check
