@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from .._group import GroupState
     from .._logs._folder import GroupFolder
     from .._results import RunProcsResult
+    from .._workers._handle import WorkerHandle
     from ._activity import RankActivity
     from ._collective import CollectiveVerdict
     from ._dumper import Dump
@@ -155,6 +156,10 @@ class HangObserver(GroupObserver):
             return {STACKS_DIR_ENV: self._folder.stacks_dir, COLLECTIVES_ENV: "1"}
         return {STACKS_DIR_ENV: self._folder.stacks_dir}
 
+    def worker_started(self, handle: WorkerHandle) -> None:
+        """The output clock reads the new process at once."""
+        self.clock.rank_started()
+
     def group_started(self) -> None:
         """Start the watchdog's and the straggler statistic's sampling, and
         the output clock of unread ranks."""
@@ -193,7 +198,7 @@ class HangObserver(GroupObserver):
 
     async def aclose(self) -> None:
         """Stop the watchdog, the straggler statistic and the output clock. Idempotent."""
-        await self.clock.stop()
+        self.clock.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.stragglers is not None:
