@@ -7,11 +7,11 @@ kernel's count of the bytes it wrote (``wchar`` in ``/proc/<pid>/io``, read
 by :class:`~aiolaunch._hangs._activity.Sampler`): any ``write()`` of the
 worker's, to its streams or to a file, counts.
 
-A count has no time stamp, so the clock reads it: each such rank as soon as
-its process is seen (a new process counts from 0: what it printed before is
-output, seen then), then again at an interval that grows with its age - one
-second while it writes, a tenth of its age once quiet, at most
-:data:`MAX_INTERVAL`. ``status()``, ``aiolaunch top`` and ``/metrics`` read
+A count has no time stamp, so the clock reads it: each such rank
+:data:`FIRST_READING` after its process started (a new process counts from
+0: what it printed before is output, seen then), then again at an interval
+that grows with its age - one second while it writes, a tenth of its age
+once quiet, at most :data:`MAX_INTERVAL`. ``status()``, ``aiolaunch top`` and ``/metrics`` read
 the count too when they ask, so the age they show is off by at most that
 interval (a second for a rank that writes), and known from the first look.
 
@@ -33,12 +33,16 @@ if TYPE_CHECKING:
     from .._group import GroupState
     from ._activity import Sampler
 
-__all__ = ["MAX_INTERVAL", "TICK", "OutputClock"]
+__all__ = ["FIRST_READING", "MAX_INTERVAL", "TICK", "OutputClock"]
 
 #: the shortest interval between two readings of a rank (seconds)
 TICK = 1.0
 #: the longest interval between two readings of a quiet rank (seconds)
 MAX_INTERVAL = 10.0
+#: seconds from a rank's start to its first reading: not beside its spawn
+#: (reading ``/proc/<pid>/io`` waits while the process still execs: 0.1-0.4
+#: ms a rank on the launch path); what it wrote meanwhile still counts
+FIRST_READING = 0.05
 
 
 class OutputClock:
@@ -71,16 +75,22 @@ class OutputClock:
         self._running = False
 
     def start(self) -> None:
-        """Start (on the running loop): every unread rank is read at once."""
+        """Start (on the running loop): every unread rank is read
+        :data:`FIRST_READING` seconds later."""
         if not self._running:
             self._running = True
-            self._read()
+            self._read_in(FIRST_READING)
 
     def rank_started(self) -> None:
-        """A rank's new process runs: it is read at once (what it wrote
-        still counts as fresh)."""
+        """A rank's new process runs: it is read :data:`FIRST_READING`
+        seconds later (what it wrote meanwhile counts as fresh)."""
         if self._running:
-            self._read()
+            self._read_in(FIRST_READING)
+
+    def _read_in(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._read)
 
     def stop(self) -> None:
         """Stop reading. Idempotent."""
