@@ -155,19 +155,16 @@ async def terminate(
        the grace period ran out - and wait for it to vanish.
 
     Workers signalled here are marked ``stopped_by_us``: their exits are not
-    failures. A worker already failing on its own - its error file
-    (``error_file``) written since it started: the bootstraps record an
-    exception before the traceback and the teardown - is not sent the death
-    signal (its descendants are): it is let finish its exit, with its own
-    status, which stays a failure of its own; if it has not exited when the
-    grace period ends, it is SIGKILLed like any other. Never raises for
-    processes that are already gone.
+    failures - except those that were already failing on their own when
+    signalled: their error file (``error_file``) written since they started
+    (the bootstraps record an exception before the traceback and the
+    teardown). Signalled too, their exits stay failures of their own. Never
+    raises for processes that are already gone.
     """
     death_sig = signal.Signals(death_sig)
     alive = [w for w in workers if w.alive]
-    failing = {w.pid for w in alive if _failing_on_its_own(w)}
     for w in alive:
-        w.stopped_by_us = w.pid not in failing
+        w.stopped_by_us = not _failing_on_its_own(w)
     leftovers = _leftover_candidates(workers)
     since = min((w.pid for w in workers), default=0)
     table = ProcTable(since, [w.pid for w in alive]) if (alive or leftovers) else None
@@ -181,11 +178,7 @@ async def terminate(
     for w in workers:
         tree = table.tree(w.pid) if table is not None else set()
         extras |= tree
-        if w.alive and w.pid in failing:
-            for pid in tree - {w.pid}:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, death_sig)
-        elif w.alive:
+        if w.alive:
             w.signal_tree(death_sig, tree)
         else:
             for pid in tree:
