@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -326,7 +327,12 @@ async def test_run_sad_function_c10d(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # ran two; both failed; the first failure is either rank 0 or 1
     assert rank in {0, 1}
     assert failure.local_rank in {0, 1}
-    assert failure.exitcode == 1
+    # torch: 1. Both ranks raise; aiolaunch sees the first exit at once, and
+    # the other rank may still be in its teardown, its exception recorded,
+    # when the stop reaches it: still a failure of its own (both are
+    # listed, issue #46.9), whose process the SIGTERM ended.
+    assert failure.exitcode in (1, -signal.SIGTERM)
+    assert "sad because i throw" in failure_data["message"]
     assert data["message"] == failure_data["message"]
     assert int(data["extraInfo"]["timestamp"]) == int(failure.timestamp)
 
