@@ -17,8 +17,11 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING, Any
+
+import pytest
 
 import aiolaunch
 
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = [
     "RESET_SIGNALS",
     "alive",
+    "cli_argv",
+    "cli_env",
     "default_signals",
     "driver",
     "on_teardown",
@@ -41,6 +46,7 @@ __all__ = [
     "together",
     "wait_dead",
     "wait_lines",
+    "wait_until",
     "write_atomic",
 ]
 
@@ -252,3 +258,33 @@ async def exited(ctx: aiolaunch.PContext, rank: int) -> aiolaunch.WorkerExited:
         if isinstance(event, aiolaunch.WorkerExited) and event.rank == rank:
             return event
     raise AssertionError(f"the group stopped without an exit of rank {rank}")
+
+
+def cli_env() -> dict[str, str]:
+    """This environment, with this interpreter's ``sys.path`` for a child
+    ``python -m aiolaunch`` (the checkout, not an installed copy)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def cli_argv(*args: str) -> list[str]:
+    """``python -m aiolaunch ARGS...`` with this interpreter."""
+    return [sys.executable, "-m", "aiolaunch", *args]
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], object],
+    timeout: float = 30.0,
+    show: Callable[[], str] = str,
+    period: float = 0.1,
+) -> Any:
+    """``check()``'s first true value, asked every ``period`` seconds; fails
+    the test after ``timeout`` naming ``what`` (and ``show()``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}\n{show()}")
+        time.sleep(period)  # allowed: polling another process's output

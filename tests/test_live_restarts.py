@@ -12,19 +12,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import socket
 import subprocess
-import sys
 import textwrap
 import threading
-import time
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-import pytest
-
-from _helpers import driver
+from _helpers import cli_argv as _cli
+from _helpers import cli_env as _env
+from _helpers import driver, wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -49,23 +46,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "aiolaunch", *args]
-
-
 def _until(what: str, check: Callable[[], object], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)  # allowed: polling another process's files
+    return wait_until(what, check, timeout, period=0.05)
 
 
 @contextlib.contextmanager

@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from _helpers import driver, popen
+from _helpers import cli_argv as _cli
+from _helpers import cli_env as _env
+from _helpers import driver, popen, wait_until
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from pathlib import Path
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
@@ -58,25 +60,7 @@ JOB = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "aiolaunch", *args]
-
-
-def _until(
-    what: str, check: Callable[[], object], timeout: float = 30.0, show: Callable[[], str] = str
-) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n{show()}")
-        time.sleep(0.1)  # allowed: polling another process's output
+_until = wait_until
 
 
 @contextlib.contextmanager
